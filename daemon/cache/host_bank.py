@@ -1,0 +1,75 @@
+"""The host expert bank: every routed expert of every MoE layer, one contiguous tensor per kind.
+
+An expert is addressed by one flat id, ``moe_layer * num_experts + expert``, where
+``moe_layer`` counts MoE layers only (dense layers such as DeepSeek-V3's first ones take no
+slots). Weights are stored input-major ("k-major", ``[K, N]`` per expert, the transpose of
+``nn.Linear.weight``) so that ``x @ W`` needs no transpose and the CPU kernels stream rows
+of the reduction dimension with long contiguous inner loops.
+
+Layout by ``dtype`` (N = number of experts in the bank, D = hidden size, I = expert
+intermediate size, G = INT4_GROUP_SIZE):
+
+- ``fp32``: ``gate_up`` float32 ``[N, D, 2I]`` (columns ``[:I]`` gate, ``[I:]`` up),
+  ``down`` float32 ``[N, I, D]``.
+- ``bf16``: the same shapes in torch.bfloat16.
+- ``int4``: per matrix ``M`` in (gate_up, down) with per-expert shape ``[K, Ncols]``:
+  ``M.q`` uint8 ``[N, K, Ncols/2]`` (byte ``[k, j]``: low nibble = column ``j``, high
+  nibble = column ``j + Ncols/2``), ``M.scale`` and ``M.min`` bfloat16 ``[N, K/G, Ncols]``;
+  ``w[k, n] = q[k, n] * scale[k // G, n] + min[k // G, n]`` with ``q`` in 0..15.
+- optional biases (gpt-oss), always float32: ``gate_up_bias`` ``[N, 2I]``, ``down_bias``
+  ``[N, D]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+EXPERT_DTYPES = ("fp32", "bf16", "int4")
+INT4_GROUP_SIZE = 32
+ACTIVATIONS = ("silu", "gpt_oss")
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """How gate and up combine: ``silu`` is SwiGLU; ``gpt_oss`` is its clamped variant."""
+
+    kind: str = "silu"
+    alpha: float = 1.702  # gpt_oss only
+    limit: float = 7.0  # gpt_oss only
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACTIVATIONS:
+            raise ValueError(f"expert activation {self.kind!r} is not one of {ACTIVATIONS}")
+
+
+@dataclass
+class ExpertBank:
+    """All routed experts in host memory; the source of truth, always complete."""
+
+    num_moe_layers: int
+    num_experts: int
+    hidden_size: int  # D
+    intermediate_size: int  # I
+    dtype: str  # one of EXPERT_DTYPES
+    activation: ExpertActivation
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_moe_layers * self.num_experts
+
+    def flat_id(self, moe_layer: int, expert: int) -> int:
+        return moe_layer * self.num_experts + expert
+
+    @property
+    def has_bias(self) -> bool:
+        return "gate_up_bias" in self.tensors
+
+    def bytes_per_expert(self) -> int:
+        """Bytes read to run one expert once (all of its tensors)."""
+        return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())

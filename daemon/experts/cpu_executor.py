@@ -1,0 +1,32 @@
+"""CpuExecutor: every routed expert runs on the CPU from the host expert bank (numba kernels)."""
+
+from __future__ import annotations
+
+import torch
+
+from moed.cache.host_bank import ExpertBank
+from moed.experts.executor import merge_expert_outputs
+from moed.experts.expert_ffn import run_expert
+
+
+class CpuExecutor:
+    def __init__(self, bank: ExpertBank) -> None:
+        self.bank = bank
+        self.num_experts_run = 0  # (layer, expert) executions, for status and tests
+
+    def run(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+            topk_weights: torch.Tensor) -> torch.Tensor:
+        num_tokens, top_k = topk_ids.shape
+        per_slot = hidden.new_empty(num_tokens, top_k, hidden.shape[1])  # [N, A, D]
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        experts, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
+        start = 0
+        for expert, count in zip(experts.tolist(), counts.tolist()):
+            picks = order[start : start + count]  # positions in the flattened [N * A]
+            start += count
+            tokens = picks // top_k
+            out = run_expert(self.bank, self.bank.flat_id(moe_layer, expert), hidden[tokens].contiguous())
+            per_slot.view(-1, hidden.shape[1])[picks] = out
+        self.num_experts_run += len(experts)
+        return merge_expert_outputs(per_slot, topk_weights)

@@ -1,0 +1,84 @@
+"""Multi-head attention with grouped KV heads, optional q/k norms, clipping and attention sinks.
+
+Shapes: B batch, T new tokens, L visible keys, H query heads, Hk key/value heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moed.cache.kv_cache import KVCache
+from moed.layers.norms import rms_norm
+from moed.layers.rotary import RotaryEmbedding
+from moed.models.model_config import AttentionConfig
+from moed.runner.forward_batch import ForwardBatch
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, T, Dh], k [B, Hk, L, Dh], v [B, Hk, L, Dv], mask [B, 1, T, L] -> [B, T, H * Dv]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, H, T, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        # gpt-oss: a per-head learned logit joins the softmax and is then dropped
+        sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores, dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v)  # [B, H, T, Dv]
+    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+class MhaAttention:
+    """Standard attention layer (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss)."""
+
+    def __init__(self, cfg: AttentionConfig, weights: dict[str, torch.Tensor], prefix: str, layer: int,
+                 rotary: RotaryEmbedding, window: int | None, eps: float) -> None:
+        self.cfg, self.layer, self.rotary, self.window, self.eps = cfg, layer, rotary, window, eps
+        get = lambda name: weights.get(f"{prefix}.{name}")  # noqa: E731
+        self.wq, self.wk, self.wv, self.wo = (get(f"{p}_proj.weight") for p in "qkvo")
+        self.bq, self.bk, self.bv, self.bo = (get(f"{p}_proj.bias") for p in "qkvo")
+        self.q_norm, self.k_norm = get("q_norm.weight"), get("k_norm.weight")
+        self.sinks = get("sinks")
+
+    def cache_entries(self) -> dict[str, tuple[int, ...]]:
+        return {"k": (self.cfg.num_kv_heads, self.cfg.head_dim), "v": (self.cfg.num_kv_heads, self.cfg.head_dim)}
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cfg = self.cfg
+        bsz, steps, _ = x.shape
+        q, k, v = linear(x, self.wq, self.bq), linear(x, self.wk, self.bk), linear(x, self.wv, self.bv)
+        if cfg.qk_norm == "full":  # OLMoE normalises the whole projection
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.view(bsz, steps, cfg.num_heads, cfg.head_dim)
+        k = k.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "per_head":  # Qwen3 normalises each head
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, Dh]
+        q, k = self._rotate(q, cos_sin), self._rotate(k, cos_sin)
+        cache.write(self.layer, "k", k.transpose(1, 2), batch.slots, batch.starts, batch.lengths)
+        cache.write(self.layer, "v", v, batch.slots, batch.starts, batch.lengths)
+        keys = cache.read(self.layer, "k", batch.slots, batch.num_keys).transpose(1, 2)  # [B, Hk, L, Dh]
+        values = cache.read(self.layer, "v", batch.slots, batch.num_keys).transpose(1, 2)
+        out = attend(q, keys, values, batch.attention_mask(self.window), cfg.scaling, self.sinks)
+        return linear(out, self.wo, self.bo)
+
+    def _rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        dim = self.rotary.dim
+        if dim == x.shape[-1]:
+            return self.rotary.apply(x, *cos_sin)
+        return torch.cat([self.rotary.apply(x[..., :dim], *cos_sin), x[..., dim:]], dim=-1)

@@ -1,0 +1,67 @@
+"""The MoE layer: router (softmax / sigmoid with group-limited top-k / top-k softmax), then the executor.
+
+Shapes: N routed tokens, D hidden, E experts, A experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moed.experts.executor import ExpertExecutor
+from moed.layers.dense_mlp import DenseMlp
+from moed.models.model_config import MoeConfig
+
+
+def route(cfg: MoeConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          score_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, D] -> (topk_ids [N, A] int64, topk_weights [N, A] f32)."""
+    logits = F.linear(x.float(), weight.float(), bias)  # [N, E]
+    if cfg.scoring == "topk_softmax":  # gpt-oss: softmax over the chosen logits only
+        values, ids = torch.topk(logits, cfg.top_k, dim=-1)
+        return ids, torch.softmax(values, dim=-1)
+    if cfg.scoring == "softmax":
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+    # sigmoid scoring with a correction bias and group-limited choice (DeepSeek-V3)
+    scores = logits.sigmoid()
+    choice = scores + score_bias if score_bias is not None else scores
+    if cfg.num_groups > 1:
+        grouped = choice.view(-1, cfg.num_groups, cfg.num_experts // cfg.num_groups)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        group_idx = torch.topk(group_scores, k=cfg.topk_groups, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        score_mask = group_mask[:, :, None].expand_as(grouped).reshape(-1, cfg.num_experts)
+        choice = choice.masked_fill(score_mask == 0, float("-inf"))
+    ids = torch.topk(choice, cfg.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * cfg.routed_scaling_factor
+
+
+class MoeLayer:
+    def __init__(self, cfg: MoeConfig, weights: dict[str, torch.Tensor], prefix: str, moe_layer: int,
+                 executor: ExpertExecutor) -> None:
+        self.cfg, self.moe_layer, self.executor = cfg, moe_layer, executor
+        self.router = weights[f"{prefix}.router.weight"]
+        self.router_bias = weights.get(f"{prefix}.router.bias")
+        self.score_bias = weights.get(f"{prefix}.router.score_bias")
+        self.shared = DenseMlp(weights, f"{prefix}.shared") if cfg.shared_intermediate_size else None
+        self.shared_gate = weights.get(f"{prefix}.shared_gate.weight")
+        self.last_topk_ids: torch.Tensor | None = None  # routing of the last call (for traces)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] (real tokens only, no padding) -> [N, D]."""
+        ids, weights = route(self.cfg, x, self.router, self.router_bias, self.score_bias)
+        self.last_topk_ids = ids
+        out = self.executor.run(self.moe_layer, x, ids, weights.to(x.dtype))
+        if self.shared is not None:
+            shared = self.shared.forward(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            out = out + shared
+        return out

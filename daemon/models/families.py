@@ -1,0 +1,261 @@
+"""The supported model families: how each one's config.json and checkpoint names map onto moed's model.
+
+Every family shares one decoder-layer shape (norm, attention, norm, MLP-or-MoE); what differs
+is parsed here into a ``ModelConfig`` and a ``FamilyNames`` table. Canonical tensor names
+(used inside moed and in FTW files) are the Hugging Face ones for embeddings, norms and
+attention; MoE parts are renamed to ``model.layers.{i}.mlp.router.*``, ``...mlp.shared.*``
+so the runtime needs no per-family branches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from moed.errors import ModelFormatError, UnsupportedModelError
+from moed.models.model_config import (
+    AttentionConfig,
+    ModelConfig,
+    MoeConfig,
+    eos_ids,
+    require,
+    rope_from_config,
+)
+
+
+@dataclass(frozen=True)
+class FamilyNames:
+    """Checkpoint tensor names of the MLP part of layer ``{i}`` (``{e}`` = expert)."""
+
+    moe_prefix: str  # e.g. "model.layers.{i}.mlp"
+    router: str  # relative to moe_prefix, without ".weight"
+    expert_gate: str = "experts.{e}.gate_proj.weight"  # per-expert layout; "" when fused
+    expert_up: str = "experts.{e}.up_proj.weight"
+    expert_down: str = "experts.{e}.down_proj.weight"
+    fused_gate_up: str = ""  # gpt-oss: [E, D, 2I] interleaved gate/up columns
+    fused_down: str = ""  # gpt-oss: [E, I, D]
+    router_bias: str = ""
+    score_bias: str = ""  # DeepSeek e_score_correction_bias
+    shared: str = ""  # shared expert module
+    shared_gate: str = ""  # Qwen2-MoE sigmoid gate
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    parse: Callable[[dict], ModelConfig]
+    names: FamilyNames
+
+
+def _base(cfg: dict, attention: AttentionConfig, moe: MoeConfig, moe_layers: tuple[bool, ...],
+          windows: tuple[int | None, ...], rope_dim: int, *, interleaved: bool = False,
+          dense_intermediate: int | None = None) -> ModelConfig:
+    num_layers = require(cfg, "num_hidden_layers")
+    return ModelConfig(
+        family=cfg["model_type"],
+        vocab_size=require(cfg, "vocab_size"),
+        hidden_size=require(cfg, "hidden_size"),
+        num_layers=num_layers,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention=attention,
+        rope=rope_from_config(cfg, rope_dim, interleaved=interleaved),
+        moe=moe,
+        dense_intermediate_size=int(dense_intermediate or cfg.get("intermediate_size") or 0),
+        moe_layers=moe_layers,
+        sliding_windows=windows,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids(cfg),
+        raw=cfg,
+    )
+
+
+def _mha(cfg: dict, **kw) -> AttentionConfig:
+    heads = require(cfg, "num_attention_heads")
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or require(cfg, "hidden_size") // heads)
+    if heads % kv_heads:
+        raise ModelFormatError(
+            f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    return AttentionConfig(kind="mha", num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                           scaling=head_dim ** -0.5, **kw)
+
+
+def _windows(cfg: dict, num_layers: int, *, all_layers_default: bool) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window") or None
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ModelFormatError(f"config.json: layer_types has {len(types)} entries for {num_layers} layers")
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    use = cfg.get("use_sliding_window", all_layers_default)
+    return tuple(window if (use and window) else None for _ in range(num_layers))
+
+
+def _num_experts(cfg: dict) -> int:
+    """Hub configs say num_experts / n_routed_experts; transformers 5 may save num_local_experts."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if cfg.get(key):
+            return require(cfg, key)
+    raise ModelFormatError("config.json: required field 'num_experts' (or num_local_experts) is missing")
+
+
+def _check_act(cfg: dict) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelFormatError(f"config.json: hidden_act {act!r} is not supported (moed runs SwiGLU experts: silu)")
+
+
+def _parse_mixtral(cfg: dict) -> ModelConfig:
+    _check_act(cfg)
+    n = require(cfg, "num_hidden_layers")
+    att = _mha(cfg)
+    moe = MoeConfig(num_experts=_num_experts(cfg), top_k=require(cfg, "num_experts_per_tok"),
+                    intermediate_size=require(cfg, "intermediate_size"), scoring="softmax", norm_topk_prob=True)
+    return _base(cfg, att, moe, (True,) * n, _windows(cfg, n, all_layers_default=True), att.head_dim)
+
+
+def _qwen_moe_layers(cfg: dict, n: int) -> tuple[bool, ...]:
+    only_dense = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    return tuple(i not in only_dense and (i + 1) % step == 0 for i in range(n))
+
+
+def _parse_qwen2_moe(cfg: dict) -> ModelConfig:
+    _check_act(cfg)
+    n = require(cfg, "num_hidden_layers")
+    att = _mha(cfg, has_qkv_bias=bool(cfg.get("qkv_bias", True)))
+    moe = MoeConfig(num_experts=_num_experts(cfg), top_k=require(cfg, "num_experts_per_tok"),
+                    intermediate_size=require(cfg, "moe_intermediate_size"), scoring="softmax",
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                    shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                    has_shared_expert_gate=True)
+    return _base(cfg, att, moe, _qwen_moe_layers(cfg, n), _windows(cfg, n, all_layers_default=False), att.head_dim)
+
+
+def _parse_qwen3_moe(cfg: dict) -> ModelConfig:
+    _check_act(cfg)
+    n = require(cfg, "num_hidden_layers")
+    att = _mha(cfg, has_qkv_bias=bool(cfg.get("attention_bias", False)),
+               has_o_bias=bool(cfg.get("attention_bias", False)), qk_norm="per_head")
+    moe = MoeConfig(num_experts=_num_experts(cfg), top_k=require(cfg, "num_experts_per_tok"),
+                    intermediate_size=require(cfg, "moe_intermediate_size"), scoring="softmax",
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+    return _base(cfg, att, moe, _qwen_moe_layers(cfg, n), _windows(cfg, n, all_layers_default=False), att.head_dim)
+
+
+def _parse_olmoe(cfg: dict) -> ModelConfig:
+    _check_act(cfg)
+    n = require(cfg, "num_hidden_layers")
+    att = _mha(cfg, has_qkv_bias=bool(cfg.get("attention_bias", False)),
+               has_o_bias=bool(cfg.get("attention_bias", False)), qk_norm="full", clip_qkv=cfg.get("clip_qkv"))
+    moe = MoeConfig(num_experts=_num_experts(cfg), top_k=require(cfg, "num_experts_per_tok"),
+                    intermediate_size=require(cfg, "intermediate_size"), scoring="softmax",
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    return _base(cfg, att, moe, (True,) * n, (None,) * n, att.head_dim)
+
+
+def _parse_deepseek_v3(cfg: dict) -> ModelConfig:
+    _check_act(cfg)
+    n = require(cfg, "num_hidden_layers")
+    heads = require(cfg, "num_attention_heads")
+    nope, rope_dim = require(cfg, "qk_nope_head_dim"), require(cfg, "qk_rope_head_dim")
+    qk_head_dim = nope + rope_dim
+    scaling = qk_head_dim ** -0.5
+    rope = rope_from_config(cfg, rope_dim)
+    if rope.rope_type != "default":
+        mscale_all_dim = rope.param("mscale_all_dim", 0)
+        factor = rope.param("factor", 1.0)
+        if mscale_all_dim and factor > 1:
+            import math
+            mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scaling = scaling * mscale * mscale
+    att = AttentionConfig(
+        kind="mla", num_heads=heads, num_kv_heads=heads, head_dim=qk_head_dim,
+        has_qkv_bias=bool(cfg.get("attention_bias", False)), has_o_bias=bool(cfg.get("attention_bias", False)),
+        scaling=scaling, q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=require(cfg, "kv_lora_rank"),
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=require(cfg, "v_head_dim"),
+    )
+    num_experts = _num_experts(cfg)
+    groups = int(cfg.get("n_group") or 1)
+    if num_experts % groups:
+        raise ModelFormatError(f"config.json: n_routed_experts={num_experts} is not divisible by n_group={groups}")
+    moe = MoeConfig(num_experts=num_experts, top_k=require(cfg, "num_experts_per_tok"),
+                    intermediate_size=require(cfg, "moe_intermediate_size"), scoring="sigmoid",
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                    num_groups=groups, topk_groups=int(cfg.get("topk_group") or 1),
+                    has_score_correction_bias=True,
+                    shared_intermediate_size=int(cfg.get("n_shared_experts") or 0) * require(cfg, "moe_intermediate_size"))
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    moe_layers = tuple(i >= first_dense for i in range(n))
+    return _base(cfg, att, moe, moe_layers, (None,) * n, rope_dim,
+                 interleaved=bool(cfg.get("rope_interleave", True)))
+
+
+def _parse_gpt_oss(cfg: dict) -> ModelConfig:
+    n = require(cfg, "num_hidden_layers")
+    att = _mha(cfg, has_qkv_bias=True, has_o_bias=True, has_sinks=True)
+    moe = MoeConfig(num_experts=_num_experts(cfg), top_k=require(cfg, "num_experts_per_tok"),
+                    intermediate_size=require(cfg, "intermediate_size"), scoring="topk_softmax",
+                    has_router_bias=True, activation="gpt_oss", has_expert_bias=True,
+                    swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+    return _base(cfg, att, moe, (True,) * n, _windows(cfg, n, all_layers_default=False), att.head_dim)
+
+
+FAMILIES: dict[str, Family] = {
+    "mixtral": Family("mixtral", _parse_mixtral, FamilyNames(
+        moe_prefix="model.layers.{i}.block_sparse_moe", router="gate",
+        expert_gate="experts.{e}.w1.weight", expert_up="experts.{e}.w3.weight", expert_down="experts.{e}.w2.weight")),
+    "qwen2_moe": Family("qwen2_moe", _parse_qwen2_moe, FamilyNames(
+        moe_prefix="model.layers.{i}.mlp", router="gate", shared="shared_expert", shared_gate="shared_expert_gate")),
+    "qwen3_moe": Family("qwen3_moe", _parse_qwen3_moe, FamilyNames(moe_prefix="model.layers.{i}.mlp", router="gate")),
+    "olmoe": Family("olmoe", _parse_olmoe, FamilyNames(moe_prefix="model.layers.{i}.mlp", router="gate")),
+    "deepseek_v3": Family("deepseek_v3", _parse_deepseek_v3, FamilyNames(
+        moe_prefix="model.layers.{i}.mlp", router="gate", score_bias="gate.e_score_correction_bias",
+        shared="shared_experts")),
+    "gpt_oss": Family("gpt_oss", _parse_gpt_oss, FamilyNames(
+        moe_prefix="model.layers.{i}.mlp", router="router", router_bias="router.bias",
+        expert_gate="", expert_up="", expert_down="",
+        fused_gate_up="experts.gate_up_proj", fused_down="experts.down_proj")),
+}
+
+ARCHITECTURES = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GptOssForCausalLM": "gpt_oss",
+}
+
+
+def family_of(cfg: dict, *, where: str = "config.json") -> Family:
+    """Pick the family from ``model_type`` (or ``architectures``), or say which ones exist."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        for arch in cfg.get("architectures") or []:
+            if arch in ARCHITECTURES:
+                model_type = ARCHITECTURES[arch]
+                break
+    if model_type not in FAMILIES:
+        shown = model_type or (cfg.get("architectures") or ["<none>"])[0]
+        raise UnsupportedModelError(
+            f"{where}: architecture {shown!r} is not supported. Supported: "
+            + ", ".join(f"{arch} ({mt})" for arch, mt in ARCHITECTURES.items())
+        )
+    return FAMILIES[model_type]
+
+
+def parse_model_config(cfg: dict, *, where: str = "config.json") -> ModelConfig:
+    family = family_of(cfg, where=where)
+    cfg = dict(cfg, model_type=family.name)
+    try:
+        return family.parse(cfg)
+    except ModelFormatError as exc:
+        if where != "config.json":
+            raise ModelFormatError(str(exc).replace("config.json", where, 1)) from None
+        raise

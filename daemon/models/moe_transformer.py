@@ -1,0 +1,85 @@
+"""MoeTransformer: the decoder stack shared by every supported family (weights in, logits out).
+
+Shapes: B sequences, T new tokens per step, D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moed.cache.kv_cache import KVCache
+from moed.errors import ModelFormatError
+from moed.experts.executor import ExpertExecutor
+from moed.layers.attention import MhaAttention
+from moed.layers.dense_mlp import DenseMlp
+from moed.layers.mla_attention import MlaAttention
+from moed.layers.moe import MoeLayer
+from moed.layers.norms import rms_norm
+from moed.layers.rotary import RotaryEmbedding
+from moed.models.model_config import ModelConfig
+from moed.models.weight_spec import expected_weight_shapes
+from moed.runner.forward_batch import ForwardBatch
+
+
+class MoeTransformer:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], executor: ExpertExecutor,
+                 *, where: str = "model") -> None:
+        check_weights(config, weights, where)
+        self.config = config
+        self.executor = executor
+        self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
+        self.embed = weights["model.embed_tokens.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        self.lm_head = weights["model.embed_tokens.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
+        attention_cls = MlaAttention if config.attention.kind == "mla" else MhaAttention
+        self.layers = []
+        for i in range(config.num_layers):
+            prefix = f"model.layers.{i}"
+            attention = attention_cls(config.attention, weights, f"{prefix}.self_attn", i, self.rotary,
+                                      config.sliding_windows[i], config.rms_norm_eps)
+            if config.moe_layers[i]:
+                mlp = MoeLayer(config.moe, weights, f"{prefix}.mlp", config.moe_layer_index(i), executor)
+            else:
+                mlp = DenseMlp(weights, f"{prefix}.mlp")
+            self.layers.append((weights[f"{prefix}.input_layernorm.weight"], attention,
+                                weights[f"{prefix}.post_attention_layernorm.weight"], mlp))
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return KVCache([attention.cache_entries() for _, attention, _, _ in self.layers], num_slots, max_len)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache, *, last_only: bool = True) -> torch.Tensor:
+        """Run one step; returns logits [B, V] of each sequence's last valid token, or [B, T, V]."""
+        eps = self.config.rms_norm_eps
+        x = F.embedding(batch.input_ids, self.embed)  # [B, T, D]
+        cos_sin = self.rotary.cos_sin(batch.positions)
+        valid = batch.valid
+        for input_norm, attention, post_norm, mlp in self.layers:
+            x = x + attention.forward(rms_norm(x, input_norm, eps), batch, cache, cos_sin)
+            h = rms_norm(x, post_norm, eps)
+            if isinstance(mlp, MoeLayer):
+                # route real tokens only: padding must not reach experts (or caches and traces)
+                out = torch.zeros_like(h)
+                out[valid] = mlp.forward(h[valid])
+                x = x + out
+            else:
+                x = x + mlp.forward(h)
+        if last_only:
+            last = torch.tensor(batch.lengths) - 1
+            x = x[torch.arange(x.shape[0]), last][:, None]  # [B, 1, D]
+        logits = F.linear(rms_norm(x, self.final_norm, eps), self.lm_head)
+        return logits[:, 0] if last_only else logits
+
+
+def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: str) -> None:
+    """Every expected non-expert tensor is present with the shape config.json implies."""
+    for name, shape in expected_weight_shapes(config).items():
+        tensor = weights.get(name)
+        if tensor is None:
+            raise ModelFormatError(f"{where}: tensor {name!r} is missing (config.json expects shape {list(shape)})")
+        if tuple(tensor.shape) != shape:
+            raise ModelFormatError(
+                f"{where}: tensor {name!r} has shape {list(tensor.shape)} but config.json implies {list(shape)}; "
+                "the config and the weights do not belong together"
+            )

@@ -1,0 +1,75 @@
+"""The canonical non-expert tensors a ModelConfig implies, with their shapes (for validation)."""
+
+from __future__ import annotations
+
+from moed.models.model_config import ModelConfig
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, att, moe = config.hidden_size, config.attention, config.moe
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, d), "model.norm.weight": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, d)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (d,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (d,)
+        shapes.update(_attention_shapes(config, f"{p}.self_attn"))
+        if config.moe_layers[i]:
+            m = f"{p}.mlp"
+            shapes[f"{m}.router.weight"] = (moe.num_experts, d)
+            if moe.has_router_bias:
+                shapes[f"{m}.router.bias"] = (moe.num_experts,)
+            if moe.has_score_correction_bias:
+                shapes[f"{m}.router.score_bias"] = (moe.num_experts,)
+            if moe.shared_intermediate_size:
+                shapes.update(_mlp_shapes(f"{m}.shared", d, moe.shared_intermediate_size))
+                if moe.has_shared_expert_gate:
+                    shapes[f"{m}.shared_gate.weight"] = (1, d)
+        else:
+            shapes.update(_mlp_shapes(f"{p}.mlp", d, config.dense_intermediate_size))
+    return shapes
+
+
+def _mlp_shapes(prefix: str, d: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.gate_proj.weight": (inter, d), f"{prefix}.up_proj.weight": (inter, d),
+            f"{prefix}.down_proj.weight": (d, inter)}
+
+
+def _attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    d, att = config.hidden_size, config.attention
+    if att.kind == "mla":
+        qk = att.qk_nope_head_dim + att.qk_rope_head_dim
+        shapes = {
+            f"{p}.kv_a_proj_with_mqa.weight": (att.kv_lora_rank + att.qk_rope_head_dim, d),
+            f"{p}.kv_a_layernorm.weight": (att.kv_lora_rank,),
+            f"{p}.kv_b_proj.weight": (att.num_heads * (att.qk_nope_head_dim + att.v_head_dim), att.kv_lora_rank),
+            f"{p}.o_proj.weight": (d, att.num_heads * att.v_head_dim),
+        }
+        if att.q_lora_rank:
+            shapes[f"{p}.q_a_proj.weight"] = (att.q_lora_rank, d)
+            shapes[f"{p}.q_a_layernorm.weight"] = (att.q_lora_rank,)
+            shapes[f"{p}.q_b_proj.weight"] = (att.num_heads * qk, att.q_lora_rank)
+        else:
+            shapes[f"{p}.q_proj.weight"] = (att.num_heads * qk, d)
+        if att.has_qkv_bias:
+            shapes[f"{p}.kv_a_proj_with_mqa.bias"] = (att.kv_lora_rank + att.qk_rope_head_dim,)
+            if att.q_lora_rank:
+                shapes[f"{p}.q_a_proj.bias"] = (att.q_lora_rank,)
+        if att.has_o_bias:
+            shapes[f"{p}.o_proj.bias"] = (d,)
+        return shapes
+    q_out, kv_out = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
+    shapes = {f"{p}.q_proj.weight": (q_out, d), f"{p}.k_proj.weight": (kv_out, d),
+              f"{p}.v_proj.weight": (kv_out, d), f"{p}.o_proj.weight": (d, q_out)}
+    if att.has_qkv_bias:
+        shapes.update({f"{p}.q_proj.bias": (q_out,), f"{p}.k_proj.bias": (kv_out,), f"{p}.v_proj.bias": (kv_out,)})
+    if att.has_o_bias:
+        shapes[f"{p}.o_proj.bias"] = (d,)
+    if att.qk_norm == "per_head":
+        shapes.update({f"{p}.q_norm.weight": (att.head_dim,), f"{p}.k_norm.weight": (att.head_dim,)})
+    elif att.qk_norm == "full":
+        shapes.update({f"{p}.q_norm.weight": (q_out,), f"{p}.k_norm.weight": (kv_out,)})
+    if att.has_sinks:
+        shapes[f"{p}.sinks"] = (att.num_heads,)
+    return shapes

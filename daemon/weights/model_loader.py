@@ -1,0 +1,127 @@
+"""Open a model directory, Hugging Face or FTW, into config + weights + host expert bank."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from moed.cache.bank_builder import build_expert_bank
+from moed.cache.host_bank import EXPERT_DTYPES, ExpertActivation, ExpertBank
+from moed.errors import InvalidRequestError, ModelFormatError
+from moed.models.families import parse_model_config
+from moed.models.model_config import ModelConfig
+from moed.weights.ftw_reader import load_ftw, read_ftw_index
+from moed.weights.hf_checkpoint import DenseCheckpoint, load_hf_checkpoint
+
+FTW_INDEX = "ftw.json"
+BANK_PREFIX = "experts."
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    format: str  # "hf" | "ftw"
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    bank: ExpertBank
+
+
+def is_ftw_dir(path: Path) -> bool:
+    return (path / FTW_INDEX).is_file()
+
+
+def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> LoadedModel:
+    """``experts_dtype`` applies to HF directories (default fp32); FTW banks load as they were written."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelFormatError(f"{path}: model directory not found")
+    if is_ftw_dir(path):
+        if experts_dtype is not None:
+            index = read_ftw_index(path)
+            stored = index.metadata.get("bank", {}).get("dtype")
+            if stored != experts_dtype:
+                raise InvalidRequestError(
+                    f"{path} stores {stored} experts; re-run `moed convert --experts-dtype {experts_dtype}` "
+                    "to change the expert format")
+        return _load_ftw_model(path, verify, progress)
+    if not (path / "config.json").is_file():
+        raise ModelFormatError(
+            f"{path}: neither {FTW_INDEX} (moed FTW) nor config.json (Hugging Face) found; "
+            "point --model at a model directory")
+    checkpoint = load_hf_checkpoint(path)
+    bank = bank_from_checkpoint(checkpoint, experts_dtype or "fp32")
+    return LoadedModel(path, "hf", checkpoint.config, checkpoint.weights, bank)
+
+
+def bank_from_checkpoint(checkpoint: DenseCheckpoint, dtype: str) -> ExpertBank:
+    if dtype not in EXPERT_DTYPES:
+        raise InvalidRequestError(f"experts dtype {dtype!r} is not one of {', '.join(EXPERT_DTYPES)}")
+    moe = checkpoint.config.moe
+    activation = ExpertActivation(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
+    try:
+        return build_expert_bank(
+            checkpoint.gate_up, checkpoint.down, num_moe_layers=checkpoint.config.num_moe_layers,
+            num_experts=moe.num_experts, dtype=dtype, activation=activation,
+            gate_up_bias=checkpoint.gate_up_bias, down_bias=checkpoint.down_bias)
+    except ValueError as exc:
+        raise InvalidRequestError(f"cannot store experts as {dtype}: {exc}") from None
+
+
+def bank_metadata(bank: ExpertBank) -> dict:
+    return {
+        "dtype": bank.dtype, "num_moe_layers": bank.num_moe_layers, "num_experts": bank.num_experts,
+        "hidden_size": bank.hidden_size, "intermediate_size": bank.intermediate_size,
+        "activation": {"kind": bank.activation.kind, "alpha": bank.activation.alpha, "limit": bank.activation.limit},
+    }
+
+
+def _load_ftw_model(path: Path, verify: bool, progress) -> LoadedModel:
+    index, tensors = load_ftw(path, verify=verify, progress=progress)
+    meta = index.metadata
+    where = str(path / FTW_INDEX)
+    if not isinstance(meta.get("config"), dict) or not isinstance(meta.get("bank"), dict):
+        raise ModelFormatError(f"{where}: metadata lacks the model config or the expert-bank description; "
+                               "re-run `moed convert`")
+    config = parse_model_config(meta["config"], where=where)
+    b = meta["bank"]
+    try:
+        bank = ExpertBank(
+            num_moe_layers=int(b["num_moe_layers"]), num_experts=int(b["num_experts"]),
+            hidden_size=int(b["hidden_size"]), intermediate_size=int(b["intermediate_size"]), dtype=b["dtype"],
+            activation=ExpertActivation(b["activation"]["kind"], float(b["activation"]["alpha"]),
+                                        float(b["activation"]["limit"])),
+            tensors={name[len(BANK_PREFIX):]: t for name, t in tensors.items() if name.startswith(BANK_PREFIX)},
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelFormatError(f"{where}: bad expert-bank description ({exc}); re-run `moed convert`") from None
+    if (bank.num_moe_layers, bank.num_experts, bank.hidden_size, bank.intermediate_size) != (
+            config.num_moe_layers, config.moe.num_experts, config.hidden_size, config.moe.intermediate_size):
+        raise ModelFormatError(f"{where}: the expert bank's shape does not match the model config; re-run `moed convert`")
+    _check_bank_shapes(bank, where)
+    weights = {name: t for name, t in tensors.items() if not name.startswith(BANK_PREFIX)}
+    return LoadedModel(path, "ftw", config, weights, bank)
+
+
+def _check_bank_shapes(bank: ExpertBank, where: str) -> None:
+    n, d, i = bank.num_slots, bank.hidden_size, bank.intermediate_size
+    if bank.dtype in ("fp32", "bf16"):
+        expected = {"gate_up": (n, d, 2 * i), "down": (n, i, d)}
+    else:
+        expected = {"gate_up.q": (n, d, i), "down.q": (n, i, d // 2)}
+    for name, shape in expected.items():
+        tensor = bank.tensors.get(name)
+        if tensor is None or tuple(tensor.shape) != shape:
+            got = None if tensor is None else list(tensor.shape)
+            raise ModelFormatError(f"{where}: expert bank tensor {name!r} should have shape {list(shape)}, got {got}")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelFormatError(f"{path}: cannot read JSON ({exc})") from None

@@ -1,0 +1,69 @@
+"""Tiny random-init transformers models of every supported family, saved as HF directories.
+
+transformers is the reference implementation; these builders are test-only. Weights are scaled
+up from transformers' small init so greedy decoding gives varied tokens (sharper parity tests).
+Dimensions are multiples of 32 so int4 experts work too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+
+COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+              max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+
+
+def tiny_config(family: str):
+    import transformers as tf
+
+    if family == "mixtral":
+        return tf.MixtralConfig(**COMMON, intermediate_size=64, num_key_value_heads=2, num_local_experts=8,
+                                num_experts_per_tok=2)
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=64,
+                                 shared_expert_intermediate_size=96, num_key_value_heads=2, num_experts=8,
+                                 num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1])
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=64, num_key_value_heads=2,
+                                 head_dim=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    if family == "olmoe":
+        return tf.OlmoeConfig(**COMMON, intermediate_size=64, num_key_value_heads=4, num_experts=8,
+                              num_experts_per_tok=2, clip_qkv=8.0)
+    if family == "deepseek_v3":
+        return tf.DeepseekV3Config(**COMMON, intermediate_size=96, moe_intermediate_size=64, num_key_value_heads=4,
+                                   n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                   first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                                   qk_rope_head_dim=8, head_dim=8, v_head_dim=16, n_shared_experts=1,
+                                   routed_scaling_factor=2.5)
+    if family == "gpt_oss":
+        return tf.GptOssConfig(**COMMON, intermediate_size=64, num_key_value_heads=2, head_dim=16,
+                               num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    raise ValueError(family)
+
+
+def build_tiny_model(family: str, dst: Path, *, seed: int = 0, scale: float = 4.0):
+    """Save a tiny ``family`` model (config.json + model.safetensors) to dst; return the transformers model."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.mul_(scale)
+            elif "bias" in name or "sinks" in name:
+                param.normal_(0, 0.5)
+            elif "norm" in name:
+                param.uniform_(0.8, 1.2)
+        for name, buf in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                buf.normal_(0, 0.05)
+    model.save_pretrained(dst)
+    return model
