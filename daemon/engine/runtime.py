@@ -1,0 +1,47 @@
+"""ModelRuntime: one loaded model ready to generate (weights, expert bank, executor, tokenizer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from moed.engine.generator import Generator
+from moed.errors import InvalidRequestError
+from moed.experts.cpu_executor import CpuExecutor
+from moed.models.moe_transformer import MoeTransformer
+from moed.text.tokenizer import Tokenizer
+from moed.weights.model_loader import LoadedModel, load_model
+
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass
+class ModelRuntime:
+    loaded: LoadedModel
+    model: MoeTransformer
+    executor: CpuExecutor
+    tokenizer: Tokenizer | None
+
+    def generator(self, context_length: int | None = None) -> Generator:
+        context = context_length or min(DEFAULT_CONTEXT, self.model.config.max_position_embeddings)
+        return Generator(self.model, self.tokenizer, context_length=context)
+
+    def encode_prompt(self, prompt: str, *, chat: bool, system: str | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"{self.loaded.path} has no tokenizer.json; text prompts need one")
+        if not chat:
+            return self.tokenizer.encode(prompt)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # the template already wrote any BOS it wants; don't add another
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def open_runtime(path: str | Path, *, experts_dtype: str | None = None, verify: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> ModelRuntime:
+    loaded = load_model(path, experts_dtype=experts_dtype, verify=verify, progress=progress)
+    executor = CpuExecutor(loaded.bank)
+    model = MoeTransformer(loaded.config, loaded.weights, executor, where=str(loaded.path))
+    tokenizer = Tokenizer(loaded.path) if (Path(loaded.path) / "tokenizer.json").is_file() else None
+    return ModelRuntime(loaded, model, executor, tokenizer)

@@ -1,0 +1,172 @@
+"""Per-request sampling: parameters, and a seeded sampler that applies them like transformers' generate()."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moed.errors import InvalidRequestError
+
+MAX_STOP_STRINGS = 16
+# torch.Generator.manual_seed takes 64-bit seeds.
+MAX_SEED = 2**64 - 1
+
+
+def _bad(field: str, value: object, allowed: str, hint: str = "") -> InvalidRequestError:
+    tail = f"; {hint}" if hint else "."
+    return InvalidRequestError(f"{field}={value!r} is out of range: {field} must be {allowed}{tail}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks tokens; defaults are greedy decoding of up to 256 tokens."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    seed: int | None = None  # None = fresh entropy per request
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
+            raise _bad("temperature", t, "a finite number >= 0", "use 0 for greedy decoding")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise _bad("top_k", self.top_k, "an integer >= 0", "use 0 to disable top-k")
+        if not _is_number(self.top_p) or not (0 < self.top_p <= 1):
+            raise _bad("top_p", self.top_p, "in (0, 1]", "use 1.0 to disable nucleus sampling")
+        if not _is_number(self.min_p) or not (0 <= self.min_p <= 1):
+            raise _bad("min_p", self.min_p, "in [0, 1]", "use 0 to disable min-p")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not math.isfinite(rp) or rp <= 0:
+            raise _bad("repetition_penalty", rp, "a finite number > 0", "use 1.0 for no penalty")
+        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed <= MAX_SEED)):
+            raise _bad("seed", self.seed, f"an integer in [0, {MAX_SEED}] or null")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise _bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if isinstance(self.stop, str):
+            raise InvalidRequestError("stop must be a list of strings, not a single string; wrap it in a list.")
+        # Accept any sequence but store a tuple so the dataclass stays hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise _bad("stop", f"<{len(self.stop)} strings>", f"at most {MAX_STOP_STRINGS} strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}.")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor, penalty: float
+) -> torch.Tensor:
+    """HF semantics: each seen token once; negative logits are multiplied by penalty, others divided."""
+    if penalty == 1.0 or len(previous_ids) == 0:
+        return logits
+    ids = torch.as_tensor(previous_ids, dtype=torch.long, device=logits.device).unique()
+    # Ids beyond the logits (padded embedding rows) cannot be generated, so they need no penalty.
+    ids = ids[(ids >= 0) & (ids < logits.shape[-1])]
+    seen = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return logits
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits (and any tied with the k-th), like TopKLogitsWarper."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k).values[-1]
+    return logits.masked_fill(logits < kth, -math.inf)
+
+
+def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of top tokens whose probability mass reaches p, like TopPLogitsWarper."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cum <= (1 - p)
+    remove_sorted[-1] = False  # always keep the most likely token
+    remove = remove_sorted.scatter(0, order, remove_sorted)
+    return logits.masked_fill(remove, -math.inf)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's, like MinPLogitsWarper."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(dim=-1)
+    remove = probs < min_p * probs.max()
+    remove[probs.argmax()] = False
+    return logits.masked_fill(remove, -math.inf)
+
+
+class Sampler:
+    """Picks the next token for one request; owns its RNG so a seeded request replays identically in any batch."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        # Draw a seed even when none was given, so a surprising output can be reproduced from the logged seed.
+        self.seed: int = params.seed if params.seed is not None else secrets.randbits(63)
+        self._generator: torch.Generator | None = None
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        # A generator lives on one device; created lazily on the logits' device (the request does not move).
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.seed)
+        return self._generator
+
+    def process(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """The final logits (float32, removed tokens at -inf) in generate()'s order: penalty, T, top-k, top-p, min-p."""
+        p = self.params
+        x = apply_repetition_penalty(logits.float(), previous_ids, p.repetition_penalty)
+        if p.greedy:
+            return x
+        if p.temperature != 1.0:
+            x = x / p.temperature
+        x = apply_top_k(x, p.top_k)
+        x = apply_top_p(x, p.top_p)
+        return apply_min_p(x, p.min_p)
+
+    def sample(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor) -> int:
+        """Next token id from logits [V] given every id so far (prompt + generated)."""
+        if logits.dim() != 1:
+            raise ValueError(f"Sampler.sample expects logits of shape [vocab], got {tuple(logits.shape)}")
+        x = self.process(logits, previous_ids)
+        if self.params.greedy:
+            return int(torch.argmax(x))
+        probs = x.softmax(dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self._generator_for(probs.device)))
+
+
+def sample_batch(
+    samplers: Sequence[Sampler], logits: torch.Tensor, previous_ids: Sequence[Sequence[int] | torch.Tensor]
+) -> list[int]:
+    """One token per row of logits [B, V]; each row uses its own request's sampler (and RNG)."""
+    if logits.dim() != 2 or logits.shape[0] != len(samplers) or len(previous_ids) != len(samplers):
+        raise ValueError(
+            f"sample_batch: logits {tuple(logits.shape)} must be [B, V] with B == len(samplers) == len(previous_ids)"
+        )
+    return [s.sample(row, ids) for s, row, ids in zip(samplers, logits, previous_ids)]

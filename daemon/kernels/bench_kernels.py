@@ -1,0 +1,129 @@
+"""Decode-time expert kernel benchmark: weight GB/s of ``run_expert`` against the machine's read bandwidth."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Sequence
+
+import numba
+import numpy as np
+import torch
+
+from moed.cache.bank_builder import build_expert_bank
+from moed.cache.host_bank import ExpertActivation, ExpertBank
+from moed.experts.expert_ffn import run_expert
+from moed.kernels.bandwidth import _read_sum
+from moed.kernels.expert_matmul import _guard
+
+DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((576, 1536), (2048, 768))  # (D, I)
+_TEMPLATE_EXPERTS = 4  # distinct random experts; the bank repeats them to its full size
+
+
+def _random_bank(hidden: int, inter: int, dtype: str, bank_bytes: int, seed: int) -> ExpertBank:
+    """A bank of at least ``bank_bytes`` (so caches cannot hold it) built from a few random experts."""
+    gen = torch.Generator().manual_seed(seed)
+    n = _TEMPLATE_EXPERTS
+    gate_up = torch.randn(n, hidden, 2 * inter, generator=gen) / math.sqrt(hidden)  # [n, D, 2I]
+    down = torch.randn(n, inter, hidden, generator=gen) / math.sqrt(inter)  # [n, I, D]
+    small = build_expert_bank(
+        gate_up, down, num_moe_layers=1, num_experts=n, dtype=dtype, activation=ExpertActivation("silu")
+    )
+    copies = max(1, math.ceil(bank_bytes / small.nbytes()))
+    tensors = {k: v.repeat(copies, *([1] * (v.dim() - 1))) for k, v in small.tensors.items()}
+    return ExpertBank(
+        num_moe_layers=1,
+        num_experts=n * copies,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        dtype=dtype,
+        activation=small.activation,
+        tensors=tensors,
+    )
+
+
+def _read_pass(buf: np.ndarray) -> float:
+    """Seconds for one parallel read of ``buf``."""
+    with _guard():
+        nparts = numba.get_num_threads()
+        t0 = time.perf_counter()
+        _read_sum(buf, nparts)
+        return time.perf_counter() - t0
+
+
+def _expert_pass(bank: ExpertBank, x: torch.Tensor) -> float:
+    """Seconds to run every expert of ``bank`` once, in order."""
+    t0 = time.perf_counter()
+    for fid in range(bank.num_slots):
+        run_expert(bank, fid, x)
+    return time.perf_counter() - t0
+
+
+def bench_kernels(
+    shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES,
+    dtypes: Sequence[str] = ("fp32", "bf16", "int4"),
+    *,
+    tokens: int = 1,
+    bank_bytes: int = 512 * 2**20,
+    read_bytes: int = 512 * 2**20,
+    trials: int = 12,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """For each dtype and expert shape ``(D, I)``: GB/s of expert weights read by ``run_expert``.
+
+    Expert passes and read-bandwidth passes alternate and each keeps its best of ``trials``,
+    so both see the same machine state (other processes, frequency). One row per case:
+    ``dtype, hidden, intermediate, tokens, experts, bytes_per_expert, us_per_expert,
+    weight_gbps, read_gbps, ratio``.
+    """
+    if tokens < 1 or trials < 1:
+        raise ValueError(f"tokens and trials must be >= 1, got {tokens}, {trials}")
+    buf = np.ones(read_bytes // 4, dtype=np.float32)  # written, so no page faults in timing
+    _read_pass(buf)  # compile
+    rows: list[dict[str, Any]] = []
+    for dtype in dtypes:
+        for hidden, inter in shapes:
+            bank = _random_bank(hidden, inter, dtype, bank_bytes, seed)
+            x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
+            run_expert(bank, 0, x)  # compile
+            best_pass, best_read = math.inf, math.inf
+            for _ in range(trials):
+                best_read = min(best_read, _read_pass(buf))
+                best_pass = min(best_pass, _expert_pass(bank, x))
+            per_expert = bank.bytes_per_expert()
+            weight_gbps = per_expert * bank.num_slots / best_pass / 1e9
+            read_gbps = buf.nbytes / best_read / 1e9
+            rows.append(
+                dict(
+                    dtype=dtype,
+                    hidden=hidden,
+                    intermediate=inter,
+                    tokens=tokens,
+                    experts=bank.num_slots,
+                    bytes_per_expert=per_expert,
+                    us_per_expert=best_pass / bank.num_slots * 1e6,
+                    weight_gbps=weight_gbps,
+                    read_gbps=read_gbps,
+                    ratio=weight_gbps / read_gbps,
+                )
+            )
+            del bank
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Rows of ``bench_kernels`` as a markdown table."""
+    lines = [
+        "| dtype | D | I | T | experts | MB/expert | us/expert | weight GB/s | read GB/s | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['dtype']} | {r['hidden']} | {r['intermediate']} | {r['tokens']} | {r['experts']} "
+            f"| {r['bytes_per_expert'] / 1e6:.2f} | {r['us_per_expert']:.1f} | {r['weight_gbps']:.1f} "
+            f"| {r['read_gbps']:.1f} | {r['ratio']:.0%} |"
+        )
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    lines.append(f"\n{numba.get_num_threads()} numba threads ({numba.threading_layer()}), load average {load:.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,220 @@
+"""Write an FTW directory atomically: shards and extra files in a temp dir, ftw.json last, rename."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import shutil
+import zlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, Any, BinaryIO
+
+import torch
+
+from moed.errors import InvalidRequestError
+from moed.weights.ftw_format import (
+    ALIGNMENT,
+    DEFAULT_SHARD_SIZE,
+    DTYPE_NAMES,
+    INDEX_NAME,
+    KINDS,
+    FtwExtraFile,
+    FtwFile,
+    FtwIndex,
+    FtwTensor,
+    align_up,
+    index_to_json,
+    is_plain_file_name,
+    shard_name,
+)
+
+_WRITE_CHUNK = 64 << 20  # bounds the progress granularity; large writes bypass Python's buffer
+_ZEROS = bytes(ALIGNMENT)
+
+Progress = Callable[[int, int], None]
+
+
+def write_ftw(
+    dst: str | Path,
+    tensors: Mapping[str, tuple[str, torch.Tensor]],
+    *,
+    metadata: dict[str, Any],
+    source_fingerprint: str,
+    extra_files: Mapping[str, str | Path | bytes] = {},
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> Path:
+    """Write ``tensors`` (name -> (kind, tensor)) as an FTW directory at ``dst``; returns ``dst``.
+
+    Nothing loadable ever appears at ``dst`` before the whole directory is on disk: a crash
+    leaves at most a hidden ``.<name>.tmp-<pid>-<random>`` (or ``.old-``) directory beside it.
+    """
+    dst = Path(os.path.abspath(dst))
+    _check_inputs(tensors, extra_files, shard_size)
+    json.dumps(metadata, allow_nan=False)  # fail before writing gigabytes, not after
+    if os.path.lexists(dst) and not overwrite:
+        raise InvalidRequestError(f"{dst} already exists; pass --force (overwrite=True) to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _make_temp_dir(dst, "tmp")
+    try:
+        files, entries = _write_shards(tmp, tensors, shard_size, progress)
+        extras = {name: _copy_extra(tmp / name, src) for name, src in extra_files.items()}
+        index = FtwIndex(source_fingerprint, metadata, files, entries, extras)
+        text = index_to_json(index)
+        with open(tmp / INDEX_NAME, "w", encoding="utf-8") as f:
+            f.write(text)
+            _fsync(f)
+        _fsync_dir(tmp)
+        _install(tmp, dst, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _check_inputs(
+    tensors: Mapping[str, tuple[str, torch.Tensor]], extra_files: Mapping[str, object], shard_size: int
+) -> None:
+    if shard_size < ALIGNMENT:
+        raise InvalidRequestError(f"shard size {shard_size} is too small; it must be at least {ALIGNMENT} bytes")
+    for name, item in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor name {name!r} must be a non-empty string")
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+            raise TypeError(f"tensor {name!r}: expected a (kind, torch.Tensor) pair, got {type(item).__name__}")
+        kind, t = item
+        if kind not in KINDS:
+            raise ValueError(f"tensor {name!r} has kind {kind!r}, expected one of {KINDS}")
+        if t.dtype not in DTYPE_NAMES or t.layout != torch.strided:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype} / layout {t.layout}; FTW stores "
+                             f"dense {', '.join(DTYPE_NAMES.values())}")
+    for name in extra_files:
+        if not is_plain_file_name(name) or name == INDEX_NAME or name.startswith("shard-"):
+            raise ValueError(f"extra file name {name!r} must be a plain file name, not {INDEX_NAME} or shard-*")
+
+
+def _make_temp_dir(dst: Path, what: str) -> Path:
+    while True:
+        p = dst.parent / f".{dst.name}.{what}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            p.mkdir()  # mode 0o777 minus umask, unlike tempfile.mkdtemp's 0o700
+            return p
+        except FileExistsError:
+            continue
+
+
+def _write_shards(
+    tmp: Path, tensors: Mapping[str, tuple[str, torch.Tensor]], shard_size: int, progress: Progress | None
+) -> tuple[dict[str, FtwFile], dict[str, FtwTensor]]:
+    """Pack tensors in order at aligned offsets; start a shard when the next would overflow."""
+    total = sum(t.numel() * t.element_size() for _, t in tensors.values())
+    done = [0]
+
+    def advance(n: int) -> None:
+        done[0] += n
+        if progress is not None:
+            progress(done[0], total)
+
+    files: dict[str, FtwFile] = {}
+    entries: dict[str, FtwTensor] = {}
+    f: BinaryIO | None = None
+    shard = ""
+    pos = 0
+    try:
+        for name, (kind, t) in tensors.items():
+            size = t.numel() * t.element_size()
+            # a tensor bigger than shard_size alone gets a shard of its own
+            if f is None or (pos > 0 and pos + align_up(size) > shard_size):
+                if f is not None:
+                    _close_shard(f, files, shard, pos)
+                shard = shard_name(len(files))
+                f = open(tmp / shard, "wb")
+                pos = 0
+            crc = _write_tensor(f, t, advance)
+            f.write(_ZEROS[: align_up(size) - size])
+            entries[name] = FtwTensor(name, kind, DTYPE_NAMES[t.dtype], tuple(t.shape), shard, pos, size, crc)
+            pos += align_up(size)
+        if f is not None:
+            _close_shard(f, files, shard, pos)
+            f = None
+    finally:
+        if f is not None:
+            f.close()
+    return files, entries
+
+
+def _close_shard(f: BinaryIO, files: dict[str, FtwFile], shard: str, size: int) -> None:
+    _fsync(f)
+    f.close()
+    files[shard] = FtwFile(shard, size)
+
+
+def _write_tensor(f: BinaryIO, t: torch.Tensor, advance: Callable[[int], None]) -> int:
+    """Write the tensor's raw bytes (bf16 included: viewed as uint8, never through numpy's dtypes)."""
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    mv = data.numpy().data
+    crc = 0
+    for start in range(0, mv.nbytes, _WRITE_CHUNK):
+        chunk = mv[start : start + _WRITE_CHUNK]
+        f.write(chunk)
+        crc = zlib.crc32(chunk, crc)
+        advance(chunk.nbytes)
+    return crc
+
+
+def _copy_extra(dst: Path, src: str | Path | bytes) -> FtwExtraFile:
+    crc = size = 0
+    with open(dst, "wb") as out:
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            out.write(src)
+            crc, size = zlib.crc32(src), len(src)
+        else:
+            with open(src, "rb") as inp:
+                while block := inp.read(_WRITE_CHUNK):
+                    out.write(block)
+                    crc, size = zlib.crc32(block, crc), size + len(block)
+        _fsync(out)
+    return FtwExtraFile(dst.name, size, crc)
+
+
+def _install(tmp: Path, dst: Path, overwrite: bool) -> None:
+    """Rename the finished directory to ``dst``; an old ``dst`` is moved aside first, then deleted."""
+    if not os.path.lexists(dst):
+        os.rename(tmp, dst)
+        _fsync_dir(dst.parent)
+        return
+    if not overwrite:  # appeared while we were writing
+        raise InvalidRequestError(f"{dst} already exists; pass --force (overwrite=True) to replace it")
+    old = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    os.rename(dst, old)
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        os.rename(old, dst)
+        raise
+    _fsync_dir(dst.parent)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink(missing_ok=True)
+
+
+def _fsync(f: IO[Any]) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        # some filesystems cannot fsync a directory; the data files were already synced
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)

@@ -1,0 +1,1 @@
+"""Test helpers shared across test packages (tiny tokenizers, fixtures builders)."""
