@@ -30,7 +30,9 @@ from typing import Any, Callable
 import numba
 import numpy as np
 import torch
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
 
 from moed.cache.host_bank import INT4_GROUP_SIZE
 from moed.kernels.int4_format import dequantize_int4
@@ -107,7 +109,88 @@ def _guard() -> contextlib.AbstractContextManager[Any]:
     return _launch_lock
 
 
+# --------------------------------------------------------------------------- scalar bit tricks
+# numba has no scalar bitcast and widens small-integer arithmetic to 64 bits, which turns the
+# vectorised loops into 8-lane int64 conversions; these intrinsics emit 32-bit LLVM IR instead.
+
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+_ONE_BITS = 0x3F800000  # 1.0f
+_NIB_MASK = 0x00780000  # float32 mantissa bits 19..22: a nibble there adds nibble/16
+
+
+def _to_i32(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    width = v.type.width
+    return builder.zext(v, _I32) if width < 32 else builder.trunc(v, _I32) if width > 32 else v
+
+
+@intrinsic
+def _bf16_f32(typingctx: Any, bits: types.Type) -> Any:
+    """bf16 bits (any integer type) -> float32: the bits are the high half of a float32."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        return builder.bitcast(builder.shl(_to_i32(builder, args[0]), ir.Constant(_I32, 16)), _F32)
+
+    return types.float32(bits), codegen
+
+
+def _nibble_intrinsic(shift: int) -> Any:
+    """uint8 -> ``1 + nibble / 16`` as float32, with the nibble at bits ``[shift, shift + 4)``.
+
+    Building the float from its bits (shift, mask, or: two vector ops, the last two fuse into
+    one ``vpternlogd``) replaces an int->float conversion; the ``1 +`` is removed per group.
+    """
+
+    @intrinsic
+    def nib(typingctx: Any, b: types.Type) -> Any:
+        if b != types.uint8:
+            return None
+
+        def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+            v = builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 19 - shift))
+            v = builder.or_(builder.and_(v, ir.Constant(_I32, _NIB_MASK)), ir.Constant(_I32, _ONE_BITS))
+            return builder.bitcast(v, _F32)
+
+        return types.float32(b), codegen
+
+    return nib
+
+
+_nib_lo = _nibble_intrinsic(0)
+_nib_hi = _nibble_intrinsic(4)
+
+
+@intrinsic
+def _nib_lo_exact(typingctx: Any, b: types.Type) -> Any:
+    """uint8 -> float32(low nibble), on 8-bit lanes."""
+    if b != types.uint8:
+        return None
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        return builder.uitofp(builder.and_(args[0], ir.Constant(ir.IntType(8), 15)), _F32)
+
+    return types.float32(b), codegen
+
+
+@intrinsic
+def _nib_hi_exact(typingctx: Any, b: types.Type) -> Any:
+    """uint8 -> float32(high nibble), on 8-bit lanes."""
+    if b != types.uint8:
+        return None
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        return builder.uitofp(builder.lshr(args[0], ir.Constant(ir.IntType(8), 4)), _F32)
+
+    return types.float32(b), codegen
+
+
 # --------------------------------------------------------------------------- kernels
+# Shared shape: ``prange`` over ``nparts`` contiguous blocks of K rows (one per thread), each
+# accumulating into its own ``part[p]`` [T, N]; ``_reduce_parts`` sums them. Rows go two at a
+# time so every accumulator load/store serves two weights. Loops index 1-D slices with
+# ``range`` indices, which LLVM can prove non-negative (no wraparound test), so they vectorise.
 
 
 @_njit_serial
@@ -130,17 +213,28 @@ def _matmul_f32(x: np.ndarray, w: np.ndarray, nparts: int, out: np.ndarray) -> N
     # x [T, K] f32, w [K, N] f32, out [T, N] f32
     ntok, k_dim = x.shape
     n = w.shape[1]
-    part = np.zeros((nparts, ntok, n), np.float32)  # one partial sum per block of K rows
+    part = np.zeros((nparts, ntok, n), np.float32)
     rows = (k_dim + nparts - 1) // nparts
+    rows += rows % 2
     for p in prange(nparts):
-        acc = part[p]
-        for k in range(p * rows, min(k_dim, (p + 1) * rows)):
-            wk = w[k]
+        k0 = min(k_dim, p * rows)
+        k1 = min(k_dim, k0 + rows)
+        for k in range(k0, k1 - 1, 2):
+            w0 = w[k]
+            w1 = w[k + 1]
             for t in range(ntok):
-                xv = x[t, k]
-                at = acc[t]
+                x0 = x[t, k]
+                x1 = x[t, k + 1]
+                at = part[p, t]
                 for j in range(n):
-                    at[j] += wk[j] * xv
+                    at[j] += w0[j] * x0 + w1[j] * x1
+        if (k1 - k0) % 2:
+            w0 = w[k1 - 1]
+            for t in range(ntok):
+                x0 = x[t, k1 - 1]
+                at = part[p, t]
+                for j in range(n):
+                    at[j] += w0[j] * x0
     _reduce_parts(part, out)
 
 
@@ -151,19 +245,26 @@ def _matmul_bf16(x: np.ndarray, w: np.ndarray, nparts: int, out: np.ndarray) -> 
     n = w.shape[1]
     part = np.zeros((nparts, ntok, n), np.float32)
     rows = (k_dim + nparts - 1) // nparts
+    rows += rows % 2
     for p in prange(nparts):
-        acc = part[p]
-        bits = np.empty(n, np.uint32)
-        row = bits.view(np.float32)  # bf16 is the high half of a float32
-        for k in range(p * rows, min(k_dim, (p + 1) * rows)):
-            wk = w[k]
-            for j in range(n):
-                bits[j] = np.uint32(wk[j]) << 16
+        k0 = min(k_dim, p * rows)
+        k1 = min(k_dim, k0 + rows)
+        for k in range(k0, k1 - 1, 2):
+            w0 = w[k]
+            w1 = w[k + 1]
             for t in range(ntok):
-                xv = x[t, k]
-                at = acc[t]
+                x0 = x[t, k]
+                x1 = x[t, k + 1]
+                at = part[p, t]
                 for j in range(n):
-                    at[j] += row[j] * xv
+                    at[j] += _bf16_f32(w0[j]) * x0 + _bf16_f32(w1[j]) * x1
+        if (k1 - k0) % 2:
+            w0 = w[k1 - 1]
+            for t in range(ntok):
+                x0 = x[t, k1 - 1]
+                at = part[p, t]
+                for j in range(n):
+                    at[j] += _bf16_f32(w0[j]) * x0
     _reduce_parts(part, out)
 
 
@@ -179,39 +280,55 @@ def _matmul_int4(
     part = np.zeros((nparts, ntok, n), np.float32)
     per = (groups + nparts - 1) // nparts
     for p in prange(nparts):
-        acc = part[p]
-        sbits = np.empty(n, np.uint32)
-        mbits = np.empty(n, np.uint32)
-        s = sbits.view(np.float32)
-        m = mbits.view(np.float32)
-        s_lo, s_hi, m_lo, m_hi = s[:half], s[half:], m[:half], m[half:]
-        lo = np.empty(half, np.float32)
-        hi = np.empty(half, np.float32)
-        for g in range(p * per, min(groups, (p + 1) * per)):
-            for j in range(n):
-                sbits[j] = np.uint32(scale[g, j]) << 16
-                mbits[j] = np.uint32(mn[g, j]) << 16
+        # Per group and token, lo/hi collect sum_k (1 + q/16) x_k; with xsum = sum_k x_k,
+        # sum_k w x = scale * sum_k q x + min * xsum = 16 scale * lo + (min - 16 scale) * xsum.
+        lo = np.empty((ntok, half), np.float32)  # low nibbles: columns [0, N/2)
+        hi = np.empty((ntok, half), np.float32)  # high nibbles: columns [N/2, N)
+        xsum = np.empty(ntok, np.float32)
+        s16 = np.empty(n, np.float32)
+        off = np.empty(n, np.float32)
+        for g in range(min(groups, p * per), min(groups, (p + 1) * per)):
+            k = g * 32
+            q0 = q[k]
+            q1 = q[k + 1]
             for t in range(ntok):
+                x0 = x[t, k]
+                x1 = x[t, k + 1]
+                xsum[t] = x0 + x1
+                lt = lo[t]
+                ht = hi[t]
                 for j in range(half):
-                    lo[j] = 0.0
-                    hi[j] = 0.0
-                xsum = np.float32(0.0)
-                for kk in range(32):
-                    k = g * 32 + kk
-                    xv = x[t, k]
-                    xsum += xv
-                    qk = q[k]
+                    lt[j] = _nib_lo(q0[j]) * x0 + _nib_lo(q1[j]) * x1
+                    ht[j] = _nib_hi(q0[j]) * x0 + _nib_hi(q1[j]) * x1
+            for k in range(g * 32 + 2, g * 32 + 32, 2):
+                q0 = q[k]
+                q1 = q[k + 1]
+                for t in range(ntok):
+                    x0 = x[t, k]
+                    x1 = x[t, k + 1]
+                    xsum[t] += x0 + x1
+                    lt = lo[t]
+                    ht = hi[t]
                     for j in range(half):
-                        b = np.int32(qk[j])
-                        lo[j] += np.float32(b & 15) * xv
-                        hi[j] += np.float32(b >> 4) * xv
-                # Slices, not ``half + j``: indices LLVM can prove non-negative vectorise.
-                at_lo = acc[t, :half]
-                at_hi = acc[t, half:]
+                        lt[j] += _nib_lo(q0[j]) * x0 + _nib_lo(q1[j]) * x1
+                        ht[j] += _nib_hi(q0[j]) * x0 + _nib_hi(q1[j]) * x1
+            sg = scale[g]
+            mg = mn[g]
+            for j in range(n):
+                sj = _bf16_f32(sg[j]) * np.float32(16.0)
+                s16[j] = sj
+                off[j] = _bf16_f32(mg[j]) - sj
+            s16_lo, s16_hi, off_lo, off_hi = s16[:half], s16[half:], off[:half], off[half:]
+            for t in range(ntok):
+                xs = xsum[t]
+                lt = lo[t]
+                ht = hi[t]
+                at_lo = part[p, t, :half]
+                at_hi = part[p, t, half:]
                 for j in range(half):
-                    at_lo[j] += s_lo[j] * lo[j] + m_lo[j] * xsum
+                    at_lo[j] += s16_lo[j] * lt[j] + off_lo[j] * xs
                 for j in range(half):
-                    at_hi[j] += s_hi[j] * hi[j] + m_hi[j] * xsum
+                    at_hi[j] += s16_hi[j] * ht[j] + off_hi[j] * xs
     _reduce_parts(part, out)
 
 
@@ -219,24 +336,18 @@ def _matmul_int4(
 def _dequant_int4(q: np.ndarray, scale: np.ndarray, mn: np.ndarray, out: np.ndarray) -> None:
     # q [K, N/2] uint8, scale/mn [K/G, N] uint16 -> out [K, N] f32
     k_dim, half = q.shape
-    n = 2 * half
     for g in prange(k_dim // 32):
-        sbits = np.empty(n, np.uint32)
-        mbits = np.empty(n, np.uint32)
-        s = sbits.view(np.float32)
-        m = mbits.view(np.float32)
-        for j in range(n):
-            sbits[j] = np.uint32(scale[g, j]) << 16
-            mbits[j] = np.uint32(mn[g, j]) << 16
-        s_lo, s_hi, m_lo, m_hi = s[:half], s[half:], m[:half], m[half:]
+        sg = scale[g]
+        mg = mn[g]
+        s_lo, s_hi, m_lo, m_hi = sg[:half], sg[half:], mg[:half], mg[half:]
         for k in range(g * 32, g * 32 + 32):
             qk = q[k]
             o_lo = out[k, :half]
             o_hi = out[k, half:]
             for j in range(half):
-                b = np.int32(qk[j])
-                o_lo[j] = np.float32(b & 15) * s_lo[j] + m_lo[j]
-                o_hi[j] = np.float32(b >> 4) * s_hi[j] + m_hi[j]
+                o_lo[j] = _nib_lo_exact(qk[j]) * _bf16_f32(s_lo[j]) + _bf16_f32(m_lo[j])
+            for j in range(half):
+                o_hi[j] = _nib_hi_exact(qk[j]) * _bf16_f32(s_hi[j]) + _bf16_f32(m_hi[j])
 
 
 # --------------------------------------------------------------------------- wrappers
