@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moed.kernels.bench_kernels import bench_kernels, format_table
+from moed.experts.kernel_bench import bench_kernels, format_table
 
 __all__ = ["bench_kernels", "main"]
 

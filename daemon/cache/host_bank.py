@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moed.kernels.int4_format import INT4_GROUP_SIZE  # noqa: F401  (re-exported: part of the bank layout)
+
 EXPERT_DTYPES = ("fp32", "bf16", "int4")
-INT4_GROUP_SIZE = 32
 ACTIVATIONS = ("silu", "gpt_oss")
 
 

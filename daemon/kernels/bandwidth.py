@@ -8,11 +8,11 @@ import numba
 import numpy as np
 from numba import prange
 
-from moed.kernels.expert_matmul import _guard, _njit
+from moed.kernels.expert_matmul import launch_guard, parallel_njit
 
 
-@_njit
-def _read_sum(a: np.ndarray, nparts: int) -> float:
+@parallel_njit
+def read_sum_kernel(a: np.ndarray, nparts: int) -> float:
     # a [n] float32; each thread sums one contiguous block, as the matmul kernels stream theirs
     n = a.shape[0]
     per = (n + nparts - 1) // nparts
@@ -35,12 +35,12 @@ def measure_read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     a = np.ones(nbytes // 4, dtype=np.float32)  # ones: touched, so no page faults while timing
-    with _guard():
+    with launch_guard():
         nparts = numba.get_num_threads()
-        _read_sum(a, nparts)  # compile + warm-up
+        read_sum_kernel(a, nparts)  # compile + warm-up
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            _read_sum(a, nparts)
+            read_sum_kernel(a, nparts)
             best = min(best, time.perf_counter() - t0)
     return a.nbytes / best

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moed.cache.host_bank import INT4_GROUP_SIZE
+INT4_GROUP_SIZE = 32  # weights per (scale, min) pair, along the input dimension
 
 
 def _check_kn(w: torch.Tensor, what: str) -> tuple[int, int]:

@@ -1,0 +1,102 @@
+"""run_expert (numba) against run_expert_reference (torch) and against a plain nn.Linear SwiGLU MLP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moed.cache.bank_builder import build_expert_bank
+from moed.cache.host_bank import ExpertActivation, ExpertBank
+from moed.experts.expert_ffn import run_expert, run_expert_reference
+
+D, I, LAYERS, EXPERTS = 64, 96, 2, 3
+
+
+def _bank(dtype: str, kind: str, bias: bool, seed: int = 0) -> ExpertBank:
+    gen = torch.Generator().manual_seed(seed)
+    n = LAYERS * EXPERTS
+    gate_up = torch.randn(n, D, 2 * I, generator=gen) / D**0.5
+    down = torch.randn(n, I, D, generator=gen) / I**0.5
+    biases = {}
+    if bias:
+        biases = dict(gate_up_bias=torch.randn(n, 2 * I, generator=gen), down_bias=torch.randn(n, D, generator=gen))
+    return build_expert_bank(
+        gate_up * 4,  # large enough that gpt_oss's clamps are hit
+        down,
+        num_moe_layers=LAYERS,
+        num_experts=EXPERTS,
+        dtype=dtype,
+        activation=ExpertActivation(kind),
+        **biases,
+    )
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int4"])
+@pytest.mark.parametrize("kind,bias", [("silu", False), ("gpt_oss", True), ("silu", True)])
+def test_matches_reference(dtype: str, kind: str, bias: bool, tokens: int) -> None:
+    bank = _bank(dtype, kind, bias)
+    x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens))
+    for fid in (0, bank.flat_id(1, 2)):
+        y = run_expert(bank, fid, x)
+        ref = run_expert_reference(bank, fid, x)
+        assert y.shape == (tokens, D) and y.dtype == torch.float32
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+def test_gpt_oss_clamps_are_exercised() -> None:
+    bank = _bank("fp32", "gpt_oss", True)
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(1))
+    h = x @ bank.tensors["gate_up"][0] + bank.tensors["gate_up_bias"][0]
+    assert float(h.abs().max()) > bank.activation.limit
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_fp32_silu_matches_nn_linear_mlp(tokens: int) -> None:
+    """Independent of the reference: a SwiGLU MLP from nn.Linear weights, transposed to k-major."""
+    torch.manual_seed(0)
+    gate, up, down = nn.Linear(D, I, bias=False), nn.Linear(D, I, bias=False), nn.Linear(I, D, bias=False)
+    gate_up = torch.cat([gate.weight.T, up.weight.T], dim=1).detach()  # [D, 2I], gate columns first
+    bank = build_expert_bank(
+        gate_up.unsqueeze(0).contiguous(),
+        down.weight.T.detach().unsqueeze(0).contiguous(),
+        num_moe_layers=1,
+        num_experts=1,
+        dtype="fp32",
+        activation=ExpertActivation("silu"),
+    )
+    x = torch.randn(tokens, D)
+    with torch.no_grad():
+        want = down(F.silu(gate(x)) * up(x))
+    torch.testing.assert_close(run_expert(bank, 0, x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_views_follow_replaced_tensors() -> None:
+    bank = _bank("bf16", "silu", False)
+    x = torch.randn(1, D)
+    before = run_expert(bank, 0, x)
+    bank.tensors["down"] = (bank.tensors["down"].float() * 2).to(torch.bfloat16)
+    torch.testing.assert_close(run_expert(bank, 0, x), before * 2)
+
+
+def test_bad_inputs_raise() -> None:
+    bank = _bank("int4", "silu", False)
+    with pytest.raises(ValueError, match=r"\[T, 64\]"):
+        run_expert(bank, 0, torch.randn(1, D + 1))
+    with pytest.raises(ValueError, match="float32"):
+        run_expert(bank, 0, torch.randn(1, D, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out of range"):
+        run_expert(bank, LAYERS * EXPERTS, torch.randn(1, D))
+    with pytest.raises(ValueError, match="out of range"):
+        run_expert_reference(bank, -1, torch.randn(1, D))
+    del bank.tensors["down.min"]
+    with pytest.raises(ValueError, match="down.min"):
+        run_expert(bank, 0, torch.randn(1, D))
+
+
+def test_non_contiguous_x_is_accepted() -> None:
+    bank = _bank("fp32", "silu", False)
+    x = torch.randn(D, 2).t()
+    torch.testing.assert_close(run_expert(bank, 1, x), run_expert_reference(bank, 1, x.contiguous()))
