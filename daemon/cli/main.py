@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--experts-dtype", choices=("fp32", "bf16", "int4"),
                      help="expert format when loading a Hugging Face directory (default fp32)")
     gen.add_argument("--verify", action="store_true", help="verify FTW checksums while loading")
+    add_engine_arguments(gen)
+    gen.add_argument("--trace-out", metavar="FILE", help="record expert routing as JSON lines")
 
     conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to FTW")
     conv.add_argument("src", help="Hugging Face model directory")
@@ -43,7 +45,35 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--dtypes", default="fp32,bf16,int4")
     kernels.add_argument("--shapes", default="576x1536,2048x768", help="expert shapes DxI, comma separated")
     kernels.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    bw = bench_sub.add_parser("bw", help="calibrate: measure B_P and B_H for a model on this machine")
+    bw.add_argument("--model", required=True, help="model directory (its expert shape and dtype are measured)")
+    bw.add_argument("--device", default="auto", choices=("auto", "emulated", "cuda"))
+    bw.add_argument("--emulated-bp", type=float, default=16.0, help="emulated device: B_P in GB/s")
+    bw.add_argument("--seconds", type=float, default=1.0, help="time per measurement phase")
+    bw.add_argument("--experts-dtype", choices=("fp32", "bf16", "int4"))
+    bw.add_argument("--no-save", action="store_true", help="do not store the profile")
+
+    pol = bench_sub.add_parser("policy", help="replay a routing trace through the cache policies")
+    pol.add_argument("--trace", help="JSON-lines routing trace (default: synthetic high/low locality traces)")
+    pol.add_argument("--cache-fraction", default="0.1,0.25,0.5", help="comma-separated fractions of the pool")
+    pol.add_argument("--policies", help="comma-separated policy names (default: all)")
+    pol.add_argument("--num-experts", type=int, help="experts per layer (default: inferred from the trace)")
+    pol.add_argument("--json", action="store_true")
     return parser
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "emulated", "cuda"),
+                        help="where cached experts run (default cpu: all experts on the CPU)")
+    parser.add_argument("--cache-fraction", type=float, default=0.25,
+                        help="device expert cache as a fraction of the expert pool (default 0.25)")
+    parser.add_argument("--policy", default="adaptive",
+                        help="split/cache policy: adaptive, fill-all, cpu-all, static, hot-set, "
+                             "fixed-share:F, lru-freq (default adaptive)")
+    parser.add_argument("--emulated-bp", type=float, default=16.0, help="emulated device: B_P in GB/s")
+    parser.add_argument("--emulated-bdev", type=float, default=900.0,
+                        help="emulated device: device compute bandwidth in GB/s")
 
 
 def main(argv: list[str] | None = None) -> int:

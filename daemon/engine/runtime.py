@@ -8,7 +8,8 @@ from typing import Callable
 
 from moed.engine.generator import Generator
 from moed.errors import InvalidRequestError
-from moed.experts.cpu_executor import CpuExecutor
+from moed.config import EngineConfig
+from moed.experts.executor_factory import build_executor
 from moed.models.moe_transformer import MoeTransformer
 from moed.text.tokenizer import Tokenizer
 from moed.weights.model_loader import LoadedModel, load_model
@@ -20,8 +21,11 @@ DEFAULT_CONTEXT = 4096
 class ModelRuntime:
     loaded: LoadedModel
     model: MoeTransformer
-    executor: CpuExecutor
+    executor: object  # CpuExecutor or HybridExecutor (both: run, stats, close)
     tokenizer: Tokenizer | None
+
+    def close(self) -> None:
+        self.executor.close()
 
     def generator(self, context_length: int | None = None) -> Generator:
         context = context_length or min(DEFAULT_CONTEXT, self.model.config.max_position_embeddings)
@@ -39,9 +43,10 @@ class ModelRuntime:
 
 
 def open_runtime(path: str | Path, *, experts_dtype: str | None = None, verify: bool = False,
-                 progress: Callable[[int, int], None] | None = None) -> ModelRuntime:
+                 progress: Callable[[int, int], None] | None = None, engine: EngineConfig | None = None,
+                 trace_out: str | Path | None = None) -> ModelRuntime:
     loaded = load_model(path, experts_dtype=experts_dtype, verify=verify, progress=progress)
-    executor = CpuExecutor(loaded.bank)
+    executor = build_executor(loaded.bank, engine or EngineConfig(device="cpu"), trace_out=trace_out)
     model = MoeTransformer(loaded.config, loaded.weights, executor, where=str(loaded.path))
     tokenizer = Tokenizer(loaded.path) if (Path(loaded.path) / "tokenizer.json").is_file() else None
     return ModelRuntime(loaded, model, executor, tokenizer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from moed.cache.host_bank import ExpertBank
+from moed.experts.engine_stats import EngineStats
 from moed.experts.executor import merge_expert_outputs
 from moed.experts.expert_ffn import run_expert
 
@@ -13,6 +14,7 @@ class CpuExecutor:
     def __init__(self, bank: ExpertBank) -> None:
         self.bank = bank
         self.num_experts_run = 0  # (layer, expert) executions, for status and tests
+        self.stats = EngineStats(device="cpu", policy="cpu-all")
 
     def run(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
             topk_weights: torch.Tensor) -> torch.Tensor:
@@ -29,4 +31,9 @@ class CpuExecutor:
             out = run_expert(self.bank, self.bank.flat_id(moe_layer, expert), hidden[tokens].contiguous())
             per_slot.view(-1, hidden.shape[1])[picks] = out
         self.num_experts_run += len(experts)
+        self.stats.misses += len(experts)
+        self.stats.cpu_experts += len(experts)
         return merge_expert_outputs(per_slot, topk_weights)
+
+    def close(self) -> None:
+        pass

@@ -55,6 +55,11 @@ class MoeTransformer:
         x = F.embedding(batch.input_ids, self.embed)  # [B, T, D]
         cos_sin = self.rotary.cos_sin(batch.positions)
         valid = batch.valid
+        begin_step = getattr(self.executor, "begin_step", None)
+        if begin_step is not None:  # executors that trace routing or plan by phase want to know
+            rows = valid.nonzero()[:, 0].tolist()
+            begin_step("prefill" if max(batch.lengths) > 1 else "decode", [batch.slots[r] for r in rows],
+                       batch.positions[valid].tolist())
         for input_norm, attention, post_norm, mlp in self.layers:
             x = x + attention.forward(rms_norm(x, input_norm, eps), batch, cache, cos_sin)
             h = rms_norm(x, post_norm, eps)

@@ -1,0 +1,217 @@
+"""A CUDA GPU through torch: slot tensors in VRAM, row copies on a dedicated transfer stream timed by events."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .device import (
+    DeviceInfo,
+    DeviceMemoryError,
+    DeviceStats,
+    FinishedCopy,
+    SlotLayout,
+    SlotStore,
+    check_copy,
+    check_layout,
+    move_rows,
+    resize_rows,
+    row_runs,
+)
+
+
+class CudaCopy:
+    """Handle of one batch of row copies queued on the transfer stream, bracketed by two timing events."""
+
+    def __init__(
+        self,
+        device: "CudaDevice",
+        start: torch.cuda.Event,
+        end: torch.cuda.Event,
+        nbytes: int,
+        keep_alive: list[torch.Tensor],
+    ) -> None:
+        self.nbytes = nbytes
+        self.event = end  # other streams can wait on it: ``stream.wait_event(handle.event)``
+        self._device = device
+        self._start = start
+        self._keep_alive = keep_alive  # source rows must outlive the asynchronous copy
+        self._seconds: float | None = None
+        self._finish_lock = threading.Lock()  # books the copy exactly once, whoever looks first
+
+    def wait(self, timeout: float | None = None) -> None:
+        # CUDA events have no timed wait; ``timeout`` is accepted for interface parity
+        self.event.synchronize()
+        self._finish()
+
+    def done(self) -> bool:
+        if self._seconds is not None:
+            return True
+        if not self.event.query():
+            return False
+        self._finish()
+        return True
+
+    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current stream) wait for these copies without blocking the host."""
+        (stream or torch.cuda.current_stream(self._device.device)).wait_event(self.event)
+
+    @property
+    def seconds(self) -> float:
+        return self._seconds if self._seconds is not None else 0.0
+
+    def _finish(self) -> None:
+        with self._finish_lock:
+            if self._seconds is not None:
+                return
+            seconds = self._start.elapsed_time(self.event) / 1e3  # ms -> s
+            self._keep_alive = []
+            self._seconds = seconds
+        self._device._record_copy(self.nbytes, seconds)
+
+
+class CudaDevice:
+    """One CUDA GPU: slot storage in VRAM, host->device copies on its own stream (async from pinned memory)."""
+
+    kind = "cuda"
+
+    def __init__(self, index: int = 0) -> None:
+        if not self.available():
+            raise RuntimeError(
+                "CUDA is not available (torch.cuda.is_available() is False): install a CUDA build of torch "
+                "and an NVIDIA driver, or choose the 'cpu' or 'emulated' device"
+            )
+        count = torch.cuda.device_count()
+        if not 0 <= index < count:
+            raise ValueError(f"CUDA device index {index} out of range: this machine has {count} CUDA device(s)")
+        self.device = torch.device("cuda", index)
+        self.copy_stream = torch.cuda.Stream(self.device)
+        self._lock = threading.Lock()
+        self._num_copies = 0
+        self._bytes = 0
+        self._seconds = 0.0
+        self._pending: list[CudaCopy] = []
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available()
+
+    # ----------------------------------------------------------------- memory
+
+    def info(self) -> DeviceInfo:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return DeviceInfo(self.kind, torch.cuda.get_device_name(self.device), int(total), int(free))
+
+    def _alloc(self, kind: str, num_slots: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        try:
+            return torch.empty((num_slots, *row_shape), dtype=dtype, device=self.device)
+        except torch.OutOfMemoryError as exc:
+            raise DeviceMemoryError(
+                f"{self.device}: no room for {num_slots} {kind!r} slots of {tuple(row_shape)} {dtype}: {exc}; "
+                f"use a smaller expert cache"
+            ) from exc
+
+    def alloc_slots(self, num_slots: int, layout: SlotLayout) -> SlotStore:
+        check_layout(num_slots, layout)
+        store: SlotStore = {}
+        try:
+            for kind, (row_shape, dtype) in layout.items():
+                store[kind] = self._alloc(kind, num_slots, tuple(int(n) for n in row_shape), dtype)
+        except DeviceMemoryError:
+            store.clear()
+            torch.cuda.empty_cache()
+            raise
+        return store
+
+    def free_slots(self, storage: SlotStore) -> None:
+        self.copy_stream.synchronize()
+        storage.clear()
+        torch.cuda.empty_cache()  # give the VRAM back to other applications
+
+    # ----------------------------------------------------------------- copies
+
+    def copy_rows_async(
+        self,
+        dst: SlotStore,
+        dst_slots: list[int],
+        src: dict[str, torch.Tensor],
+        src_rows: list[int],
+        *,
+        wait_for_compute: bool = True,
+    ) -> CudaCopy | FinishedCopy:
+        """Queue the row copies on the transfer stream and return at once.
+
+        ``wait_for_compute``: the transfer stream first waits for work already queued on the
+        current stream (which may still read the slots being overwritten). Pass False when the
+        destination slots are known idle (e.g. the other buffer of prefill double buffering).
+        """
+        check_copy(dst, dst_slots, src, src_rows)
+        for kind in dst:
+            if dst[kind].device != self.device:
+                raise ValueError(f"slot storage {kind!r} is on {dst[kind].device}, not {self.device}")
+            if src[kind].device.type != "cpu":
+                raise ValueError(f"copy source {kind!r} must be host memory, got {src[kind].device}")
+        if not dst_slots:
+            return FinishedCopy()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        keep: list[torch.Tensor] = []
+        nbytes = 0
+        if wait_for_compute:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            start.record(self.copy_stream)
+            for kind, d in dst.items():
+                s = src[kind]
+                for d0, s0, n in row_runs(dst_slots, src_rows):
+                    rows = s[s0 : s0 + n]  # contiguous run of bank rows -> one cudaMemcpyAsync
+                    d[d0 : d0 + n].copy_(rows, non_blocking=True)
+                    keep.append(rows)
+                    nbytes += rows.numel() * rows.element_size()
+            end.record(self.copy_stream)
+        handle = CudaCopy(self, start, end, nbytes, keep)
+        self._sweep()
+        with self._lock:
+            self._pending.append(handle)
+        return handle
+
+    def _record_copy(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._num_copies += 1
+            self._bytes += nbytes
+            self._seconds += seconds
+
+    def move_slots(self, storage: SlotStore, moves: list[tuple[int, int]]) -> None:
+        self.copy_stream.synchronize()
+        move_rows(storage, moves)
+
+    def resize_slots(self, storage: SlotStore, new_num_slots: int, moves: list[tuple[int, int]]) -> SlotStore:
+        if new_num_slots < 0:
+            raise ValueError(f"new_num_slots must be >= 0, got {new_num_slots}")
+        self.copy_stream.synchronize()
+        new = resize_rows(storage, new_num_slots, moves, self._alloc, lambda t: None)
+        torch.cuda.empty_cache()  # a shrink hands the freed VRAM back to other applications
+        return new
+
+    # ----------------------------------------------------------------- compute and timing
+
+    def charge_compute(self, nbytes: int) -> float:
+        return 0.0  # real kernels run: their time is measured, not modelled
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.stats()
+
+    def stats(self) -> DeviceStats:
+        self._sweep()
+        with self._lock:
+            return DeviceStats(self._num_copies, self._bytes, self._seconds)
+
+    def _sweep(self) -> None:
+        """Book the copies that finished since the last look (``done()`` books them; outside the lock)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        still = [h for h in pending if not h.done()]
+        with self._lock:
+            self._pending = still + self._pending

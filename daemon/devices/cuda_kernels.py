@@ -1,0 +1,239 @@
+"""Grouped expert matmuls over device cache slots: the cupy int4 kernel, the torch path for fp32/bf16, torch twins.
+
+Shapes: ``T`` tokens (grouped by expert), ``E`` experts in the call, ``S`` slots, ``K`` input and
+``N`` output columns of one matrix. Expert ``e`` multiplies the token rows
+``x[offsets[e]:offsets[e+1]]`` by the matrix in slot ``slot_ids[e]``. cupy is imported only
+when the CUDA kernel is launched, so CPU-only machines never need it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+INT4_GROUP_SIZE = 32  # must match the bank layout (moed.kernels.int4_format; a test checks)
+KERNEL_FILE = "expert_int4.cu"
+KERNEL_NAME = "expert_int4_grouped_matmul"
+_BLOCK = 128  # threads per block; must match BLOCK in the .cu source
+
+_kernels: dict[int, Any] = {}  # device index -> compiled cupy.RawKernel
+_streams: dict[int, Any] = {}  # cudaStream_t address -> cupy stream wrapping that torch stream
+
+Index = Sequence[int] | torch.Tensor
+
+
+def kernel_source_path(native_dir: Path | None = None) -> Path:
+    """Where ``expert_int4.cu`` is: ``native_dir`` if given, else the repository's ``native/``, else beside this module."""
+    here = Path(__file__).resolve().parent
+    candidates = [Path(native_dir)] if native_dir is not None else [here.parents[1] / "native", here / "native"]
+    for folder in candidates:
+        path = folder / KERNEL_FILE
+        if path.is_file():
+            return path
+    looked = ", ".join(str(c / KERNEL_FILE) for c in candidates)
+    raise FileNotFoundError(
+        f"CUDA kernel source {KERNEL_FILE} not found (looked at {looked}); it ships in the repository's "
+        f"native/ folder: run from a source checkout, or copy native/{KERNEL_FILE} next to {__file__}"
+    )
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _as_index(v: Index, what: str, device: torch.device) -> torch.Tensor:
+    """``v`` as a 1-D int32 tensor on ``device`` (a list is copied over; a tensor must already be there)."""
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 1 or v.dtype != torch.int32:
+            raise ValueError(f"{what} must be a 1-D int32 tensor, got {v.dtype} {tuple(v.shape)}")
+        if v.device != device:
+            raise ValueError(f"{what} is on {v.device} but x is on {device}")
+        return v.contiguous()
+    return torch.tensor([int(i) for i in v], dtype=torch.int32, device=device)
+
+
+def check_int4_grouped(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, slot_ids: Index, offsets: Index
+) -> tuple[int, int, int]:
+    """Validate shapes, dtypes, devices and contiguity; returns ``(S, K, N)``. Index values are checked when given as lists."""
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise ValueError(f"x must be float32 [T, K], got {x.dtype} {tuple(x.shape)}")
+    if q.dim() != 3 or q.dtype != torch.uint8:
+        raise ValueError(f"q must be uint8 [S, K, N/2], got {q.dtype} {tuple(q.shape)}")
+    num_slots, k, half = q.shape
+    n = 2 * half
+    if k % INT4_GROUP_SIZE:
+        raise ValueError(f"K={k} is not a multiple of the int4 group size {INT4_GROUP_SIZE}")
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns but the weights have K={k} rows")
+    want = (num_slots, k // INT4_GROUP_SIZE, n)
+    for name, t in (("scale", scale), ("min", mn)):
+        if t.dtype != torch.bfloat16 or tuple(t.shape) != want:
+            raise ValueError(f"{name} must be bfloat16 {want} for q {tuple(q.shape)}, got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("x", x), ("q", q), ("scale", scale), ("min", mn)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    _check_groups(x.shape[0], num_slots, slot_ids, offsets)
+    return num_slots, k, n
+
+
+def _check_groups(num_tokens: int, num_slots: int, slot_ids: Index, offsets: Index) -> None:
+    n_ids = len(slot_ids)
+    if len(offsets) != n_ids + 1:
+        raise ValueError(f"offsets must have len(slot_ids) + 1 = {n_ids + 1} entries, got {len(offsets)}")
+    if isinstance(slot_ids, torch.Tensor) or isinstance(offsets, torch.Tensor):
+        return  # device-side indices are trusted (checking them would cost a host round trip)
+    ids, offs = [int(i) for i in slot_ids], [int(o) for o in offsets]
+    for s in ids:
+        if not 0 <= s < num_slots:
+            raise ValueError(f"slot id {s} out of range (there are {num_slots} slots)")
+    if offs[0] != 0 or offs[-1] != num_tokens or any(a > b for a, b in zip(offs, offs[1:])):
+        raise ValueError(f"offsets must rise from 0 to the token count {num_tokens}, got {offs}")
+
+
+# --------------------------------------------------------------------------- int4
+
+
+def dequantize_slot(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """One slot's ``q [K, N/2]``, ``scale/min [K/32, N]`` -> float32 ``W [K, N]`` (``w = q*scale + min``)."""
+    levels = torch.cat([q & 0x0F, q >> 4], dim=-1).float()  # [K, N]
+    s = scale.float().repeat_interleave(INT4_GROUP_SIZE, dim=0)  # [K, N]
+    m = mn.float().repeat_interleave(INT4_GROUP_SIZE, dim=0)
+    return levels * s + m
+
+
+def int4_grouped_matmul_reference(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, slot_ids: Index, offsets: Index
+) -> torch.Tensor:
+    """Torch twin of ``int4_grouped_matmul`` (any device): dequantize each slot, then ``x @ W``."""
+    _, _, n = check_int4_grouped(x, q, scale, mn, slot_ids, offsets)
+    ids = slot_ids.tolist() if isinstance(slot_ids, torch.Tensor) else list(slot_ids)
+    offs = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
+    y = torch.zeros((x.shape[0], n), dtype=torch.float32, device=x.device)  # [T, N]
+    for e, s in enumerate(ids):
+        a, b = offs[e], offs[e + 1]
+        if b > a:
+            y[a:b] = x[a:b] @ dequantize_slot(q[s], scale[s], mn[s])
+    return y
+
+
+def _kernel(device: torch.device) -> Any:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    kern = _kernels.get(index)
+    if kern is None:
+        try:
+            import cupy
+        except ImportError as exc:
+            raise RuntimeError(
+                "the CUDA int4 expert kernel needs cupy: pip install cupy-cuda12x (or cupy-cuda13x to match "
+                "your CUDA driver)"
+            ) from exc
+        source = kernel_source_path().read_text()
+        with cupy.cuda.Device(index):
+            kern = cupy.RawKernel(source, KERNEL_NAME)
+            kern.compile()  # compile now, so a broken toolchain fails here with its own message
+        _kernels[index] = kern
+    return kern
+
+
+def _cupy_stream(cupy: Any, stream: torch.cuda.Stream) -> Any:
+    """cupy's view of a torch stream, so the kernel is ordered with the surrounding torch work."""
+    key = stream.cuda_stream
+    wrapped = _streams.get(key)
+    if wrapped is None:
+        if hasattr(cupy.cuda.Stream, "from_external"):  # cupy >= 14: the CUDA stream protocol
+            wrapped = cupy.cuda.Stream.from_external(stream)
+        else:
+            wrapped = cupy.cuda.ExternalStream(key, stream.device.index)
+        _streams[key] = wrapped
+    return wrapped
+
+
+def int4_grouped_matmul(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, slot_ids: Index, offsets: Index
+) -> torch.Tensor:
+    """``y [T, N]`` float32: for each expert ``e``, ``x[offsets[e]:offsets[e+1]] @ W[slot_ids[e]]``, on CUDA.
+
+    ``x`` float32 ``[T, K]``; ``q`` uint8 ``[S, K, N/2]``; ``scale``/``min`` bf16 ``[S, K/32, N]``,
+    all contiguous on one CUDA device. ``slot_ids`` / ``offsets`` are lists (checked) or int32
+    CUDA tensors (trusted). Runs on the current torch stream.
+    """
+    _, k, n = check_int4_grouped(x, q, scale, mn, slot_ids, offsets)
+    if x.device.type != "cuda":
+        raise ValueError(f"int4_grouped_matmul runs on CUDA tensors; x is on {x.device} (use the _reference twin)")
+    ids = _as_index(slot_ids, "slot_ids", x.device)
+    offs = _as_index(offsets, "offsets", x.device)
+    y = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)  # [T, N]
+    num_experts = ids.shape[0]
+    if num_experts == 0 or x.shape[0] == 0:
+        return y.zero_()
+    kern = _kernel(x.device)
+
+    import cupy
+    import numpy as np
+
+    def cp(t: torch.Tensor) -> Any:
+        return cupy.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
+
+    with cupy.cuda.Device(x.device.index), _cupy_stream(cupy, torch.cuda.current_stream(x.device)):
+        grid = ((n // 2 + _BLOCK - 1) // _BLOCK, num_experts)
+        kern(grid, (_BLOCK,), (cp(x), cp(q), cp(scale), cp(mn), cp(ids), cp(offs), cp(y), np.int32(k), np.int32(n)))
+    return y
+
+
+def _one_slot(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if q.dim() != 2 or scale.dim() != 2 or mn.dim() != 2:
+        raise ValueError(
+            f"one matrix: q [K, N/2], scale/min [K/32, N] expected, got {tuple(q.shape)}, "
+            f"{tuple(scale.shape)}, {tuple(mn.shape)}"
+        )
+    return q.unsqueeze(0), scale.unsqueeze(0), mn.unsqueeze(0)  # [1, ...] views (contiguity kept)
+
+
+def int4_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """One matrix: ``x [T, K]`` float32 @ int4 ``W [K, N]`` (``q [K, N/2]``, ``scale/min [K/32, N]``) -> ``[T, N]``, on CUDA."""
+    return int4_grouped_matmul(x, *_one_slot(q, scale, mn), [0], [0, x.shape[0]])
+
+
+def int4_matmul_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """Torch twin of ``int4_matmul`` (any device)."""
+    return int4_grouped_matmul_reference(x, *_one_slot(q, scale, mn), [0], [0, x.shape[0]])
+
+
+# --------------------------------------------------------------------------- any format
+
+
+def grouped_matmul(
+    x: torch.Tensor, slots: dict[str, torch.Tensor], name: str, slot_ids: Index, offsets: Index
+) -> torch.Tensor:
+    """``x [T, K]`` float32 times matrix ``name`` ("gate_up" / "down") of each expert's slot -> ``[T, N]`` float32.
+
+    int4 slots (``name.q``, ``name.scale``, ``name.min``) use the CUDA kernel on CUDA tensors
+    (the torch twin elsewhere); fp32/bf16 slots (``name``) use ``torch.matmul`` per expert with
+    fp32 accumulation (bf16 weights are widened, matching the CPU path's arithmetic).
+    """
+    if name + ".q" in slots:
+        q, scale, mn = slots[name + ".q"], slots[name + ".scale"], slots[name + ".min"]
+        fn = int4_grouped_matmul if x.device.type == "cuda" else int4_grouped_matmul_reference
+        return fn(x, q, scale, mn, slot_ids, offsets)
+    if name not in slots:
+        raise ValueError(f"slot storage has no matrix {name!r} (kinds: {sorted(slots)})")
+    w = slots[name]  # [S, K, N]
+    if w.dim() != 3 or w.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"slot matrix {name!r} must be float32 or bfloat16 [S, K, N], got {w.dtype} {tuple(w.shape)}")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be float32 [T, {w.shape[1]}], got {x.dtype} {tuple(x.shape)}")
+    if x.device != w.device:
+        raise ValueError(f"x is on {x.device} but slot matrix {name!r} is on {w.device}")
+    _check_groups(x.shape[0], w.shape[0], slot_ids, offsets)
+    ids = slot_ids.tolist() if isinstance(slot_ids, torch.Tensor) else list(slot_ids)
+    offs = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
+    y = torch.zeros((x.shape[0], w.shape[2]), dtype=torch.float32, device=x.device)  # [T, N]
+    for e, s in enumerate(ids):
+        a, b = offs[e], offs[e + 1]
+        if b > a:
+            y[a:b] = x[a:b] @ w[s].float()
+    return y

@@ -1,0 +1,104 @@
+"""cuda_kernels without a GPU: the torch twins against moed's int4 format, the wrapper's checks, the kernel source."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moed.devices import cuda_kernels as ck
+from moed.kernels.int4_format import INT4_GROUP_SIZE, dequantize_int4, quantize_int4
+
+
+def _int4_slots(num_slots: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    w = torch.randn(num_slots, k, n, generator=torch.Generator().manual_seed(seed))
+    return (w, *quantize_int4(w))
+
+
+def test_group_size_matches_the_bank_format() -> None:
+    assert ck.INT4_GROUP_SIZE == INT4_GROUP_SIZE
+
+
+def test_reference_matches_the_bank_dequantizer() -> None:
+    w, q, scale, mn = _int4_slots(3, 64, 48)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 64, generator=gen)
+    slot_ids, offsets = [2, 0, 2], [0, 1, 1, 7]  # an expert with no tokens, a slot used twice
+    y = ck.int4_grouped_matmul_reference(x, q, scale, mn, slot_ids, offsets)
+    full = dequantize_int4(q, scale, mn)  # [S, K, N]
+    expected = torch.cat([x[0:1] @ full[2], x[1:7] @ full[2]])
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    # and the quantized product is close to the float one (the format is sane)
+    assert (y[1:] - x[1:] @ w[2]).abs().max() < 0.1 * (x[1:] @ w[2]).abs().max()
+    torch.testing.assert_close(ck.int4_matmul_reference(x, q[1], scale[1], mn[1]), x @ full[1], rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_dispatches_by_format_on_cpu() -> None:
+    _, q, scale, mn = _int4_slots(2, 32, 16)
+    x = torch.randn(3, 32)
+    slots = {"down.q": q, "down.scale": scale, "down.min": mn}
+    torch.testing.assert_close(
+        ck.grouped_matmul(x, slots, "down", [1], [0, 3]), x @ dequantize_int4(q[1], scale[1], mn[1])
+    )
+    w = torch.randn(2, 32, 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        wd = w.to(dtype)
+        y = ck.grouped_matmul(x, {"down": wd}, "down", [1, 0], [0, 2, 3])
+        torch.testing.assert_close(y, torch.cat([x[:2] @ wd[1].float(), x[2:] @ wd[0].float()]))
+    with pytest.raises(ValueError, match="no matrix"):
+        ck.grouped_matmul(x, {"down": w}, "gate_up", [0], [0, 3])
+
+
+def test_wrapper_checks_before_launch() -> None:
+    _, q, scale, mn = _int4_slots(2, 64, 32)
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="float32"):
+        ck.int4_grouped_matmul(x.double(), q, scale, mn, [0], [0, 4])
+    with pytest.raises(ValueError, match="columns"):
+        ck.int4_grouped_matmul(torch.randn(4, 32), q, scale, mn, [0], [0, 4])
+    with pytest.raises(ValueError, match="bfloat16"):
+        ck.int4_grouped_matmul(x, q, scale.float(), mn, [0], [0, 4])
+    with pytest.raises(ValueError, match="contiguous"):
+        ck.int4_grouped_matmul(x.t().contiguous().t(), q, scale, mn, [0], [0, 4])
+    with pytest.raises(ValueError, match="out of range"):
+        ck.int4_grouped_matmul(x, q, scale, mn, [2], [0, 4])
+    with pytest.raises(ValueError, match="rise from 0"):
+        ck.int4_grouped_matmul(x, q, scale, mn, [0, 1], [0, 3, 2])
+    with pytest.raises(ValueError, match="len"):
+        ck.int4_grouped_matmul(x, q, scale, mn, [0, 1], [0, 4])
+    with pytest.raises(ValueError, match="multiple"):
+        ck.int4_grouped_matmul(torch.randn(4, 48), torch.zeros(1, 48, 16, dtype=torch.uint8),
+                               torch.zeros(1, 1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, 32, dtype=torch.bfloat16),
+                               [0], [0, 4])
+    with pytest.raises(ValueError, match="CUDA"):  # valid arguments, but CPU tensors: points at the twin
+        ck.int4_grouped_matmul(x, q, scale, mn, [0], [0, 4])
+
+
+def test_kernel_source_is_found_and_missing_source_is_explained(tmp_path) -> None:
+    path = ck.kernel_source_path()
+    assert path.name == ck.KERNEL_FILE and ck.KERNEL_NAME in path.read_text()
+    with pytest.raises(FileNotFoundError, match="native/"):
+        ck.kernel_source_path(tmp_path)
+
+
+def test_kernel_constants_match_the_wrapper() -> None:
+    src = ck.kernel_source_path().read_text()
+    assert f"#define BLOCK {ck._BLOCK}" in src and f"#define GROUP {ck.INT4_GROUP_SIZE}" in src
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to compile-check the kernel")
+def test_kernel_source_compiles(tmp_path) -> None:
+    result = subprocess.run(
+        ["nvcc", "--ptx", "-arch=compute_80", "-o", str(tmp_path / "k.ptx"), str(ck.kernel_source_path())],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert ck.KERNEL_NAME in (tmp_path / "k.ptx").read_text()
+
+
+def test_importing_devices_does_not_import_cupy() -> None:
+    code = "import sys, moed.devices, moed.devices.cuda_kernels; sys.exit('cupy' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
