@@ -11,7 +11,7 @@ DEMO_FTW := models/demo-moe-ftw
 DEMO_EXPERTS ?= int4
 PYTEST_ARGS ?=
 
-.PHONY: venv demo demo-model test test-fast clean
+.PHONY: venv demo demo-model test test-fast proto clean
 
 venv: $(VENV)/.installed
 
@@ -37,6 +37,10 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# regenerate the gRPC stubs (daemon/v1, imported as moed.v1) from protos/; a test fails when they are stale
+proto: venv
+	$(BIN)/python scripts/gen_protos.py
 
 clean:
 	rm -rf $(VENV) models build *.egg-info
