@@ -39,3 +39,49 @@ class EngineConfig:
         for name, value in (("emulated B_P", self.emulated_b_p), ("emulated device bandwidth", self.emulated_b_dev)):
             if not value > 0:
                 raise InvalidRequestError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class PathEnv:
+    """The environment variables that decide where the daemon keeps its files (see moed.service.paths)."""
+
+    xdg_runtime_dir: str | None = None  # $XDG_RUNTIME_DIR: per-login runtime dir (socket, lock)
+    xdg_state_home: str | None = None  # $XDG_STATE_HOME: logs go to <it>/moed/logs
+    xdg_data_home: str | None = None  # $XDG_DATA_HOME: models in <it>/moed/models
+    local_appdata: str | None = None  # %LOCALAPPDATA% (Windows): logs, runtime files, models
+    models: str | None = None  # $MOED_MODELS: model search dirs, os.pathsep-separated
+    runtime_dir: str | None = None  # $MOED_RUNTIME_DIR: overrides the runtime dir (tests, several users)
+    log_dir: str | None = None  # $MOED_LOG_DIR: overrides the log dir
+
+
+def path_env() -> PathEnv:
+    """Read the path-related environment variables once (empty values count as unset)."""
+
+    def get(name: str) -> str | None:
+        return os.environ.get(name) or None
+
+    return PathEnv(
+        xdg_runtime_dir=get("XDG_RUNTIME_DIR"),
+        xdg_state_home=get("XDG_STATE_HOME"),
+        xdg_data_home=get("XDG_DATA_HOME"),
+        local_appdata=get("LOCALAPPDATA"),
+        models=get("MOED_MODELS"),
+        runtime_dir=get("MOED_RUNTIME_DIR"),
+        log_dir=get("MOED_LOG_DIR"),
+    )
+
+
+def gpu_memory_file() -> Path | None:
+    """$MOED_GPU_MEMORY_FILE: read simulated GPU memory from this JSON file instead of NVML (tests)."""
+    value = os.environ.get("MOED_GPU_MEMORY_FILE")
+    return Path(value) if value else None
+
+
+def socket_override() -> str | None:
+    """$MOED_SOCKET: the daemon address clients use (and `moed serve` listens on) instead of the default."""
+    return os.environ.get("MOED_SOCKET") or None
+
+
+def daemon_token() -> str | None:
+    """$MOED_TOKEN: the token a daemon on a non-loopback address requires, and clients send."""
+    return os.environ.get("MOED_TOKEN") or None

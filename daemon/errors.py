@@ -15,3 +15,20 @@ class UnsupportedModelError(MoedError):
 
 class InvalidRequestError(MoedError):
     """A request parameter is out of range (sampling, prompt length, ...)."""
+
+
+class InsufficientMemoryError(MoedError):
+    """Not enough host RAM (or VRAM) for what was asked; the message says how much and what to do."""
+
+
+class AlreadyRunningError(MoedError):
+    """Another moed daemon of this user holds the instance lock; the message says where it listens."""
+
+    def __init__(self, message: str, *, pid: int | None = None, address: str | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.address = address
+
+
+class QueueFullError(MoedError):
+    """The engine's waiting queue is full; the request was not accepted (retry later)."""

@@ -33,6 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     gen.add_argument("--trace-out", metavar="FILE", help="record expert routing as JSON lines")
 
+    serve = sub.add_parser("serve", help="run the daemon (gRPC on a Unix socket; see --tcp)")
+    add_address(serve)
+    from moed.cli.serve_cmd import add_serve_arguments
+
+    add_serve_arguments(serve)
+    from moed.cli.client_cmds import add_client_commands
+
+    add_client_commands(sub, add_address)
+
     conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to FTW")
     conv.add_argument("src", help="Hugging Face model directory")
     conv.add_argument("dst", help="FTW output directory (written atomically)")
@@ -63,6 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", metavar="PATH", help="daemon address: a Unix socket path or HOST:PORT "
+                        "(default $MOED_SOCKET, else the user's runtime directory)")
+
+
+def daemon_address(args: argparse.Namespace) -> str:
+    from moed import config
+    from moed.service import paths
+
+    return args.socket or config.socket_override() or paths.default_address()
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "emulated", "cuda"),
                         help="where cached experts run (default cpu: all experts on the CPU)")
@@ -76,6 +97,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="emulated device: device compute bandwidth in GB/s")
 
 
+CLIENT_COMMANDS = ("run", "chat", "ps", "load", "unload", "cap", "status", "calibrate", "stop")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -85,6 +109,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             from moed.cli.convert_cmd import run_convert
             return run_convert(args)
+        if args.command == "serve":
+            from moed.cli.serve_cmd import run_serve
+
+            return run_serve(args, daemon_address(args))
+        if args.command in CLIENT_COMMANDS:
+            from moed import config
+            from moed.api.client import MoedClient
+            from moed.cli.client_cmds import run_client_command
+
+            with MoedClient(daemon_address(args), token=config.daemon_token()) as client:
+                return run_client_command(args, client)
         if args.command == "bench":
             from moed.cli.bench_cmd import run_bench
             return run_bench(args)

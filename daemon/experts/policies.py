@@ -7,9 +7,18 @@ works even over a cache built with the default LRU) and admits them; the remaini
 on the CPU. Policies differ only in
 how many misses they fill and which:
 
-- ``adaptive`` (default): q = q*(m, B_P, B_H), hottest misses first (most tokens, then lowest
-  id), LRU victims. The design's policy.
-- ``lru-freq``: ``adaptive`` over a segmented-LRU cache with a recency window
+- ``adaptive`` (default): at most q = q*(m, B_P, B_H) fills, LRU victims, and admission
+  control (``moed.cache.admission``): a miss takes an occupied slot only if its aged request
+  frequency beats the LRU victim's (plus a bias); otherwise it runs on the CPU, which costs no
+  copy. Three rules (recency-leaning, strict long-memory TinyLFU, plain LRU) duel through
+  tag-only shadow caches and the real cache follows the one that has missed least lately.
+  Deviation from the design's q*: "at least one fill per call" holds only while a slot is free
+  or a miss passes the admission test; on a working set larger than the cache (a loop over
+  all layers' experts) a forced fill per layer evicts exactly the entries needed next, and
+  plain LRU then misses 100%.
+- ``lru``: the design's original policy: q = q*(m, B_P, B_H), hottest misses first (most
+  tokens, then lowest id), LRU victims, every call fills at least one miss.
+- ``lru-freq``: ``lru`` over a segmented-LRU cache with a recency window
   (``LruFrequencyEviction``): experts reused recently are protected from one-off bursts.
 - ``fill-all``: q = m, classic offloading: every miss is copied.
 - ``cpu-all``: q = 0, every miss runs on the CPU; the cache never changes.
@@ -30,6 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
+from moed.cache.admission import DEFAULT_HALF_LIFE, DEFAULT_RULES, AdmissionDuel
 from moed.cache.eviction import EvictionStrategy, LruEviction, LruFrequencyEviction
 from moed.cache.expert_cache import ExpertCache
 from moed.errors import InvalidRequestError
@@ -98,17 +108,38 @@ class _QuotaPolicy(_BasePolicy):
         return by_heat[: len(victims)], victims
 
 
-class AdaptivePolicy(_QuotaPolicy):
-    """q = q*(m, B_P, B_H) hottest misses filled into LRU victims (DESIGN.md)."""
+class LruPolicy(_QuotaPolicy):
+    """q = q*(m, B_P, B_H) hottest misses filled into LRU victims (DESIGN.md's policy)."""
 
-    name = "adaptive"
+    name = "lru"
 
     def _quota(self, m, *, phase, b_p, b_h):
         return q_star(m, b_p, b_h)
 
 
-class LruFreqPolicy(AdaptivePolicy):
-    """``adaptive`` whose cache evicts with segmented LRU (frequency-protected)."""
+class AdaptivePolicy(_BasePolicy):
+    """At most q* fills into LRU victims, gated by a dueling admission filter (module doc)."""
+
+    name = "adaptive"
+
+    def __init__(self, rules: Sequence[tuple[float, float]] = DEFAULT_RULES,
+                 half_life: float = DEFAULT_HALF_LIFE) -> None:
+        super().__init__()
+        self.admission = AdmissionDuel(rules, half_life)
+
+    def plan(self, cache, ids, counts, *, phase, b_p, b_h):
+        arr, cnt = _check_call(ids, counts, phase)
+        self.admission.observe(cache, arr, cnt, lambda m: q_star(m, b_p, b_h))
+        return super().plan(cache, ids, counts, phase=phase, b_p=b_p, b_h=b_h)
+
+    def _choose_fills(self, cache, by_heat, hits, *, phase, b_p, b_h):
+        return self.admission.rule.choose(
+            cache, by_heat, hits, q_star(len(by_heat), b_p, b_h),
+            evict_order=lambda k: cache.choose_victims(k, protect=hits, eviction=self.eviction))
+
+
+class LruFreqPolicy(LruPolicy):
+    """``lru`` whose cache evicts with segmented LRU (frequency-protected)."""
 
     name = "lru-freq"
 
@@ -293,6 +324,7 @@ class HotSetPolicy(_SetPolicy):
 
 POLICIES: dict[str, type] = {
     "adaptive": AdaptivePolicy,
+    "lru": LruPolicy,
     "fill-all": FillAllPolicy,
     "cpu-all": CpuAllPolicy,
     "static": StaticPolicy,

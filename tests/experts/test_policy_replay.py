@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from moed.errors import InvalidRequestError
@@ -138,3 +139,37 @@ def test_run_policy_bench_markdown_and_json(tmp_path):
     assert run_policy_bench(trace, 0.5, "adaptive, static") == run_policy_bench(trace, [0.5], ["adaptive", "static"])
     with pytest.raises(InvalidRequestError, match="unknown split policies"):
         run_policy_bench(trace, [0.5], ["lru9"])
+
+
+# ---- the default is robust: within 1 point of the best policy, loops and locality alike -------
+
+BASELINES = ("lru", "fill-all", "static", "hot-set", "fixed-share", "lru-freq")
+
+
+def loop_trace(layers: int = 8, experts: int = 8, top_k: int = 2, tokens: int = 200, seed: int = 0) -> RoutingTrace:
+    """Skewed (Zipf 1.2) top-k routing per layer: every token cycles through all layers, so the
+    per-token working set (layers * top_k = 16) exceeds a 10% cache (6 slots): LRU's loop case."""
+    rng = np.random.default_rng(seed)
+    ranks = [rng.permutation(experts) for _ in range(layers)]
+    weights = 1.0 / np.arange(1, experts + 1) ** 1.2
+    steps = [(0, pos, "decode", {layer: [int(e) for e in ranks[layer][
+        rng.choice(experts, top_k, replace=False, p=weights / weights.sum())]] for layer in range(layers)})
+        for pos in range(tokens)]
+    return RoutingTrace.from_steps(steps, experts)
+
+
+@pytest.mark.parametrize("which,fraction", [("loop", 0.1), ("loop", 0.2), ("high", 0.1), ("high", 0.25)])
+def test_default_is_within_a_point_of_the_best_policy(which, fraction, high_trace):
+    trace = loop_trace() if which == "loop" else high_trace
+    rates = {p: replay(trace, p, cache_fraction=fraction).miss_rate for p in ("adaptive",) + BASELINES}
+    best = min(rates[p] for p in BASELINES)
+    assert rates["adaptive"] <= best + 0.01, rates
+    if which == "loop" and fraction == 0.1:
+        assert rates["lru"] == 1.0 and rates["adaptive"] < 0.8, rates  # LRU's loop pathology, gone
+
+
+def test_admission_saves_copies_on_a_loop():
+    trace = loop_trace()
+    adaptive = replay(trace, "adaptive", cache_fraction=0.1)
+    lru = replay(trace, "lru", cache_fraction=0.1)
+    assert adaptive.fills < 0.1 * lru.fills and adaptive.cpu > lru.cpu - lru.fills

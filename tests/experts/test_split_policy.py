@@ -283,3 +283,71 @@ def test_hot_set_is_chosen_from_prefill_usage_and_frozen_during_decode():
     plan = policy.plan(cache, [4, 5], [1, 1], phase="decode", b_p=1.0, b_h=2.0)
     assert policy.hot_ids == [4, 5]
     assert sorted(plan.fills) == [4, 5] and sorted(plan.evicted) == [1, 3]
+
+
+# ---- adaptive's admission filter (moed.cache.admission) --------------------------------------
+
+
+def test_frequency_sketch_counts_and_halves():
+    from moed.cache.admission import FrequencySketch
+    sketch = FrequencySketch(window_factor=1.0)  # halve every num_ids = 4 requests
+    sketch.record(np.array([0, 1]), 4)
+    assert sketch.freq([0, 1, 2]).tolist() == [1, 1, 0]
+    sketch.record(np.array([0]), 4)
+    sketch.record(np.array([0]), 4)  # 4th request: (3, 1, 0, 0) halves to (1, 0, 0, 0)
+    assert sketch.counts.tolist() == [1, 0, 0, 0]
+    with pytest.raises(ValueError):
+        FrequencySketch(window_factor=0)
+
+
+def test_admission_rule_free_slots_first_then_frequency_test():
+    from moed.cache.admission import AdmissionRule
+    rule = AdmissionRule(window_factor=100.0, bias=0)
+    cache = ExpertCache(10, 2)
+    for ids in ([1], [1], [2], [3]):  # freq: 1 -> 2, 2 -> 1, 3 -> 1
+        rule.sketch.record(np.array(ids), 10)
+    fills, slots = rule.choose(cache, np.array([3]), np.array([], dtype=np.int64), quota=1)
+    assert fills.tolist() == [3] and slots == [0]  # a free slot: no test
+    cache.admit([3], [0])
+    cache.admit([1], [1])
+    cache.advance()
+    cache.touch([1])  # LRU victim is now 3 (freq 1)
+    fills, _ = rule.choose(cache, np.array([2]), np.array([], dtype=np.int64), quota=1)
+    assert fills.tolist() == []  # 2 is not more frequent than 3: runs on the CPU, no copy
+    rule.sketch.record(np.array([2]), 10)
+    fills, slots = rule.choose(cache, np.array([2]), np.array([], dtype=np.int64), quota=1)
+    assert fills.tolist() == [2] and slots == [0]  # now it beats 3
+    lru_rule = AdmissionRule(bias=math.inf)
+    assert lru_rule.choose(cache, np.array([7]), np.array([], dtype=np.int64), quota=1)[0].tolist() == [7]
+    with pytest.raises(ValueError):
+        AdmissionRule(bias=-1)
+
+
+def test_adaptive_refuses_fills_on_a_loop_but_lru_forces_one():
+    """Cache of 2, cyclic requests over 4 ids: LRU evicts the next one needed each call."""
+    results = {}
+    for name in ("adaptive", "lru"):
+        policy = make_policy(name)
+        cache = ExpertCache(4, 2, eviction=policy.eviction)
+        hits = fills = 0
+        for step in range(200):
+            cache.advance()
+            plan = policy.plan(cache, [step % 4], [1], phase="decode", b_p=1.0, b_h=2.0)
+            plan.check([step % 4])
+            hits, fills = hits + len(plan.hits), fills + plan.q
+        results[name] = (hits, fills)
+    assert results["lru"] == (0, 200)  # every call misses and copies
+    assert results["adaptive"][0] >= 90 and results["adaptive"][1] <= 10  # ~half hit, few copies
+
+
+def test_admission_duel_follows_the_rule_that_misses_least():
+    from moed.cache.admission import AdmissionDuel
+    duel = AdmissionDuel(rules=((8.0, 0.0), (1.0, math.inf)))
+    cache = ExpertCache(4, 2)
+    for step in range(100):  # a loop larger than the cache: strict TinyLFU wins
+        duel.observe(cache, np.array([step % 4]), np.array([1]), lambda m: m)
+    assert duel.leader == 0 and duel.scores[0] < duel.scores[1]
+    with pytest.raises(ValueError):
+        AdmissionDuel(rules=())
+    with pytest.raises(InvalidRequestError):
+        make_policy("adaptive", half_life=0)

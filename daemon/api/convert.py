@@ -1,0 +1,63 @@
+"""Wire <-> native translation: protobuf messages are parsed here and never travel inward."""
+
+from __future__ import annotations
+
+from moed.engine.sampling import SamplingParams
+from moed.errors import InvalidRequestError
+from moed.v1 import control_pb2, inference_pb2
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def sampling_from_proto(msg: inference_pb2.SamplingParams) -> SamplingParams:
+    """Validated SamplingParams (InvalidRequestError names the bad field)."""
+    return SamplingParams(
+        temperature=float(msg.temperature),
+        top_k=int(msg.top_k),
+        top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
+        min_p=float(msg.min_p),
+        repetition_penalty=float(msg.repetition_penalty) if msg.HasField("repetition_penalty") else 1.0,
+        seed=int(msg.seed) if msg.HasField("seed") else None,
+        max_tokens=int(msg.max_tokens) or DEFAULT_MAX_TOKENS,
+        stop=tuple(msg.stop),
+        ignore_eos=bool(msg.ignore_eos),
+    )
+
+
+def messages_from_proto(chat: inference_pb2.ChatMessages) -> list[dict]:
+    if not chat.messages:
+        raise InvalidRequestError("chat has no messages; send at least one {role, content}")
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def model_info(entry=None, *, path=None, disk_bytes: int = 0) -> control_pb2.ModelInfo:
+    if entry is None:
+        return control_pb2.ModelInfo(name=path.name, path=str(path), loaded=False, disk_bytes=disk_bytes,
+                                     format="ftw" if (path / "ftw.json").is_file() else "hf")
+    stats = entry.stats
+    return control_pb2.ModelInfo(
+        name=entry.name, path=str(entry.path), format=entry.runtime.loaded.format,
+        family=entry.runtime.model.config.family, loaded=True, experts_dtype=entry.runtime.loaded.bank.dtype,
+        disk_bytes=disk_bytes, host_bytes=entry.host_bytes(), vram_bytes=entry.vram_bytes(), device=stats.device,
+        policy=stats.policy, context_length=entry.loop.context_length, active_requests=entry.loop.num_active)
+
+
+def engine_figures(stats) -> control_pb2.EngineFigures:
+    return control_pb2.EngineFigures(
+        device=stats.device, policy=stats.policy, hits=stats.hits, misses=stats.misses, fills=stats.fills,
+        cpu_experts=stats.cpu_experts, last_q=stats.last_q, last_m=stats.last_m, b_p=stats.b_p, b_h=stats.b_h,
+        cache_slots=stats.cache_slots, cache_bytes=stats.cache_bytes, pinned_bytes=stats.pinned_bytes,
+        pageable_bytes=stats.pageable_bytes, pin_note=stats.pin_note)
+
+
+def memory_figures(figures: dict) -> control_pb2.MemoryFigures:
+    """From MemoryGovernor.figures() (+ host RAM); None (unlimited / no cap) becomes 0."""
+    def num(key: str) -> int:
+        value = figures.get(key)
+        return int(value) if value is not None else 0
+
+    return control_pb2.MemoryFigures(
+        has_gpu=bool(figures.get("has_gpu")), vram_total=num("vram_total"), vram_free=num("vram_free"),
+        vram_other_apps=num("vram_other_apps"), vram_ours=num("vram_ours"), budget_bytes=num("budget_bytes"),
+        cap_bytes=num("cap_bytes"), host_total=num("host_total"), host_available=num("host_available"),
+        source=str(figures.get("source", "none")))

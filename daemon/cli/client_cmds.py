@@ -1,0 +1,231 @@
+"""The CLI's daemon-client commands: run, chat, ps, load, unload, cap, status, calibrate, stop."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from moed.api.client import MoedClient
+from moed.cli.progress import ProgressBar
+from moed.errors import InvalidRequestError
+
+
+def add_client_commands(sub, add_address) -> None:
+    run = sub.add_parser("run", help="ask the running daemon one prompt (streamed)")
+    add_address(run)
+    run.add_argument("prompt")
+    run.add_argument("--model", default="", help="loaded model name (default: the only one)")
+    run.add_argument("--raw", action="store_true", help="plain prompt, no chat template")
+    add_sampling(run)
+
+    chat = sub.add_parser("chat", help="interactive chat with the running daemon")
+    add_address(chat)
+    chat.add_argument("--model", default="")
+    chat.add_argument("--system", help="system message")
+    add_sampling(chat)
+
+    ps = sub.add_parser("ps", help="models on disk and loaded ones, with their memory (like `ollama ps`)")
+    add_address(ps)
+
+    load = sub.add_parser("load", help="load a model into the daemon")
+    add_address(load)
+    load.add_argument("model", help="model directory or name found in the model directories")
+    load.add_argument("--name", default="")
+    load.add_argument("--device", default="auto", choices=("auto", "cpu", "emulated", "cuda"))
+    load.add_argument("--policy", default="adaptive")
+    load.add_argument("--cache-fraction", type=float)
+    load.add_argument("--context", type=int, default=0)
+    load.add_argument("--experts-dtype", default="", choices=("", "fp32", "bf16", "int4"))
+    load.add_argument("--max-batch", type=int, default=0)
+    load.add_argument("--verify", action="store_true")
+
+    unload = sub.add_parser("unload", help="unload a model")
+    add_address(unload)
+    unload.add_argument("model")
+
+    cap = sub.add_parser("cap", help="cap the daemon's VRAM use: bytes (e.g. 6G), a percentage (50%%) or auto")
+    add_address(cap)
+    cap.add_argument("value")
+
+    status = sub.add_parser("status", help="daemon status")
+    add_address(status)
+    status.add_argument("--watch", action="store_true", help="keep printing updates")
+    status.add_argument("--interval", type=float, default=1.0)
+
+    calibrate = sub.add_parser("calibrate", help="measure B_P and B_H for a loaded model (stored per machine)")
+    add_address(calibrate)
+    calibrate.add_argument("--model", default="")
+    calibrate.add_argument("--seconds", type=float, default=1.0)
+
+    stop = sub.add_parser("stop", help="stop the daemon (running requests finish first unless --cancel)")
+    add_address(stop)
+    stop.add_argument("--cancel", action="store_true")
+
+
+def add_sampling(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[])
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, min_p=args.min_p,
+              stop=args.stop)
+    for name in ("top_p", "repetition_penalty", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            kw[name] = value
+    return kw
+
+
+def gb(n: int | float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def parse_cap(value: str) -> tuple[int, float | None]:
+    text = value.strip().lower()
+    if text in ("auto", "off", "none", "0"):
+        return 0, None
+    if text.endswith("%"):
+        try:
+            fraction = float(text[:-1]) / 100
+        except ValueError:
+            raise InvalidRequestError(f"cap {value!r}: write a percentage like 50%") from None
+        return 0, fraction
+    units = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+    scale = units.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in units else text
+    try:
+        cap = int(float(number) * scale)
+    except ValueError:
+        raise InvalidRequestError(f"cap {value!r}: write bytes (6G, 6000M), a percentage (50%) or auto") from None
+    if cap <= 0:
+        raise InvalidRequestError(f"cap {value!r} must be positive (or auto)")
+    return cap, None
+
+
+def stream_answer(client: MoedClient, **kw) -> None:
+    final = None
+    for part in client.generate(**kw):
+        sys.stdout.write(part.text)
+        sys.stdout.flush()
+        if part.done:
+            final = part
+    sys.stdout.write("\n")
+    if final is not None:
+        u = final.usage
+        print(f"[{final.finish_reason}] prompt {u.prompt_tokens} tok, generated {u.completion_tokens} tok | "
+              f"TTFT {u.ttft_seconds * 1000:.0f} ms | decode {u.decode_tokens_per_second:.1f} tok/s", file=sys.stderr)
+
+
+def run_client_command(args: argparse.Namespace, client: MoedClient) -> int:
+    cmd = args.command
+    if cmd == "run":
+        if args.raw:
+            stream_answer(client, prompt=args.prompt, model=args.model, **sampling_kwargs(args))
+        else:
+            stream_answer(client, messages=[{"role": "user", "content": args.prompt}], model=args.model,
+                          **sampling_kwargs(args))
+    elif cmd == "chat":
+        return chat_loop(client, args)
+    elif cmd == "ps":
+        print_ps(client)
+    elif cmd == "load":
+        options = dict(name=args.name, device=args.device, policy=args.policy, context_length=args.context,
+                       experts_dtype=args.experts_dtype, verify=args.verify, max_batch=args.max_batch)
+        if args.cache_fraction is not None:
+            options["cache_fraction"] = args.cache_fraction
+        bar = ProgressBar(f"loading {args.model}", min_seconds=0.0)
+        for progress in client.load(args.model, **options):
+            if progress.stage == "reading" and progress.total_bytes:
+                bar(progress.done_bytes, progress.total_bytes)
+            if progress.HasField("model"):
+                m = progress.model
+                print(f"loaded {m.name} ({m.family}, {m.experts_dtype} experts) on {m.device}, policy {m.policy}: "
+                      f"{gb(m.host_bytes)} host, {gb(m.vram_bytes)} device cache")
+    elif cmd == "unload":
+        client.unload(args.model)
+        print(f"unloaded {args.model}")
+    elif cmd == "cap":
+        cap, fraction = parse_cap(args.value)
+        status = client.set_vram_cap(cap, fraction)
+        print(f"VRAM cap: {gb(status.memory.cap_bytes) if status.memory.cap_bytes else 'auto'}; "
+              f"budget now {gb(status.memory.budget_bytes)}")
+    elif cmd == "status":
+        if args.watch:
+            for status in client.watch_status(args.interval):
+                print_status(status)
+                print("-" * 60)
+        else:
+            print_status(client.status())
+    elif cmd == "calibrate":
+        reply = client.calibrate(args.model, args.seconds)
+        print(f"B_P {reply.b_p / 1e9:.2f} GB/s (with CPU busy {reply.b_p_concurrent / 1e9:.2f}), "
+              f"B_H {reply.b_h / 1e9:.2f} GB/s (with copies {reply.b_h_concurrent / 1e9:.2f}); "
+              f"q*/m = {reply.q_ratio:.2f} on {reply.device}")
+    elif cmd == "stop":
+        client.shutdown(cancel_inflight=args.cancel)
+        print("daemon stopping")
+    return 0
+
+
+def print_ps(client: MoedClient) -> None:
+    models = client.list_models()
+    if not models:
+        print("no models loaded or found in the model directories")
+        return
+    print(f"{'NAME':24} {'STATE':8} {'DEVICE':9} {'EXPERTS':7} {'HOST':>10} {'DEVICE MEM':>11} {'DISK':>10}  PATH")
+    for m in models:
+        state = "loaded" if m.loaded else "on disk"
+        print(f"{m.name[:24]:24} {state:8} {m.device or '-':9} {m.experts_dtype or '-':7} "
+              f"{gb(m.host_bytes) if m.loaded else '-':>10} {gb(m.vram_bytes) if m.loaded else '-':>11} "
+              f"{gb(m.disk_bytes):>10}  {m.path}")
+
+
+def print_status(s) -> None:
+    print(f"state {s.state} | version {s.version} | active {s.active_requests} queued {s.queued_requests} | "
+          f"{s.tokens_per_second:.1f} tok/s | served {s.requests_served}")
+    for m in s.models:
+        print(f"  model {m.name}: {m.device}, policy {m.policy}, {m.experts_dtype} experts, context {m.context_length}")
+    e, mem = s.engine, s.memory
+    if e.device:
+        lookups = e.hits + e.misses
+        rate = e.misses / lookups if lookups else 0.0
+        print(f"  experts: hits {e.hits} misses {e.misses} ({rate:.0%}) fills {e.fills} cpu {e.cpu_experts} | "
+              f"q/m {e.last_q}/{e.last_m} | B_P {e.b_p / 1e9:.1f} GB/s B_H {e.b_h / 1e9:.1f} GB/s | "
+              f"cache {e.cache_slots} slots {gb(e.cache_bytes)} | pinned {gb(e.pinned_bytes)} pageable {gb(e.pageable_bytes)}")
+    vram = (f"VRAM total {gb(mem.vram_total)}, other apps {gb(mem.vram_other_apps)}, ours {gb(mem.vram_ours)}, "
+            f"free {gb(mem.vram_free)}" if mem.has_gpu else "no GPU memory readings")
+    cap = gb(mem.cap_bytes) if mem.cap_bytes else "auto"
+    print(f"  memory ({mem.source}): {vram}; budget {gb(mem.budget_bytes)}, cap {cap}; host RAM "
+          f"{gb(mem.host_available)} free of {gb(mem.host_total)} | cache resizes {s.cache_resizes}")
+    if s.last_error:
+        print(f"  last error: {s.last_error}")
+
+
+def chat_loop(client: MoedClient, args: argparse.Namespace) -> int:
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat with the daemon; an empty line or Ctrl-D ends", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line})
+        answer = []
+        started = time.perf_counter()
+        for part in client.generate(messages=messages, model=args.model, **sampling_kwargs(args)):
+            sys.stdout.write(part.text)
+            sys.stdout.flush()
+            answer.append(part.text)
+        sys.stdout.write(f"\n({time.perf_counter() - started:.1f} s)\n")
+        messages.append({"role": "assistant", "content": "".join(answer)})

@@ -1,0 +1,353 @@
+"""EngineLoop: one thread serving many requests on one model by continuous batching over one KV cache.
+
+Each step: finish expired and cancelled sequences, take the scheduler's plan, run one ForwardBatch
+holding every scheduled prefill chunk and decode token, then sample (each request with its own
+Sampler), detokenize and stream. Other threads only submit, cancel, read figures and queue safe-point
+functions; the model, the cache and the per-request samplers/decoders are touched by the loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent, Usage
+from moed.engine.runtime import DEFAULT_CONTEXT, ModelRuntime
+from moed.engine.sampling import Sampler, SamplingParams
+from moed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from moed.errors import InvalidRequestError
+from moed.runner.forward_batch import ForwardBatch
+from moed.text.stop_strings import StopMatcher
+from moed.text.stream_decoder import StreamDecoder
+
+log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 5.0  # tokens_per_second looks this far back
+
+
+@dataclass
+class _Live:
+    """The loop's side of one request (sampler, decoder, timings); dropped when the request finishes."""
+
+    request: GenerationRequest
+    handle: RequestHandle
+    sampler: Sampler
+    stop: StopMatcher
+    decoder: StreamDecoder | None
+    submitted_at: float
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+
+
+class EngineLoop:
+    def __init__(self, runtime: ModelRuntime, *, name: str, max_batch: int = 8, max_queue: int = 64,
+                 prefill_chunk: int = 256, max_step_tokens: int = 512, context_length: int | None = None) -> None:
+        config = runtime.model.config
+        max_pos = config.max_position_embeddings
+        context = min(DEFAULT_CONTEXT, max_pos) if context_length is None else context_length
+        if context < 2:
+            raise InvalidRequestError(f"{name}: context length must be at least 2 tokens, got {context}")
+        if context > max_pos:
+            raise InvalidRequestError(
+                f"{name}: context length {context} exceeds the model's max_position_embeddings ({max_pos})")
+        self.name = name
+        self.runtime = runtime
+        self.context_length = context
+        self.max_batch = max_batch
+        self._scheduler = Scheduler(SchedulerConfig(max_batch, max_queue, prefill_chunk, max_step_tokens))
+        self._vocab_size = config.vocab_size
+        eos = set(config.eos_token_ids)
+        if runtime.tokenizer is not None:
+            eos |= set(runtime.tokenizer.eos_token_ids)
+        self._eos_ids = frozenset(eos)
+        # one slot per running sequence, allocated once; a slot is overwritten from position 0 on reuse
+        self._cache = runtime.model.new_cache(max_batch, context)
+
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._live: dict[int, _Live] = {}  # seq id -> request state (queued and running)
+        self._safe_points: list[tuple[Callable[[], Any], Future]] = []
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self._stopping = False
+        self._rate: deque[tuple[float, int]] = deque()  # (step end, tokens sampled)
+
+        self.requests_served = 0  # requests that got their done event, whatever the reason
+        self.num_steps = 0
+        self.max_batch_seen = 0  # most sequences in one step (continuous batching at work)
+        self.last_error = ""
+
+    # ---- public API (any thread) ----
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError(f"engine loop {self.name!r} was already started")
+            self._thread = threading.Thread(target=self._run, name=f"moed-engine-{self.name}", daemon=True)
+            self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Validate and queue; raises InvalidRequestError or QueueFullError without queueing anything."""
+        self._validate(request)
+        handle = RequestHandle(request.request_id, self.cancel)
+        decoder = None
+        if self.runtime.tokenizer is not None:
+            decoder = self.runtime.tokenizer.stream_decoder(request.prompt_ids)
+        live = _Live(request, handle, Sampler(request.params), StopMatcher(request.params.stop), decoder,
+                     time.monotonic())
+        with self._wakeup:
+            if not self._accepting:
+                raise InvalidRequestError("the daemon is shutting down")
+            seq_id = self._scheduler.add(request.request_id, request.prompt_ids)
+            self._live[seq_id] = live
+            self._wakeup.notify_all()
+        return handle
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a queued (ends now) or running (ends at the next step boundary) request; False if unknown."""
+        with self._wakeup:
+            found = self._scheduler.cancel(request_id)
+            if found is None:
+                return False
+            if found.was_queued:
+                self._finish_locked(found.seq_id, "cancelled")
+            self._wakeup.notify_all()
+            return True
+
+    def run_at_safe_point(self, fn: Callable[[], Any]) -> Future:
+        """Run fn on the loop thread between two steps (no forward in flight); its result lands in the future.
+
+        Before start() and after stop() no step can run, so fn runs at once in the calling thread.
+        """
+        future: Future = Future()
+        with self._wakeup:
+            if self._thread is not None and self._thread.is_alive() and not self._stopped_locked():
+                self._safe_points.append((fn, future))
+                self._wakeup.notify_all()
+                return future
+        _run_into(fn, future)
+        return future
+
+    def stop(self, cancel_inflight: bool = True, timeout: float = 30.0) -> bool:
+        """Refuse new requests; cancel (or, with cancel_inflight=False, finish) running and queued ones; join.
+
+        Returns True when the loop thread has ended within timeout.
+        """
+        with self._wakeup:
+            self._accepting = False
+            started = self._thread is not None
+            if cancel_inflight or not started:  # never started: nothing would ever drain the queue
+                for live in list(self._live.values()):
+                    found = self._scheduler.cancel(live.request.request_id)
+                    if found is not None and found.was_queued:
+                        self._finish_locked(found.seq_id, "cancelled")
+            self._stopping = True
+            self._wakeup.notify_all()
+            thread = self._thread
+        if thread is None:
+            self._cache = None
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    @property
+    def num_active(self) -> int:
+        with self._lock:
+            return self._scheduler.num_running
+
+    @property
+    def num_queued(self) -> int:
+        with self._lock:
+            return self._scheduler.num_waiting
+
+    @property
+    def state(self) -> str:
+        with self._lock:
+            busy = self._scheduler.num_running or self._scheduler.num_waiting
+        return "generating" if busy else "idle"
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens sampled per second over the last RATE_WINDOW_S seconds (decays to 0 when idle)."""
+        now = time.monotonic()
+        with self._lock:
+            recent = [(t, n) for t, n in self._rate if t >= now - RATE_WINDOW_S]
+        if len(recent) < 2 or now <= recent[0][0]:
+            return 0.0
+        return sum(n for _, n in recent[1:]) / (now - recent[0][0])
+
+    # ---- the loop thread ----
+
+    def _stopped_locked(self) -> bool:
+        return self._stopping and not self._scheduler.num_running and not self._scheduler.num_waiting
+
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                while (not self._safe_points and not self._scheduler.num_running
+                       and not self._scheduler.num_waiting and not self._stopping):
+                    self._wakeup.wait()
+                safe_points, self._safe_points = self._safe_points, []
+                exiting = self._stopped_locked() and not safe_points
+            for fn, future in safe_points:
+                _run_into(fn, future)
+            if exiting:
+                break
+            try:
+                self._step()
+            except Exception as exc:  # a bug outside the model call: fail what is running, keep serving
+                log.exception("engine %s: step failed", self.name)
+                with self._lock:
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    for seq_id in self._scheduler.running_ids():
+                        self._finish_locked(seq_id, "error", f"engine step failed: {self.last_error}")
+        with self._lock:
+            self._cache = None  # the KV memory goes with the loop
+            for fn, future in self._safe_points:  # queued while we were exiting
+                _run_into(fn, future)
+            self._safe_points = []
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [seq_id for seq_id, live in self._live.items()
+                       if live.request.deadline is not None and now > live.request.deadline]
+            for seq_id in expired:
+                self._finish_locked(seq_id, "deadline")
+            plan = self._scheduler.schedule()
+            for seq_id in plan.cancelled:
+                self._finish_locked(seq_id, "cancelled")
+            chunks = [c for c in plan.chunks if c.seq_id in self._live]
+        if not chunks:
+            return
+        try:
+            logits = self._forward(chunks)  # [B, V]
+        except Exception as exc:
+            log.exception("engine %s: model step failed", self.name)
+            message = f"model step failed: {type(exc).__name__}: {exc}"
+            with self._lock:
+                self.last_error = message
+                for chunk in chunks:
+                    self._finish_locked(chunk.seq_id, "error", message)
+            return
+        self._after_forward(chunks, logits)
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        batch = ForwardBatch.from_token_lists([c.token_ids for c in chunks], [c.start for c in chunks],
+                                              [c.slot for c in chunks])
+        logits = self.runtime.model.forward(batch, self._cache)
+        self.num_steps += 1
+        self.max_batch_seen = max(self.max_batch_seen, len(chunks))
+        return logits
+
+    def _after_forward(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        results: list[tuple[ScheduledChunk, int | None, str, str]] = []  # chunk, token, finish reason, error
+        for row, chunk in enumerate(chunks):
+            if not chunk.samples:
+                results.append((chunk, None, "", ""))
+                continue
+            try:
+                token, reason = self._accept(self._live[chunk.seq_id], logits[row], chunk.start + len(chunk.token_ids))
+                results.append((chunk, token, reason, ""))
+            except Exception as exc:
+                log.exception("engine %s: sampling failed", self.name)
+                results.append((chunk, None, "error", f"sampling failed: {type(exc).__name__}: {exc}"))
+        del logits
+        num_sampled = sum(1 for _, token, _, _ in results if token is not None)
+        with self._lock:
+            for chunk, token, reason, error in results:
+                self._scheduler.record(chunk.seq_id, len(chunk.token_ids), token)
+                if reason:
+                    if error:
+                        self.last_error = error
+                    self._finish_locked(chunk.seq_id, reason, error)
+            now = time.monotonic()
+            self._rate.append((now, num_sampled))
+            while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
+                self._rate.popleft()
+
+    def _accept(self, live: _Live, logits: torch.Tensor, num_cached: int) -> tuple[int, str]:
+        """Sample one token, stream it; returns (token, finish reason or "")."""
+        params = live.request.params
+        token = live.sampler.sample(logits, live.request.prompt_ids + live.generated)
+        now = time.monotonic()
+        if live.first_token_at is None:
+            live.first_token_at = now
+        live.last_token_at = now
+        live.generated.append(token)
+        is_eos = token in self._eos_ids and not params.ignore_eos
+        delta, hit_stop = "", False
+        if live.decoder is not None and not is_eos:
+            delta, hit_stop = live.stop.push(live.decoder.add(token))
+        reason = ""
+        if is_eos:
+            reason = "eos"
+        elif hit_stop:
+            reason = "stop"
+        elif len(live.generated) >= params.max_tokens:
+            reason = "length"
+        elif num_cached + 1 >= self.context_length:  # prompt + generated fill the context
+            reason = "context"
+        live.handle.push(StreamEvent(text=delta, token_ids=(token,), done=False))
+        return token, reason
+
+    # ---- shared (caller holds the lock) ----
+
+    def _finish_locked(self, seq_id: int, reason: str, error: str = "") -> None:
+        """End a request: flush held-back text, free its slot, drop every reference to its state, send done."""
+        live = self._live.pop(seq_id, None)
+        self._scheduler.finish(seq_id)
+        if live is None:
+            return
+        tail = ""
+        if reason != "error" and live.decoder is not None and not live.stop.stopped:
+            try:
+                tail, hit_stop = live.stop.push(live.decoder.flush())
+                tail += "" if hit_stop else live.stop.flush()
+                if hit_stop and reason in ("eos", "length", "context"):
+                    reason = "stop"
+            except Exception:  # a decoder failure must not keep the done event from being sent
+                log.exception("engine %s: flushing the decoder failed", self.name)
+        n = len(live.generated)
+        first = live.first_token_at
+        span = live.last_token_at - first if first is not None else 0.0
+        usage = Usage(prompt_tokens=len(live.request.prompt_ids), completion_tokens=n,
+                      ttft_s=first - live.submitted_at if first is not None else 0.0,
+                      decode_tok_s=(n - 1) / span if n > 1 and span > 0 else 0.0, seed=live.sampler.seed)
+        live.handle.push(StreamEvent(text=tail, token_ids=(), done=True, finish_reason=reason, usage=usage,
+                                     error=error))
+        self.requests_served += 1
+
+    def _validate(self, request: GenerationRequest) -> None:
+        if not isinstance(request.request_id, str) or not request.request_id:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        if not isinstance(request.params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(request.params).__name__}")
+        prompt = request.prompt_ids
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty; give at least one token of text")
+        if len(prompt) >= self.context_length:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens but model {self.name!r} serves a context of "
+                f"{self.context_length} (prompt plus at least one generated token); shorten the prompt")
+        vocab = self._vocab_size
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]!r} is outside the model's vocabulary (0..{vocab - 1})")
+
+
+def _run_into(fn: Callable[[], Any], future: Future) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+        future.set_exception(exc)

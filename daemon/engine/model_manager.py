@@ -1,0 +1,182 @@
+"""ModelManager: the daemon's loaded models (runtime + engine loop each), models on disk, safe-point changes.
+
+Loads and unloads never stop other models: each loaded model has its own engine loop; a cache
+resize is applied by that model's loop between two steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from moed.config import EngineConfig
+from moed.engine.engine_loop import EngineLoop
+from moed.engine.runtime import ModelRuntime, open_runtime
+from moed.errors import InvalidRequestError, ModelFormatError
+
+ProgressFn = Callable[[str, int, int], None]  # (stage, done bytes, total bytes)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    device: str = "auto"
+    policy: str = "adaptive"
+    policy_options: tuple[tuple[str, float], ...] = ()
+    cache_fraction: float = 0.25
+    context_length: int | None = None
+    experts_dtype: str | None = None
+    verify: bool = False
+    max_batch: int = 8
+    max_queue: int = 64
+    emulated_b_p: float = 16e9
+
+
+@dataclass
+class LoadedEntry:
+    name: str
+    path: Path
+    runtime: ModelRuntime
+    loop: EngineLoop
+    options: LoadOptions
+    loaded_at: float = field(default_factory=time.time)
+
+    @property
+    def stats(self):
+        return self.runtime.executor.stats
+
+    def host_bytes(self) -> int:
+        weights = sum(t.numel() * t.element_size() for t in self.runtime.loaded.weights.values())
+        return weights + self.runtime.loaded.bank.nbytes()
+
+    def vram_bytes(self) -> int:
+        return self.stats.cache_bytes if self.stats.device in ("cuda", "emulated") else 0
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / "ftw.json").is_file() or (path / "config.json").is_file()
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+class ModelManager:
+    def __init__(self, search_dirs: list[Path]) -> None:
+        self.search_dirs = search_dirs
+        self._models: dict[str, LoadedEntry] = {}
+        self._lock = threading.Lock()
+        self._loading = 0
+        self.last_used: str | None = None
+
+    # -- discovery ------------------------------------------------------------------------------
+    def discover(self) -> list[Path]:
+        found: dict[str, Path] = {}
+        for root in self.search_dirs:
+            if not root.is_dir():
+                continue
+            candidates = [root] + sorted(p for p in root.iterdir() if p.is_dir())
+            for path in candidates:
+                if is_model_dir(path):
+                    found.setdefault(path.name, path)
+        return list(found.values())
+
+    def resolve(self, model: str) -> Path:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            return path.resolve()
+        for candidate in self.discover():
+            if candidate.name == model:
+                return candidate.resolve()
+        where = ", ".join(str(d) for d in self.search_dirs) or "(none)"
+        raise InvalidRequestError(f"model {model!r} not found: not a directory, and no model of that name in {where}")
+
+    # -- load / unload ---------------------------------------------------------------------------
+    @property
+    def is_loading(self) -> bool:
+        return self._loading > 0
+
+    def load(self, model: str, options: LoadOptions, *, name: str = "", progress: ProgressFn | None = None) -> LoadedEntry:
+        path = self.resolve(model)
+        name = name or path.name
+        with self._lock:
+            if name in self._models:
+                raise InvalidRequestError(f"a model named {name!r} is already loaded; unload it first or pick another name")
+            self._loading += 1
+        try:
+            engine = EngineConfig(device=options.device, cache_fraction=options.cache_fraction, policy=options.policy,
+                                  policy_options=options.policy_options, emulated_b_p=options.emulated_b_p)
+            report = (lambda done, total: progress("reading", done, total)) if progress else None
+            runtime = open_runtime(path, experts_dtype=options.experts_dtype, verify=options.verify,
+                                   progress=report, engine=engine)
+            if progress:
+                progress("building", 1, 1)
+            if runtime.tokenizer is None:
+                runtime.close()
+                raise ModelFormatError(f"{path}: no tokenizer.json; the daemon serves text and needs one")
+            context = options.context_length or min(4096, runtime.model.config.max_position_embeddings)
+            loop = EngineLoop(runtime, name=name, max_batch=options.max_batch, max_queue=options.max_queue,
+                              context_length=context)
+            loop.start()
+            entry = LoadedEntry(name, path, runtime, loop, options)
+            with self._lock:
+                self._models[name] = entry
+            return entry
+        finally:
+            with self._lock:
+                self._loading -= 1
+
+    def unload(self, name: str) -> bool:
+        with self._lock:
+            entry = self._models.pop(name, None)
+        if entry is None:
+            return False
+        entry.loop.stop(cancel_inflight=True)
+        entry.runtime.close()
+        return True
+
+    def unload_all(self, *, cancel_inflight: bool = True) -> None:
+        with self._lock:
+            entries = list(self._models.values())
+            self._models.clear()
+        for entry in entries:
+            entry.loop.stop(cancel_inflight=cancel_inflight)
+            entry.runtime.close()
+
+    # -- lookup -------------------------------------------------------------------------------------
+    def get(self, name: str = "") -> LoadedEntry:
+        with self._lock:
+            if name:
+                entry = self._models.get(name)
+                if entry is None:
+                    loaded = ", ".join(self._models) or "none"
+                    raise InvalidRequestError(f"model {name!r} is not loaded (loaded: {loaded}); load it with `moed load`")
+            elif len(self._models) == 1:
+                entry = next(iter(self._models.values()))
+            elif not self._models:
+                raise InvalidRequestError("no model is loaded; load one with `moed load MODEL`")
+            else:
+                raise InvalidRequestError(f"several models are loaded ({', '.join(self._models)}); name one")
+        self.last_used = entry.name
+        return entry
+
+    def loaded(self) -> list[LoadedEntry]:
+        with self._lock:
+            return list(self._models.values())
+
+    # -- memory -----------------------------------------------------------------------------------
+    def apply_cache_budget(self, cache_bytes: int | None) -> int:
+        """Resize every loaded model's device expert cache to share ``cache_bytes`` (None = each its
+        configured fraction); applied by each model's engine loop at its next safe point."""
+        hybrid = [e for e in self.loaded() if hasattr(e.runtime.executor, "resize")]
+        for entry in hybrid:
+            bank = entry.runtime.loaded.bank
+            wanted = int(entry.options.cache_fraction * bank.nbytes())
+            if cache_bytes is not None:
+                wanted = min(wanted, cache_bytes // max(len(hybrid), 1))
+            slots = max(0, min(bank.num_slots, wanted // bank.bytes_per_expert()))
+            if slots != entry.stats.cache_slots:
+                entry.loop.run_at_safe_point(lambda e=entry, n=slots: e.runtime.executor.resize(n))
+        return len(hybrid)
