@@ -13,7 +13,7 @@ PACKAGE = ROOT / "daemon"
 
 # layer -> packages it must not import (CONVENTIONS.md, habit 4)
 FORBIDDEN = {
-    "kernels": {"models", "layers", "experts", "cache", "engine", "runner", "weights", "cli", "text"},
+    "kernels": {"models", "layers", "experts", "cache", "engine", "runner", "weights", "cli", "text", "devices"},
     "cache": {"engine", "cli", "models", "layers", "runner", "weights"},
     "text": {"models", "layers", "experts", "cache", "engine", "runner", "weights", "cli", "kernels"},
     "layers": {"engine", "cli", "weights"},
@@ -21,7 +21,14 @@ FORBIDDEN = {
     "weights": {"engine", "cli"},
     "experts": {"engine", "cli", "models", "layers", "weights"},
     "runner": {"engine", "cli", "weights"},
-    "engine": {"cli"},
+    "engine": {"cli", "api"},
+    "devices": {"models", "layers", "experts", "cache", "engine", "runner", "weights", "cli", "text", "kernels",
+                "api", "service"},
+    "service": {"models", "layers", "experts", "cache", "engine", "runner", "weights", "cli", "text", "kernels",
+                "api", "devices"},
+    "api": {"cli", "models", "layers", "runner", "kernels", "weights", "cache", "devices"},
+    "v1": {"models", "layers", "experts", "cache", "engine", "runner", "weights", "cli", "text", "kernels",
+           "api", "service", "devices"},
 }
 
 

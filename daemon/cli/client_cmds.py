@@ -203,7 +203,8 @@ def print_status(s) -> None:
     vram = (f"VRAM total {gb(mem.vram_total)}, other apps {gb(mem.vram_other_apps)}, ours {gb(mem.vram_ours)}, "
             f"free {gb(mem.vram_free)}" if mem.has_gpu else "no GPU memory readings")
     cap = gb(mem.cap_bytes) if mem.cap_bytes else "auto"
-    print(f"  memory ({mem.source}): {vram}; budget {gb(mem.budget_bytes)}, cap {cap}; host RAM "
+    budget = gb(mem.budget_bytes) if (mem.has_gpu or mem.cap_bytes) else "unlimited"
+    print(f"  memory ({mem.source}): {vram}; budget {budget}, cap {cap}; host RAM "
           f"{gb(mem.host_available)} free of {gb(mem.host_total)} | cache resizes {s.cache_resizes}")
     if s.last_error:
         print(f"  last error: {s.last_error}")
