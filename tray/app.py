@@ -167,7 +167,8 @@ def has_display(platform: str = sys.platform, env: dict | None = None) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="moed-tray %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="moed-tray %(levelname)s %(message)s")
+    log.setLevel(args.log_level.upper())  # only the tray's own logger: PIL and GTK stay quiet
     if not has_display():
         print("moed-tray: error: no desktop session (DISPLAY / WAYLAND_DISPLAY unset); the tray needs one",
               file=sys.stderr)

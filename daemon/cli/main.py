@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--experts-dtype", choices=("fp32", "bf16", "int4"), default="fp32")
     conv.add_argument("--force", action="store_true", help="replace dst if it exists")
 
+    from moed.cli.service_cmd import add_service_command
+
+    add_service_command(sub)
+
     bench = sub.add_parser("bench", help="benchmarks of this machine")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
     kernels = bench_sub.add_parser("kernels", help="host read bandwidth and CPU expert kernel GB/s")
@@ -123,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from moed.cli.bench_cmd import run_bench
             return run_bench(args)
+        if args.command == "service":
+            from moed.cli.service_cmd import run_service
+            return run_service(args)
     except MoedError as exc:
         print(f"moed: error: {exc}", file=sys.stderr)
         return 2

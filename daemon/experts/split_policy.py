@@ -48,6 +48,15 @@ def q_star(m: int, b_p: float, b_h: float) -> int:
     return min(max(round_half_up(m * b_p / b_h), 1), m)
 
 
+def q_split(m: int, b_p_concurrent: float, b_h_concurrent: float) -> int:
+    """q from the rates each branch reaches *while the other runs*: q = m * B_P' / (B_P' + B_H').
+
+    With the paper's linear model (B_H' = B_H - B_P) this is exactly q*; measured concurrently it
+    also holds where that model breaks (a compute-bound CPU branch that DMA does not slow down).
+    """
+    return q_star(m, b_p_concurrent, b_p_concurrent + b_h_concurrent)
+
+
 @dataclass(frozen=True)
 class SplitPlan:
     """Where each routed expert of one layer call runs.

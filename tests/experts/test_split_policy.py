@@ -351,3 +351,13 @@ def test_admission_duel_follows_the_rule_that_misses_least():
         AdmissionDuel(rules=())
     with pytest.raises(InvalidRequestError):
         make_policy("adaptive", half_life=0)
+
+
+def test_q_split_equals_q_star_under_the_linear_model_and_differs_when_branches_are_independent():
+    from moed.experts.split_policy import q_split
+
+    # linear model: the CPU branch keeps B_H - B_P while copies run -> the paper's q*
+    b_p, b_h = 25.3, 56.7
+    assert q_split(100, b_p, b_h - b_p) == q_star(100, b_p, b_h) == 45
+    # independent branches (CPU branch not slowed by copies): q = m * B_P / (B_P + B_H), 100*25.3/82 = 30.9
+    assert q_split(100, b_p, b_h) == 31
