@@ -117,7 +117,8 @@ def render(service_file: ServiceFile, values: dict[str, str]) -> str:
     return text
 
 
-def install(platform: str, home: Path, *, start: bool, out=sys.stdout) -> int:
+def install(platform: str, home: Path, *, start: bool, out=None) -> int:
+    out = out or sys.stdout
     values = dict(executables(platform), LOG_DIR=str(log_dir_for(platform, home)))
     files = service_files(platform, home)
     for f in files:
@@ -140,7 +141,8 @@ def install(platform: str, home: Path, *, start: bool, out=sys.stdout) -> int:
     return _run_or_print([command], start, "powershell", out)
 
 
-def uninstall(platform: str, home: Path, *, start: bool, out=sys.stdout) -> int:
+def uninstall(platform: str, home: Path, *, start: bool, out=None) -> int:
+    out = out or sys.stdout
     family = platform_family(platform)
     status = 0
     if family == "linux":
@@ -166,7 +168,8 @@ def uninstall(platform: str, home: Path, *, start: bool, out=sys.stdout) -> int:
     return status
 
 
-def status(platform: str, home: Path, *, start: bool, out=sys.stdout) -> int:
+def status(platform: str, home: Path, *, start: bool, out=None) -> int:
+    out = out or sys.stdout
     try:
         values = dict(executables(platform), LOG_DIR=str(log_dir_for(platform, home)))
     except MoedError:
