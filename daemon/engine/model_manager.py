@@ -16,6 +16,8 @@ from moed.config import EngineConfig
 from moed.engine.engine_loop import EngineLoop
 from moed.engine.runtime import ModelRuntime, open_runtime
 from moed.errors import InvalidRequestError, ModelFormatError
+from moed.service.memory_governor import check_host_ram
+from moed.weights.model_loader import estimate_host_bytes
 
 ProgressFn = Callable[[str, int, int], None]  # (stage, done bytes, total bytes)
 
@@ -64,8 +66,10 @@ def dir_bytes(path: Path) -> int:
 
 
 class ModelManager:
-    def __init__(self, search_dirs: list[Path]) -> None:
+    def __init__(self, search_dirs: list[Path], *, host_ram_available: Callable[[], int] | None = None) -> None:
+        """``host_ram_available`` overrides psutil's reading (tests simulate a small machine)."""
         self.search_dirs = search_dirs
+        self.host_ram_available = host_ram_available
         self._models: dict[str, LoadedEntry] = {}
         self._lock = threading.Lock()
         self._loading = 0
@@ -106,6 +110,8 @@ class ModelManager:
                 raise InvalidRequestError(f"a model named {name!r} is already loaded; unload it first or pick another name")
             self._loading += 1
         try:
+            available = self.host_ram_available() if self.host_ram_available else None
+            check_host_ram(estimate_host_bytes(path), available_bytes=available, what=f"model {name!r}")
             engine = EngineConfig(device=options.device, cache_fraction=options.cache_fraction, policy=options.policy,
                                   policy_options=options.policy_options, emulated_b_p=options.emulated_b_p)
             report = (lambda done, total: progress("reading", done, total)) if progress else None

@@ -125,3 +125,31 @@ def read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelFormatError(f"{path}: cannot read JSON ({exc})") from None
+
+
+def estimate_host_bytes(path: str | Path) -> int:
+    """Host RAM a load will need at its peak, from file headers only (checked before loading).
+
+    FTW: the tensors as stored. Hugging Face: every tensor as float32 (how it is read), twice for the
+    experts' float32 stacks plus the bank built from them.
+    """
+    import struct
+
+    path = Path(path)
+    if is_ftw_dir(path):
+        return read_ftw_index(path).nbytes()
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with open(file, "rb") as fh:
+                (length,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(min(length, 100 << 20)))
+        except (OSError, ValueError, struct.error):
+            continue  # the loader reports a corrupt file properly
+        for name, meta in header.items():
+            if name != "__metadata__" and isinstance(meta, dict):
+                numel = 1
+                for dim in meta.get("shape", []):
+                    numel *= int(dim)
+                total += 4 * numel
+    return 2 * total

@@ -292,3 +292,21 @@ def test_socket_is_private_and_sigterm_stops_cleanly(tmp_path):
     assert (os.stat(d.socket).st_mode & 0o777) == 0o600
     assert d.stop() == 0
     assert not d.socket.exists()
+
+
+def test_watch_status_streams_and_calibrate_measures(daemon):
+    with daemon.client() as client:
+        load(client, "tiny", name="calib", device="emulated", emulated_b_p=2e9)
+        updates = []
+        for status in client.watch_status(0.1):
+            updates.append(status)
+            if len(updates) == 3:
+                break
+        assert len(updates) == 3 and all(u.version for u in updates)
+        reply = client.calibrate("calib", seconds=0.2)
+        assert reply.b_p > 0 and reply.b_h > 0 and reply.device == "emulated"
+        assert 0 < reply.q_ratio <= 1
+        with pytest.raises(DaemonCallError) as info:
+            client.calibrate("calib", seconds=120)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        client.unload("calib")
