@@ -33,7 +33,7 @@ def run(model: str, policy: str, tokens: int, fraction: float, b_p: float) -> di
         wall = time.perf_counter() - started
         s = runtime.executor.stats
         return dict(policy=policy, text=result.text, tok_s=result.decode_tok_s, ttft=result.ttft_s, wall=wall,
-                    hits=s.hits, misses=s.misses, fills=s.fills, cpu=s.cpu_experts, miss_rate=s.miss_rate,
+                    hits=s.hits, misses=s.misses, fills=s.fills + s.transient_fills, cpu=s.cpu_experts, miss_rate=s.miss_rate,
                     modelled_ms=s.modelled_seconds / len(result.token_ids) * 1e3,
                     b_p=s.b_p, b_h=s.b_h, slots=s.cache_slots)
     finally:

@@ -45,7 +45,7 @@ def model_info(entry=None, *, path=None, disk_bytes: int = 0) -> control_pb2.Mod
 def engine_figures(stats) -> control_pb2.EngineFigures:
     return control_pb2.EngineFigures(
         device=stats.device, policy=stats.policy, hits=stats.hits, misses=stats.misses, fills=stats.fills,
-        cpu_experts=stats.cpu_experts, last_q=stats.last_q, last_m=stats.last_m, b_p=stats.b_p, b_h=stats.b_h,
+        cpu_experts=stats.cpu_experts, transient_fills=stats.transient_fills, last_q=stats.last_q, last_m=stats.last_m, b_p=stats.b_p, b_h=stats.b_h,
         cache_slots=stats.cache_slots, cache_bytes=stats.cache_bytes, pinned_bytes=stats.pinned_bytes,
         pageable_bytes=stats.pageable_bytes, pin_note=stats.pin_note)
 

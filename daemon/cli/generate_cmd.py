@@ -42,6 +42,6 @@ def run_generate(args: argparse.Namespace) -> int:
     s = runtime.executor.stats
     print(f"[engine] device {s.device}, policy {s.policy}, cache {s.cache_slots} slots "
           f"({s.cache_bytes / 1e6:.0f} MB) | hits {s.hits} misses {s.misses} (miss rate {s.miss_rate:.0%}) "
-          f"fills {s.fills} cpu {s.cpu_experts} | last q/m {s.last_q}/{s.last_m} | "
+          f"fills {s.fills} (+{s.transient_fills} uncached) cpu {s.cpu_experts} | last q/m {s.last_q}/{s.last_m} | "
           f"B_P {s.b_p / 1e9:.1f} GB/s B_H {s.b_h / 1e9:.1f} GB/s", file=sys.stderr)
     return 0

@@ -12,6 +12,7 @@ class EngineStats:
     hits: int = 0  # routed (layer, expert) lookups found in the device cache
     misses: int = 0
     fills: int = 0  # misses copied into the cache and run on the device
+    transient_fills: int = 0  # misses copied into scratch slots, run on the device, not cached
     cpu_experts: int = 0  # misses run on the CPU
     last_q: int = 0
     last_m: int = 0

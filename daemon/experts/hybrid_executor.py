@@ -26,7 +26,9 @@ from moed.experts.engine_stats import EngineStats
 from moed.experts.executor import merge_expert_outputs
 from moed.experts.expert_ffn import run_expert
 from moed.experts.routing_trace import RoutingTraceWriter
-from moed.experts.split_policy import SplitPolicy
+from moed.experts.split_policy import SplitPolicy, q_star
+
+MAX_SCRATCH_SLOTS = 8  # uncached device slots for q* fills the admission filter declines
 
 
 @dataclass
@@ -46,7 +48,10 @@ class HybridExecutor:
         self.cpu_pool = cpu_pool or CpuWorkerPool()
         self.trace = trace
         self.on_cuda = getattr(device, "kind", "") == "cuda"
-        self.cache = ExpertCache(bank.num_slots, num_slots, eviction=getattr(policy, "eviction", None))
+        self.use_transients = bool(getattr(policy, "transient_fills", False)) and num_slots > 0
+        self.num_scratch = min(MAX_SCRATCH_SLOTS, max(1, num_slots // 4)) if self.use_transients else 0
+        num_cached = num_slots - self.num_scratch  # scratch slots come out of the same byte budget
+        self.cache = ExpertCache(bank.num_slots, num_cached, eviction=getattr(policy, "eviction", None))
         self.slots = device.alloc_slots(num_slots, self._slot_layout()) if num_slots else {}
         self._prepare_policy()
         self.slot_bank = self._make_slot_bank()
@@ -60,13 +65,13 @@ class HybridExecutor:
         return {name: (tuple(t.shape[1:]), t.dtype) for name, t in self.bank.tensors.items()}
 
     def _make_slot_bank(self) -> ExpertBank:
-        return ExpertBank(num_moe_layers=1, num_experts=self.cache.num_slots, hidden_size=self.bank.hidden_size,
+        return ExpertBank(num_moe_layers=1, num_experts=self.cache.num_slots + self.num_scratch, hidden_size=self.bank.hidden_size,
                           intermediate_size=self.bank.intermediate_size, dtype=self.bank.dtype,
                           activation=self.bank.activation, tensors=self.slots)
 
     def _refresh_cache_stats(self) -> None:
-        self.stats.cache_slots = self.cache.num_slots
-        self.stats.cache_bytes = self.cache.num_slots * self.bank.bytes_per_expert()
+        self.stats.cache_slots = self.cache.num_slots + self.num_scratch
+        self.stats.cache_bytes = self.stats.cache_slots * self.bank.bytes_per_expert()
 
     def _prepare_policy(self) -> None:
         """Placement-fixing policies (static) decide their set once the cache size is known."""
@@ -79,7 +84,10 @@ class HybridExecutor:
 
     def resize(self, num_slots: int) -> None:
         """Change the cache size (call between steps: a safe point). Never changes results."""
-        plan = self.cache.resize(num_slots)
+        use = bool(getattr(self.policy, "transient_fills", False)) and num_slots > 0
+        self.num_scratch = min(MAX_SCRATCH_SLOTS, max(1, num_slots // 4)) if use else 0
+        self.use_transients = use
+        plan = self.cache.resize(num_slots - self.num_scratch)
         self.slots = self.device.resize_slots(self.slots, num_slots, list(plan.moves)) if (
             num_slots or self.slots) else {}
         if num_slots and not self.slots:
@@ -106,25 +114,35 @@ class HybridExecutor:
         b_p, b_h = self.bandwidth.current()
         plan = self.policy.plan(self.cache, ids.tolist(), counts.tolist(), phase=self.step.phase, b_p=b_p, b_h=b_h)
         tokens_of = self._tokens_by_expert(ids, inverse, top_k)
+        cpu_ids, transients = list(plan.cpu), []
+        if self.use_transients and cpu_ids:
+            # q* says how many misses the link should take; fill the rest of that quota without caching
+            room = min(q_star(plan.m, b_p, b_h) - len(plan.fills), self.num_scratch, len(cpu_ids))
+            if room > 0:
+                hottest = sorted(cpu_ids, key=lambda i: (-len(tokens_of[i][1]), i))[:room]
+                transients = [(flat_id, self.cache.num_slots + k) for k, flat_id in enumerate(hottest)]
+                cpu_ids = [i for i in cpu_ids if i not in set(hottest)]
         per_slot = hidden.new_empty(num_tokens, top_k, hidden.shape[1])  # [N, A, D]
         flat_out = per_slot.view(-1, hidden.shape[1])
 
         # CPU branch first: it gets a head start on DRAM
-        cpu_job = self.cpu_pool.submit(lambda: self._run_cpu(plan.cpu, tokens_of, hidden)) if plan.cpu else None
+        cpu_job = self.cpu_pool.submit(lambda: self._run_cpu(cpu_ids, tokens_of, hidden)) if cpu_ids else None
 
         # device branch: copy the fill set into its slots (concurrently with the CPU branch)
         copy_s = 0.0
-        if plan.fills:
-            handle = self.device.copy_rows_async(self.slots, list(plan.fill_slots), self.bank.tensors, list(plan.fills))
+        copies = list(zip(plan.fills, plan.fill_slots)) + transients
+        if copies:
+            handle = self.device.copy_rows_async(self.slots, [slot for _, slot in copies], self.bank.tensors,
+                                                 [flat_id for flat_id, _ in copies])
             handle.wait()
             copy_s = handle.seconds
             self.bandwidth.observe_copy(handle.nbytes, handle.seconds)
-        device_work = list(zip(plan.hits, plan.hit_slots)) + list(zip(plan.fills, plan.fill_slots))
+        device_work = list(zip(plan.hits, plan.hit_slots)) + copies
         cpu_s = 0.0
         if not self.on_cuda:
             # emulated device: its compute runs on these same CPU cores, so let the CPU branch finish
             # first (its time stays honest) and charge device compute by the timing model instead
-            cpu_s = self._collect_cpu(cpu_job, plan, tokens_of, flat_out)
+            cpu_s = self._collect_cpu(cpu_job, cpu_ids, tokens_of, flat_out)
         started = time.perf_counter()
         charged = 0.0
         for flat_id, slot in device_work:
@@ -137,17 +155,17 @@ class HybridExecutor:
             charged += self.device.charge_compute(self.bank.bytes_per_expert())
         device_s = time.perf_counter() - started if self.on_cuda else charged
         if self.on_cuda:
-            cpu_s = self._collect_cpu(cpu_job, plan, tokens_of, flat_out)
-        self._account(plan, cpu_s, copy_s, device_s)
+            cpu_s = self._collect_cpu(cpu_job, cpu_ids, tokens_of, flat_out)
+        self._account(plan, len(transients), cpu_s, copy_s, device_s)
         return merge_expert_outputs(per_slot, topk_weights)
 
-    def _collect_cpu(self, cpu_job, plan, tokens_of, flat_out) -> float:
+    def _collect_cpu(self, cpu_job, cpu_ids, tokens_of, flat_out) -> float:
         if cpu_job is None:
             return 0.0
         results, cpu_s = cpu_job.result()
         for flat_id, out in results:
             flat_out[tokens_of[flat_id][0]] = out
-        self.bandwidth.observe_cpu(len(plan.cpu) * self.bank.bytes_per_expert(), cpu_s)
+        self.bandwidth.observe_cpu(len(cpu_ids) * self.bank.bytes_per_expert(), cpu_s)
         return cpu_s
 
     def _run_cpu(self, cpu_ids, tokens_of, hidden) -> tuple[list, float]:
@@ -172,13 +190,14 @@ class HybridExecutor:
     def _device_of(self):
         return next(iter(self.slots.values())).device
 
-    def _account(self, plan, cpu_s: float, copy_s: float, device_s: float) -> None:
+    def _account(self, plan, num_transient: int, cpu_s: float, copy_s: float, device_s: float) -> None:
         s = self.stats
         s.hits += len(plan.hits)
         s.misses += len(plan.fills) + len(plan.cpu)
         s.fills += len(plan.fills)
-        s.cpu_experts += len(plan.cpu)
-        s.last_q, s.last_m = plan.q, plan.m
+        s.transient_fills += num_transient
+        s.cpu_experts += len(plan.cpu) - num_transient
+        s.last_q, s.last_m = plan.q + num_transient, plan.m
         s.b_p, s.b_h = self.bandwidth.current()
         s.cpu_seconds += cpu_s
         s.copy_seconds += copy_s

@@ -121,6 +121,10 @@ class AdaptivePolicy(_BasePolicy):
     """At most q* fills into LRU victims, gated by a dueling admission filter (module doc)."""
 
     name = "adaptive"
+    # misses the admission filter keeps out of the cache still count towards q*: the executor copies
+    # them into scratch slots and runs them on the device without caching them (a bandwidth-balanced
+    # split, with the cache protected from loops)
+    transient_fills = True
 
     def __init__(self, rules: Sequence[tuple[float, float]] = DEFAULT_RULES,
                  half_life: float = DEFAULT_HALF_LIFE) -> None:

@@ -121,7 +121,7 @@ class WatchStatusRequest(_message.Message):
     def __init__(self, interval_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineFigures(_message.Message):
-    __slots__ = ("device", "policy", "hits", "misses", "fills", "cpu_experts", "last_q", "last_m", "b_p", "b_h", "cache_slots", "cache_bytes", "pinned_bytes", "pageable_bytes", "pin_note")
+    __slots__ = ("device", "policy", "hits", "misses", "fills", "cpu_experts", "last_q", "last_m", "b_p", "b_h", "cache_slots", "cache_bytes", "pinned_bytes", "pageable_bytes", "pin_note", "transient_fills")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class EngineFigures(_message.Message):
     PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGEABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIN_NOTE_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_FILLS_FIELD_NUMBER: _ClassVar[int]
     device: str
     policy: str
     hits: int
@@ -152,7 +153,8 @@ class EngineFigures(_message.Message):
     pinned_bytes: int
     pageable_bytes: int
     pin_note: str
-    def __init__(self, device: _Optional[str] = ..., policy: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., fills: _Optional[int] = ..., cpu_experts: _Optional[int] = ..., last_q: _Optional[int] = ..., last_m: _Optional[int] = ..., b_p: _Optional[float] = ..., b_h: _Optional[float] = ..., cache_slots: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., pageable_bytes: _Optional[int] = ..., pin_note: _Optional[str] = ...) -> None: ...
+    transient_fills: int
+    def __init__(self, device: _Optional[str] = ..., policy: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., fills: _Optional[int] = ..., cpu_experts: _Optional[int] = ..., last_q: _Optional[int] = ..., last_m: _Optional[int] = ..., b_p: _Optional[float] = ..., b_h: _Optional[float] = ..., cache_slots: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., pageable_bytes: _Optional[int] = ..., pin_note: _Optional[str] = ..., transient_fills: _Optional[int] = ...) -> None: ...
 
 class MemoryFigures(_message.Message):
     __slots__ = ("has_gpu", "vram_total", "vram_free", "vram_other_apps", "vram_ours", "budget_bytes", "cap_bytes", "host_total", "host_available", "source")
