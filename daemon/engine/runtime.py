@@ -42,10 +42,22 @@ class ModelRuntime:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
+def compile_expert_kernels(bank) -> None:
+    """Compile (or load from numba's cache) the CPU expert kernels now, at load time, so the first
+    request does not pay seconds of JIT. This touches no cache state: it is not a warm-up phase."""
+    import torch
+
+    from moed.experts.expert_ffn import run_expert
+
+    for tokens in (1, 17):  # the decode kernel and the many-token (prefill) path
+        run_expert(bank, 0, torch.zeros(tokens, bank.hidden_size))
+
+
 def open_runtime(path: str | Path, *, experts_dtype: str | None = None, verify: bool = False,
                  progress: Callable[[int, int], None] | None = None, engine: EngineConfig | None = None,
                  trace_out: str | Path | None = None) -> ModelRuntime:
     loaded = load_model(path, experts_dtype=experts_dtype, verify=verify, progress=progress)
+    compile_expert_kernels(loaded.bank)
     executor = build_executor(loaded.bank, engine or EngineConfig(device="cpu"), trace_out=trace_out)
     model = MoeTransformer(loaded.config, loaded.weights, executor, where=str(loaded.path))
     tokenizer = Tokenizer(loaded.path) if (Path(loaded.path) / "tokenizer.json").is_file() else None
