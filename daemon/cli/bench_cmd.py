@@ -43,7 +43,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_bench_bw(args: argparse.Namespace) -> int:
     """Calibrate B_P and B_H with the model's real expert shape and dtype; store the profile."""
-    from moed.devices.select import select_device
+    from moed.experts.executor_factory import select_device
     from moed.experts.calibration import calibrate, save_profile
     from moed.weights.model_loader import load_model
 

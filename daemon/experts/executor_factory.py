@@ -7,7 +7,8 @@ from pathlib import Path
 from moed.cache.host_bank import ExpertBank
 from moed.config import EngineConfig
 from moed.devices.pinning import pin_host_tensors
-from moed.devices.select import select_device
+from moed.devices.select import select_device as _select_device
+from moed.errors import InvalidRequestError
 from moed.experts.bandwidth_model import BandwidthModel
 from moed.experts.calibration import load_profile
 from moed.experts.cpu_executor import CpuExecutor
@@ -19,6 +20,14 @@ from moed.experts.routing_trace import RoutingTraceWriter
 
 DEFAULT_B_H = 20e9  # bytes/s: a starting point only; real steps correct it within a few layers
 DEFAULT_B_P = 16e9
+
+
+def select_device(name: str, **opts):
+    """The device layer's choice, with its refusals (no CUDA, unknown name) as request errors."""
+    try:
+        return _select_device(name, **opts)
+    except (ValueError, RuntimeError) as exc:
+        raise InvalidRequestError(str(exc)) from None
 
 
 def cache_slots_for(bank: ExpertBank, cache_fraction: float) -> int:

@@ -26,7 +26,7 @@ class FakeCudaDevice(EmulatedDevice):
     kind = "cuda"
 
 
-REAL_SELECT = executor_factory.select_device
+REAL_SELECT = executor_factory._select_device
 
 
 def fake_select(name, **opts):
@@ -35,7 +35,7 @@ def fake_select(name, **opts):
 
 def test_nothing_pinnable_falls_back_to_the_cpu_backend(monkeypatch):
     bank = tiny_bank()
-    monkeypatch.setattr(executor_factory, "select_device", fake_select)
+    monkeypatch.setattr(executor_factory, "_select_device", fake_select)
     monkeypatch.setattr(executor_factory, "pin_host_tensors", lambda tensors: PinReport(
         0, bank.nbytes(), "cudaHostRegister", "RLIMIT_MEMLOCK is 8 MiB"))
     executor = executor_factory.build_executor(bank, EngineConfig(device="cuda"))
@@ -46,7 +46,7 @@ def test_nothing_pinnable_falls_back_to_the_cpu_backend(monkeypatch):
 
 def test_partial_pinning_keeps_the_hybrid_engine_and_reports_it(monkeypatch):
     bank = tiny_bank()
-    monkeypatch.setattr(executor_factory, "select_device", fake_select)
+    monkeypatch.setattr(executor_factory, "_select_device", fake_select)
     half = bank.nbytes() // 2
     monkeypatch.setattr(executor_factory, "pin_host_tensors", lambda tensors: PinReport(
         half, bank.nbytes() - half, "cudaHostRegister", "pinned what the memlock limit allows"))
@@ -64,3 +64,15 @@ def test_cache_slots_follow_the_byte_budget():
     assert executor_factory.cache_slots_for(bank, 0.0) == 0
     assert executor_factory.cache_slots_for(bank, 0.26) == 2
     assert executor_factory.cache_slots_for(bank, 1.0) == 8
+
+
+def test_asking_for_cuda_without_one_is_a_clear_request_error():
+    import pytest
+    import torch as _torch
+
+    from moed.errors import InvalidRequestError
+
+    if _torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(InvalidRequestError, match="CUDA"):
+        executor_factory.build_executor(tiny_bank(), EngineConfig(device="cuda"))
