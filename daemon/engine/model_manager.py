@@ -104,7 +104,9 @@ class ModelManager:
 
     def load(self, model: str, options: LoadOptions, *, name: str = "", progress: ProgressFn | None = None) -> LoadedEntry:
         path = self.resolve(model)
-        name = name or path.name
+        given = Path(model).expanduser()
+        # the name the user gave (a symlinked directory keeps its own name), else the directory's
+        name = name or (given.name if given.is_dir() and given.name else path.name)
         with self._lock:
             if name in self._models:
                 raise InvalidRequestError(f"a model named {name!r} is already loaded; unload it first or pick another name")
