@@ -16,6 +16,7 @@ import sys
 import time
 
 from moed.config import EngineConfig
+from moed.engine.offline_run import run_offline
 from moed.engine.runtime import open_runtime
 from moed.engine.sampling import SamplingParams
 
@@ -27,12 +28,12 @@ def run(model: str, policy: str, tokens: int, fraction: float, b_p: float) -> di
                                                       emulated_b_p=b_p))
     try:
         prompt = runtime.encode_prompt(PROMPT, chat=True)
-        generator = runtime.generator(1024)
         started = time.perf_counter()
-        (result,) = generator.generate([prompt], [SamplingParams(max_tokens=tokens, ignore_eos=True)])
+        (result,) = run_offline(runtime, [prompt], [SamplingParams(max_tokens=tokens, ignore_eos=True)],
+                                context_length=1024)
         wall = time.perf_counter() - started
         s = runtime.executor.stats
-        return dict(policy=policy, text=result.text, tok_s=result.decode_tok_s, ttft=result.ttft_s, wall=wall,
+        return dict(policy=policy, text=result.text, tok_s=result.usage.decode_tok_s, ttft=result.usage.ttft_s, wall=wall,
                     hits=s.hits, misses=s.misses, fills=s.fills + s.transient_fills, cpu=s.cpu_experts, miss_rate=s.miss_rate,
                     modelled_ms=s.modelled_seconds / len(result.token_ids) * 1e3,
                     b_p=s.b_p, b_h=s.b_h, slots=s.cache_slots)

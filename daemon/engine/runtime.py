@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from moed.engine.generator import Generator
 from moed.errors import InvalidRequestError
 from moed.config import EngineConfig
 from moed.experts.executor_factory import build_executor
@@ -26,10 +25,6 @@ class ModelRuntime:
 
     def close(self) -> None:
         self.executor.close()
-
-    def generator(self, context_length: int | None = None) -> Generator:
-        context = context_length or min(DEFAULT_CONTEXT, self.model.config.max_position_embeddings)
-        return Generator(self.model, self.tokenizer, context_length=context)
 
     def encode_prompt(self, prompt: str, *, chat: bool, system: str | None = None) -> list[int]:
         if self.tokenizer is None:

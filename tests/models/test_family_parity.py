@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers.tiny_models import FAMILIES, build_tiny_model
-from moed.engine.generator import Generator
+from moed.engine.offline_run import run_offline
 from moed.engine.runtime import open_runtime
 from moed.engine.sampling import SamplingParams
 from moed.runner.forward_batch import ForwardBatch
@@ -45,9 +45,22 @@ def batched_prefill_logits(runtime, prompts: list[list[int]]) -> torch.Tensor:
 
 
 def greedy(runtime, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    generator = Generator(runtime.model, None, context_length=128)
+    """Greedy tokens from the engine loop, every prompt in one batch from the first step."""
     params = [SamplingParams(max_tokens=steps, ignore_eos=True)] * len(prompts)
-    return [r.token_ids for r in generator.generate(prompts, params)]
+    return [r.token_ids for r in run_offline(runtime, prompts, params, context_length=128)]
+
+
+def ftw_weights_equal(a, b) -> int:
+    """Assert two loads hold byte-identical weights (same names, dtypes, shapes); returns tensors compared."""
+    assert a.config == b.config
+    assert sorted(a.weights) == sorted(b.weights)
+    pairs = [(f"weights[{k}]", a.weights[k], b.weights[k]) for k in a.weights]
+    assert a.bank.dtype == b.bank.dtype and sorted(a.bank.tensors) == sorted(b.bank.tensors)
+    pairs += [(f"bank[{k}]", a.bank.tensors[k], b.bank.tensors[k]) for k in a.bank.tensors]
+    for name, x, y in pairs:
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x, y), f"{name} differs between the FTW and HF loads"
+    return len(pairs)
 
 
 def test_prefill_logits_match_reference_in_a_batch_of_different_lengths(family_model):
@@ -73,9 +86,14 @@ def test_ftw_fp32_conversion_keeps_parity(family_model, tmp_path):
     dst = convert_model(path, tmp_path / "ftw", experts_dtype="fp32")
     runtime = open_runtime(dst, verify=True)
     assert runtime.loaded.format == "ftw"
+    hf = open_runtime(path)
+    # The weights must be the same bytes: that is what the converter promises and we control it.
+    # The logits only within TOL: the two loads place tensors at different addresses, and BLAS may
+    # pick a different kernel (so a different summation order) for a different alignment.
+    assert ftw_weights_equal(runtime.loaded, hf.loaded) > 0
     ours = batched_prefill_logits(runtime, prompts)
-    hf_ours = batched_prefill_logits(open_runtime(path), prompts)
-    assert torch.equal(ours, hf_ours), "FTW and HF loads of the same weights must agree exactly"
+    hf_ours = batched_prefill_logits(hf, prompts)
+    assert (ours - hf_ours).abs().max().item() < TOL, f"{family}: FTW and HF loads of the same weights disagree"
     for row, prompt in enumerate(prompts):
         err = (ours[row, : len(prompt)] - reference_logits(reference, prompt)).abs().max().item()
         assert err < TOL, f"{family} (FTW): prompt {row} max abs logit error {err}"

@@ -217,6 +217,7 @@ def test_demo_model_from_smollm2_gguf(tmp_path):
     assert not again["built"]
 
     # the product path: moed's own converter (int4 experts) and runtime answer in chat mode
+    from moed.engine.offline_run import run_offline
     from moed.engine.runtime import open_runtime
     from moed.engine.sampling import SamplingParams
     from moed.weights.converter import convert_model
@@ -224,6 +225,6 @@ def test_demo_model_from_smollm2_gguf(tmp_path):
     ftw = convert_model(out, tmp_path / "demo-ftw", experts_dtype="int4")
     runtime = open_runtime(ftw, verify=True)
     prompt = runtime.encode_prompt("What is the capital of France?", chat=True)
-    (result,) = runtime.generator(256).generate([prompt], [SamplingParams(max_tokens=30)])
+    (result,) = run_offline(runtime, [prompt], [SamplingParams(max_tokens=30)], context_length=256)
     assert "Paris" in result.text, result.text
     assert runtime.executor.num_experts_run > 0
