@@ -68,7 +68,8 @@ class DaemonServer:
         for name in ("",) + SERVICE_NAMES:
             self.health.set(name, status)
 
-    def start(self) -> list[str]:
+    def start(self, serving: bool = True) -> list[str]:
+        """Listen and serve; health says SERVING when `serving` and no load is in progress."""
         if self.config.socket_path is not None:
             path = Path(self.config.socket_path)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,7 +90,7 @@ class DaemonServer:
             host = self.config.tcp.rpartition(":")[0]
             self.addresses.append(f"{host}:{port}")
         self.server.start()
-        self.set_serving(not self.ctx.manager.is_loading)
+        self.set_serving(serving and not self.ctx.manager.is_loading)
         log.info("listening on %s", ", ".join(self.addresses))
         return self.addresses
 

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 from pathlib import Path
 
-from moed import config
-from moed.api.daemon_context import DaemonContext
-from moed.api.server import DaemonServer, ServerConfig
-from moed.cli.client_cmds import parse_cap
-from moed.engine.model_manager import LoadOptions, ModelManager
-from moed.experts.policy_spec import parse_policy
-from moed.service import paths
-from moed.service.instance_lock import InstanceLock
-from moed.service.log_setup import setup_logging
-from moed.service.memory_governor import GovernorConfig, MemoryGovernor
-from moed.service.memory_source import default_memory_source
+# Only light imports at module level: `moed` parses its arguments with this module imported, and
+# the daemon installs its signal handlers before the heavy imports (torch, grpc, the engine) below.
 from moed.service.signals import install_shutdown_handlers
 
 log = logging.getLogger("moed.serve")
@@ -39,46 +31,89 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace, socket_path: str) -> int:
+    # Signals first: a SIGTERM that arrives while the daemon starts (`systemctl --user stop moed`
+    # right after a start) must end in the same orderly shutdown as one that arrives later, never
+    # in the default "killed by SIGTERM". The event becomes the daemon's shutdown_requested.
+    shutdown = threading.Event()
+    restore = install_shutdown_handlers(shutdown.set)
+    try:
+        return _serve(args, socket_path, shutdown)
+    finally:
+        restore()
+
+
+def _serve(args: argparse.Namespace, socket_path: str, shutdown: threading.Event) -> int:
+    from moed import config
+    from moed.api.daemon_context import DaemonContext
+    from moed.api.server import DaemonServer, ServerConfig
+    from moed.cli.client_cmds import parse_cap
+    from moed.engine.model_manager import ModelManager
+    from moed.service import paths
+    from moed.service.instance_lock import InstanceLock
+    from moed.service.log_setup import setup_logging
+    from moed.service.memory_governor import GovernorConfig, MemoryGovernor
+    from moed.service.memory_source import default_memory_source
+
     log_file = setup_logging(paths.log_dir(), args.log_level)
     socket = Path(socket_path.removeprefix("unix://").removeprefix("unix:"))
     lock = InstanceLock(socket.with_name(socket.name + ".lock")).acquire()
-    governor = MemoryGovernor(default_memory_source(gpu_memory_file=config.gpu_memory_file()), GovernorConfig())
-    cap, fraction = parse_cap(args.vram_cap)
-    if cap or fraction:
-        governor.set_user_cap(cap or None, fraction=fraction)
-    ctx = DaemonContext(manager=ModelManager(paths.model_dirs()), governor=governor)
-    server = DaemonServer(ctx, ServerConfig(socket_path=socket, tcp=args.tcp, token=args.token or config.daemon_token()))
-    addresses = server.start()
-    lock.update_address(addresses[0])
-    log.info("moed daemon pid %s, logs in %s", __import__("os").getpid(), log_file)
-    print(f"moed daemon listening on {', '.join(addresses)} (logs: {log_file})", flush=True)
+    governor = None
+    server = None
+    ctx = None
+    try:
+        governor = MemoryGovernor(default_memory_source(gpu_memory_file=config.gpu_memory_file()), GovernorConfig())
+        cap, fraction = parse_cap(args.vram_cap)
+        if cap or fraction:
+            governor.set_user_cap(cap or None, fraction=fraction)
+        ctx = DaemonContext(manager=ModelManager(paths.model_dirs()), governor=governor, shutdown_requested=shutdown)
+        server = DaemonServer(ctx, ServerConfig(socket_path=socket, tcp=args.tcp,
+                                                token=args.token or config.daemon_token()))
+        if shutdown.is_set():  # asked to stop while starting: never open the socket
+            log.info("shutdown requested during start-up")
+        else:
+            _run_until_shutdown(ctx, server, lock, args, log_file)
+    finally:
+        if ctx is not None:
+            log.info("shutting down (cancel in-flight: %s)", ctx.shutdown_cancel_inflight)
+            ctx.stopping = True
+            ctx.manager.unload_all(cancel_inflight=ctx.shutdown_cancel_inflight)
+        if server is not None:
+            server.stop()
+        if governor is not None:
+            governor.close()
+        lock.release()
+    return _stopped()
 
+
+def _stopped() -> int:
+    print("moed daemon stopped", flush=True)
+    return 0
+
+
+def _run_until_shutdown(ctx, server, lock, args: argparse.Namespace, log_file: Path) -> None:
     def on_budget(budget: int | None) -> None:
         # called on the governor thread: each model's loop applies its resize at its next safe point
         if ctx.manager.apply_cache_budget(budget):
             ctx.cache_resizes += 1
         log.info("VRAM budget now %s bytes", budget)
 
-    governor.on_budget(on_budget)
-    governor.start()
-    restore = install_shutdown_handlers(ctx.shutdown_requested.set)
+    ctx.governor.on_budget(on_budget)
+    ctx.governor.start()
+    # health says SERVING only when the daemon can serve: not before an initial --model load
+    addresses = server.start(serving=not args.model)
+    lock.update_address(addresses[0])
+    log.info("moed daemon pid %s, logs in %s", os.getpid(), log_file)
+    print(f"moed daemon listening on {', '.join(addresses)} (logs: {log_file})", flush=True)
     if args.model:
-        threading.Thread(target=_initial_load, args=(ctx, server, args), daemon=True, name="moed-initial-load").start()
-    try:
-        ctx.shutdown_requested.wait()
-    finally:
-        log.info("shutting down (cancel in-flight: %s)", ctx.shutdown_cancel_inflight)
-        ctx.stopping = True
-        ctx.manager.unload_all(cancel_inflight=ctx.shutdown_cancel_inflight)
-        server.stop()
-        governor.close()
-        restore()
-        lock.release()
-    print("moed daemon stopped", flush=True)
-    return 0
+        threading.Thread(target=_initial_load, args=(ctx, server, args), daemon=True,
+                         name="moed-initial-load").start()
+    ctx.shutdown_requested.wait()
 
 
-def _initial_load(ctx: DaemonContext, server: DaemonServer, args: argparse.Namespace) -> None:
+def _initial_load(ctx, server, args: argparse.Namespace) -> None:
+    from moed.engine.model_manager import LoadOptions
+    from moed.experts.policy_spec import parse_policy
+
     server.set_serving(False)
     try:
         policy, options = parse_policy(args.policy)

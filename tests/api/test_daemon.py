@@ -50,6 +50,13 @@ def collect(client: MoedClient, prompt: str, model: str = "", **kw) -> tuple[str
     return "".join(text), ids, reason
 
 
+def _wait_until(predicate, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
 def load(client: MoedClient, model: str, **options):
     final = None
     for progress in client.load(model, **options):
@@ -148,7 +155,7 @@ def test_full_queue_answers_resource_exhausted(daemon):
         next(running)
         queued = client.generate(prompt="A small expert", model="narrow", max_tokens=4)
         threading.Thread(target=lambda: list(queued), daemon=True).start()
-        time.sleep(0.3)
+        _wait_until(lambda: client.status().queued_requests == 1, "the second request to be queued")
         with pytest.raises(DaemonCallError) as info:
             collect(client, "The GPU", "narrow", max_tokens=4)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -292,6 +299,55 @@ def test_socket_is_private_and_sigterm_stops_cleanly(tmp_path):
     assert (os.stat(d.socket).st_mode & 0o777) == 0o600
     assert d.stop() == 0
     assert not d.socket.exists()
+
+
+def _wait_for(predicate, what: str, proc, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the daemon exited with {proc.returncode} before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def test_sigterm_during_start_up_stops_cleanly(tmp_path):
+    """`systemctl --user stop moed` right after a start: the handler is in place before anything
+    the daemon creates (its log file is the first), so SIGTERM at any later point is an orderly stop."""
+    d = start_daemon(tmp_path / "early", wait=False)
+    log_file = d.home / "logs" / "moed.log"
+    _wait_for(log_file.exists, "it created its log file", d.proc)
+    assert d.stop() == 0, (d.home / "daemon.out").read_text()
+    assert not d.socket.exists(), "a stop during start-up left the socket behind"
+    assert "moed daemon stopped" in (d.home / "daemon.out").read_text()
+
+
+def test_sigterm_as_soon_as_the_socket_appears_or_during_the_initial_load_stops_cleanly(tmp_path, models_dir):
+    d = start_daemon(tmp_path / "sock", wait=False)
+    _wait_for(d.socket.exists, "it created its socket", d.proc)
+    assert d.stop() == 0, (d.home / "daemon.out").read_text()
+    assert not d.socket.exists()
+    d = start_daemon(tmp_path / "load", "--model", "tiny", models_dir=models_dir, wait=False)
+    _wait_for(d.socket.exists, "it created its socket", d.proc)
+    assert d.stop() == 0, (d.home / "daemon.out").read_text()
+
+
+def test_health_says_serving_only_once_the_initial_model_is_loaded(tmp_path, models_dir):
+    d = start_daemon(tmp_path / "ready", "--model", "tiny", models_dir=models_dir, wait=False)
+    try:
+        _wait_for(d.socket.exists, "it created its socket", d.proc)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status = d.health()
+            except grpc.RpcError:  # bound but not started yet
+                status = None
+            if status == SERVING:
+                break
+            assert time.monotonic() < deadline, "never became SERVING"
+            time.sleep(0.01)
+        with d.client() as client:
+            assert [m.name for m in client.list_models()] == ["tiny"], "SERVING before the initial load was done"
+    finally:
+        assert d.stop() == 0
 
 
 def test_watch_status_streams_and_calibrate_measures(daemon):
