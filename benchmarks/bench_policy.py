@@ -1,7 +1,8 @@
 """Prints decode miss rates of every split policy at several cache sizes as markdown tables.
 
 Synthetic traces (high / low temporal locality, uniform) by default; ``--trace FILE`` replays a
-recorded routing trace (JSON lines, see moed/experts/routing_trace.py) instead. No model, no GPU.
+recorded routing trace (JSON lines, see moed/experts/routing_trace.py; token- or layer-major, it
+replays in execution order either way) instead. No model, no GPU.
 
     .venv/bin/python benchmarks/bench_policy.py
     .venv/bin/python benchmarks/bench_policy.py --trace routes.jsonl --num-experts 128 --json

@@ -1,8 +1,10 @@
 """Replays a routing trace through the real ExpertCache and a split policy; synthetic traces; the policy bench.
 
-No model and no tensors: each trace step is one scheduler step (a decode token, or a chunk of
-prefill positions of one sequence); for each MoE layer of it, in layer order, the cache clock
-advances once and the policy plans the step's unique experts of that layer.
+No model and no tensors: the trace's records replay in execution order whatever order the file
+holds them in (sequences as first seen, then token position, then layer; see
+``RoutingTrace.steps``), each step being one scheduler step (a decode token, or a chunk of
+consecutive prefill positions of one sequence); for each MoE layer of it, in layer order, the
+cache clock advances once and the policy plans the step's unique experts of that layer.
 """
 
 from __future__ import annotations
@@ -58,20 +60,22 @@ class ReplayResult:
 
 
 def _batched_steps(trace: RoutingTrace, prefill_chunk: int | None) -> Iterator[tuple[str, dict[int, list[int]]]]:
-    """Decode steps one by one; consecutive prefill positions of one sequence merged into chunks
+    """The trace's steps in execution order (``RoutingTrace.steps``): decode positions one by one;
+    prefill positions merged into chunks of consecutive positions of one sequence (a run of it)
     of at most ``prefill_chunk`` positions (unlimited when None)."""
     pending: dict[int, list[int]] | None = None
-    pending_seq, pending_len = None, 0
-    for seq, _pos, phase, by_layer in trace.steps():
+    pending_seq, pending_pos, pending_len = None, 0, 0
+    for seq, pos, phase, by_layer in trace.steps():
         if phase == "prefill":
-            if pending is not None and (seq != pending_seq or (prefill_chunk and pending_len >= prefill_chunk)):
+            if pending is not None and (seq != pending_seq or pos != pending_pos + 1
+                                        or (prefill_chunk and pending_len >= prefill_chunk)):
                 yield "prefill", pending
                 pending = None
             if pending is None:
                 pending, pending_seq, pending_len = {}, seq, 0
             for layer, experts in by_layer.items():
                 pending.setdefault(layer, []).extend(experts)
-            pending_len += 1
+            pending_pos, pending_len = pos, pending_len + 1
             continue
         if pending is not None:
             yield "prefill", pending

@@ -3,7 +3,10 @@
 One line per (sequence, token position, layer):
 ``{"type": "route", "req_id": ..., "token_pos": 7, "layer": 3, "experts": [5, 12], "phase": "decode"}``.
 The reader also takes the field names of other tools' dumps (``topk_ids``, ``token_idx``,
-``problem_id``, ``seq``) and parses everything into plain ints at the edge.
+``problem_id``, ``seq``) and parses everything into plain ints at the edge. Lines may come in
+any order: token-major (ours: one token's layers, then the next token) or layer-major (many public
+dumps: every token of layer 0, then layer 1, ...); ``RoutingTrace.steps`` puts them back in the
+order a decoder executes them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ class RouteRecord:
 
 @dataclass
 class RoutingTrace:
-    """Records in file order, plus the id space they live in."""
+    """Records in file order, plus the id space they live in; ``steps`` replays them in
+    execution order."""
 
     records: list[RouteRecord] = field(default_factory=list)
     num_experts: int = 0
@@ -49,15 +53,33 @@ class RoutingTrace:
         return len(self.layers)
 
     def steps(self) -> Iterator[Step]:
-        """(seq, token_pos, phase, {layer: experts}) per run of consecutive records sharing
-        (seq, token_pos); a layer seen twice in one step gets its experts concatenated."""
-        current: Step | None = None
+        """(seq, token_pos, phase, {layer: experts}) per token position, in execution order:
+        sequences in the order the file first mentions them, each one's positions ascending,
+        layers ascending within a position; whatever order the records came in.
+
+        Several records for the same (seq, token_pos, layer) mean the sequence was computed
+        again (a re-run, or a trace of several prompts without sequence ids): the k-th record of
+        a key belongs to the k-th run of that sequence, and each run replays as a sequence of
+        its own, placed where the file first mentions it. Nothing is merged or dropped, so a
+        re-run costs its cache traffic again. ``phase`` is the phase of the step's lowest layer.
+        """
+        runs: dict[tuple[SeqId, int, int], int] = {}  # (seq, pos, layer) -> records seen so far
+        order: dict[tuple[SeqId, int], int] = {}  # (seq, run) -> rank of first mention
+        keyed = []
         for r in self.records:
-            if current is None or (current[0], current[1]) != (r.seq, r.token_pos):
+            run = runs.get((r.seq, r.token_pos, r.layer), 0)
+            runs[r.seq, r.token_pos, r.layer] = run + 1
+            rank = order.setdefault((r.seq, run), len(order))
+            keyed.append((rank, r.token_pos, r.layer, r))
+        keyed.sort(key=lambda k: k[:3])  # ranks, not ids: ids may mix str, int and None
+        current: Step | None = None
+        current_key: tuple[int, int] | None = None
+        for rank, pos, layer, r in keyed:
+            if current is None or current_key != (rank, pos):
                 if current is not None:
                     yield current
-                current = (r.seq, r.token_pos, r.phase, {})
-            current[3].setdefault(r.layer, []).extend(r.experts)
+                current, current_key = (r.seq, pos, r.phase, {}), (rank, pos)
+            current[3][layer] = list(r.experts)
         if current is not None:
             yield current
 

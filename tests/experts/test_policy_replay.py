@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from moed.cli.main import main
 from moed.errors import InvalidRequestError
 from moed.experts.policy_replay import replay, run_policy_bench, synthetic_trace
-from moed.experts.routing_trace import RoutingTrace, RoutingTraceWriter
+from moed.experts.routing_trace import RoutingTrace, RoutingTraceWriter, read_routing_trace
 
 LAYERS, EXPERTS, TOP_K = 4, 32, 4
 
@@ -173,3 +174,100 @@ def test_admission_saves_copies_on_a_loop():
     adaptive = replay(trace, "adaptive", cache_fraction=0.1)
     lru = replay(trace, "lru", cache_fraction=0.1)
     assert adaptive.fills < 0.1 * lru.fills and adaptive.cpu > lru.cpu - lru.fills
+
+
+# ---- replay order: execution order (sequence as first seen, position, layer), not file order ----
+
+
+def write_records(path, records):
+    """One JSON line per (seq, pos, layer, experts, phase) tuple, in the order given."""
+    with RoutingTraceWriter(path) as writer:
+        for seq, pos, layer, experts, phase in records:
+            writer.write(seq, pos, layer, experts, phase)
+    return path
+
+
+def test_layer_major_file_replays_token_by_token_under_lru(tmp_path):
+    # 2 layers x 4 experts, top-1, 6 decode tokens of one sequence; name A<e> / B<e> the
+    # experts of layer 0 / layer 1. Layer 0 cycles 0,1,2; layer 1 mostly stays on 3.
+    layer0, layer1 = [0, 1, 2, 0, 1, 2], [3, 3, 0, 3, 3, 0]
+    records = [("s", pos, 0, [e], "decode") for pos, e in enumerate(layer0)]  # layer-major: all of
+    records += [("s", pos, 1, [e], "decode") for pos, e in enumerate(layer1)]  # layer 0, then layer 1
+    path = write_records(tmp_path / "layer_major.jsonl", records)
+    # cache_fraction 0.375 of 2 * 4 = 3 slots. Top-1: m <= 1 per layer call, so q* = m and
+    # "lru" fills every miss into the least recently used slot (cache shown LRU first).
+    # Execution order, token by token:  A0 B3 A1 B3 A2 B0 A0 B3 A1 B3 A2 B0
+    #   A0 miss [A0]         B3 miss [A0 B3]      A1 miss [A0 B3 A1]   B3 hit  [A0 A1 B3]
+    #   A2 miss -A0 [A1 B3 A2]  B0 miss -A1 [B3 A2 B0]  A0 miss -B3 [A2 B0 A0]  B3 miss -A2 [B0 A0 B3]
+    #   A1 miss -B0 [A0 B3 A1]  B3 hit  [A0 A1 B3]      A2 miss -A0 [A1 B3 A2]  B0 miss -A1 [B3 A2 B0]
+    #   -> 10 misses of 12 lookups: layer 0 misses 6 of 6, layer 1 misses 4 of 6 (hits at t1, t4).
+    # File order (the old replay) would be A0 A1 A2 A0 A1 A2 B3 B3 B0 B3 B3 B0:
+    #   A0 A1 A2 miss, A0 A1 A2 hit, B3 miss -A0, B3 hit, B0 miss -A1, B3 B3 B0 hit -> 5 misses of 12.
+    r = replay(read_routing_trace(path, num_experts=4), "lru", cache_fraction=0.375)
+    assert r.num_slots == 3 and r.lookups == 12
+    assert (r.misses, r.hits, r.fills, r.cpu) == (10, 2, 10, 0)
+    assert r.misses != 5  # what file-order replay gives (computed above)
+    assert r.per_layer_miss_rate == pytest.approx((1.0, 4 / 6))
+    assert r.step_misses == (2, 1, 2, 2, 1, 2)  # per token, from the walk above
+
+
+def bench_trace() -> RoutingTrace:
+    """Two sequences (prefill + decode), 3 layers x 8 experts, top-2."""
+    a = synthetic_trace("high", 3, 8, 2, 24, seed=4, num_prefill=5)
+    b = synthetic_trace("low", 3, 8, 2, 16, seed=5, num_prefill=3)
+    steps = [("a", pos, phase, by_layer) for _seq, pos, phase, by_layer in a.steps()]
+    steps += [(7, pos, phase, by_layer) for _seq, pos, phase, by_layer in b.steps()]
+    return RoutingTrace.from_steps(steps, 8)
+
+
+def test_bench_policy_gives_the_same_miss_rates_for_layer_major_and_shuffled_files(tmp_path, capsys):
+    trace = bench_trace()
+    token_major = [(r.seq, r.token_pos, r.layer, list(r.experts), r.phase) for r in trace.records]
+    layer_major = sorted(token_major, key=lambda rec: rec[2])  # stable: every token of layer 0 first
+    assert layer_major != token_major and layer_major[1][:3] == ("a", 1, 0)
+    shuffled = [token_major[i] for i in np.random.default_rng(0).permutation(len(token_major))]
+    first_a = next(i for i, rec in enumerate(shuffled) if rec[0] == "a")
+    shuffled.insert(0, shuffled.pop(first_a))  # "a" still mentioned first: same sequence order
+    outputs = {}
+    for name, records in [("token", token_major), ("layer", layer_major), ("shuffled", shuffled)]:
+        path = write_records(tmp_path / f"{name}.jsonl", records)
+        assert main(["bench", "policy", "--trace", str(path), "--json", "--num-experts", "8"]) == 0
+        outputs[name] = json.loads(capsys.readouterr().out)["results"]
+    assert outputs["layer"] == outputs["token"] and outputs["shuffled"] == outputs["token"]
+    rates = {(r["policy"], r["cache_fraction"]): r["miss_rate"] for r in outputs["token"]}
+    assert {p for p, _ in rates} >= set(BASELINES) | {"adaptive", "cpu-all"}
+    assert len(set(rates.values())) > 5  # not a degenerate trace where every policy agrees
+    # the token-major file replays exactly as the in-memory trace it was written from
+    assert rates["lru", 0.25] == replay(trace, "lru", cache_fraction=0.25).miss_rate
+
+
+def test_prefill_chunks_are_consecutive_positions_whatever_the_file_order(tmp_path):
+    trace = bench_trace()  # "a": 5 prefill + 24 decode, 7: 3 prefill + 16 decode
+    records = [(r.seq, r.token_pos, r.layer, list(r.experts), r.phase) for r in trace.records]
+    layer_major = read_routing_trace(write_records(tmp_path / "lm.jsonl", sorted(records, key=lambda rec: rec[2])))
+    for chunk, num_steps in [(None, 1 + 24 + 1 + 16), (2, 3 + 24 + 2 + 16), (1, 5 + 24 + 3 + 16)]:
+        expected = replay(trace, "cpu-all", cache_fraction=0.5, prefill_chunk=chunk)
+        got = replay(layer_major, "cpu-all", cache_fraction=0.5, prefill_chunk=chunk)
+        assert len(got.step_misses) == num_steps and got == expected, chunk
+
+
+def test_sequences_replay_in_the_order_the_file_first_mentions_them(tmp_path):
+    # one layer; "b" is mentioned first, and the two sequences' records are interleaved
+    records = [("b", 1, 0, [1], "decode"), ("a", 0, 0, [1], "decode"),
+               ("b", 0, 0, [0], "decode"), ("a", 1, 0, [2], "decode")]
+    trace = read_routing_trace(write_records(tmp_path / "t.jsonl", records), num_experts=4)
+    # fill-all with room for everything: a step misses only experts never seen before.
+    #   execution order b0 [0], b1 [1], a0 [1], a1 [2] -> 1, 1, 0, 1
+    #   (ids sorted, a first: a0 [1], a1 [2], b0 [0], b1 [1] -> 1, 1, 1, 0; file order: 1, 0, 1, 1)
+    assert replay(trace, "fill-all", cache_fraction=1.0).step_misses == (1, 1, 0, 1)
+
+
+def test_a_rerun_sequence_replays_as_a_second_pass(tmp_path):
+    # sequence "r" prefilled twice (same positions and layers), layer-major within each run
+    run = [("r", pos, layer, [layer + pos], "prefill") for layer in (0, 1) for pos in (0, 1, 2)]
+    trace = read_routing_trace(write_records(tmp_path / "t.jsonl", run + run), num_experts=4)
+    # two prefill chunks of 3 positions (not one chunk of 6, not one of 3 with doubled experts)
+    r = replay(trace, "cpu-all", cache_fraction=0.5)
+    assert r.prefill_lookups == 2 * (3 + 3) and len(r.step_misses) == 2
+    # full cache, fill-all: the first pass misses its 6 distinct experts, the second none
+    assert replay(trace, "fill-all", cache_fraction=1.0).step_misses == (6, 0)

@@ -110,3 +110,44 @@ def test_num_experts_inferred_or_checked(tmp_path):
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(InvalidRequestError, match="does not exist"):
         read_routing_trace(tmp_path / "nope.jsonl")
+
+
+def test_steps_come_in_execution_order_whatever_the_file_order(tmp_path):
+    # layer-major (layer 3 written before layer 1 even), two sequences interleaved, positions
+    # out of order; sequence 9 is mentioned first, so it runs first although "a" < 9 is no order
+    path = write_lines(tmp_path / "t.jsonl", [
+        {"req_id": 9, "token_pos": 1, "layer": 3, "experts": [4], "phase": "decode"},
+        {"req_id": "a", "token_pos": 0, "layer": 3, "experts": [5], "phase": "prefill"},
+        {"req_id": 9, "token_pos": 0, "layer": 3, "experts": [6], "phase": "prefill"},
+        {"req_id": "a", "token_pos": 0, "layer": 1, "experts": [7]},
+        {"req_id": 9, "token_pos": 0, "layer": 1, "experts": [0], "phase": "prefill"},
+        {"req_id": 9, "token_pos": 1, "layer": 1, "experts": [1], "phase": "decode"},
+    ])
+    trace = read_routing_trace(path)
+    assert list(trace.steps()) == [
+        (9, 0, "prefill", {1: [0], 3: [6]}),
+        (9, 1, "decode", {1: [1], 3: [4]}),
+        ("a", 0, "decode", {1: [7], 3: [5]}),  # a step's phase is its lowest layer's
+    ]
+    assert [r.layer for r in trace.records] == [3, 3, 3, 1, 1, 1]  # records stay in file order
+
+
+def test_repeated_records_are_a_rerun_not_a_merge(tmp_path):
+    # two prompts without sequence ids, both from position 0 (a seq-less dump of two runs), the
+    # second one written layer-major: each repeat of (seq, pos, layer) belongs to the next run
+    path = write_lines(tmp_path / "t.jsonl", [
+        {"token_pos": 0, "layer": 0, "experts": [1]},
+        {"token_pos": 0, "layer": 1, "experts": [2]},
+        {"token_pos": 1, "layer": 0, "experts": [3]},
+        {"token_pos": 1, "layer": 1, "experts": [4]},
+        {"token_pos": 0, "layer": 0, "experts": [5]},
+        {"token_pos": 1, "layer": 0, "experts": [6]},
+        {"token_pos": 0, "layer": 1, "experts": [7]},
+        {"token_pos": 1, "layer": 1, "experts": [0]},
+    ])
+    assert list(read_routing_trace(path).steps()) == [
+        (None, 0, "decode", {0: [1], 1: [2]}),
+        (None, 1, "decode", {0: [3], 1: [4]}),
+        (None, 0, "decode", {0: [5], 1: [7]}),
+        (None, 1, "decode", {0: [6], 1: [0]}),
+    ]
