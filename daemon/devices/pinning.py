@@ -67,14 +67,32 @@ def memlock_limit_bytes() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
+def _drain_cuda_error() -> None:
+    """Consume the thread's pending CUDA runtime error left by a failed cudaHostRegister/Unregister.
+
+    torch's cudart binding returns the error code but leaves it set (its ``C10_CUDA_ERROR_HANDLED``
+    is a no-op marker), and torch has no cudaGetLastError binding: the next checked CUDA call on
+    this thread, typically an unrelated kernel launch, would fail with the stale error. A tiny
+    kernel launch reads it through torch's launch check, which raises; that exception is the
+    drain. (Not verified on hardware in the change that added it: see tests/devices/test_pinning.py's
+    test_real_refusal_is_reported_pageable_and_leaves_cuda_usable.)
+    """
+    try:
+        torch.ones(1, device="cuda")
+    except Exception:
+        pass
+
+
 def _cuda_register(ptr: int, nbytes: int) -> bool:
-    # torch's cudart binding clears the CUDA error state of a failed call, so a refusal
-    # does not resurface later as the error of an unrelated kernel launch
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
+    ok = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
+    if not ok:
+        _drain_cuda_error()
+    return ok
 
 
 def _cuda_unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+        _drain_cuda_error()
 
 
 def _has_cuda() -> bool:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from moed.cache.host_bank import ExpertBank
 from moed.config import EngineConfig
-from moed.devices.pinning import pin_host_tensors
+from moed.devices.pinning import pin_host_tensors, unpin
 from moed.devices.select import select_device as _select_device
 from moed.errors import InvalidRequestError
 from moed.experts.bandwidth_model import BandwidthModel
@@ -51,6 +51,7 @@ def initial_bandwidth(kind: str, bank: ExpertBank, cfg: EngineConfig) -> Bandwid
 def build_executor(bank: ExpertBank, cfg: EngineConfig, *, trace_out: str | Path | None = None):
     device = select_device(cfg.device, b_p=cfg.emulated_b_p, b_dev=cfg.emulated_b_dev)
     stats = EngineStats(device=device.kind, policy=cfg.policy)
+    release = None
     if device.kind == "cuda":
         report = pin_host_tensors(list(bank.tensors.values()))
         stats.pinned_bytes, stats.pageable_bytes, stats.pin_note = (
@@ -58,6 +59,8 @@ def build_executor(bank: ExpertBank, cfg: EngineConfig, *, trace_out: str | Path
         if report.pinned_bytes == 0:
             # nothing could be registered for DMA: the CPU-only backend is slower but never fails
             device = select_device("cpu")
+        else:
+            release = lambda: unpin(report)  # noqa: E731 - on close: the bank's pages stop being locked
     else:
         stats.pageable_bytes = bank.nbytes()
     if device.kind == "cpu" and trace_out:
@@ -75,4 +78,5 @@ def build_executor(bank: ExpertBank, cfg: EngineConfig, *, trace_out: str | Path
     trace = RoutingTraceWriter(trace_out) if trace_out else None
     return HybridExecutor(bank, device, num_slots=cache_slots_for(bank, cfg.cache_fraction), policy=policy,
                           bandwidth=initial_bandwidth(device.kind, bank, cfg),
-                          cpu_pool=CpuWorkerPool(cfg.cpu_kernel_threads), trace=trace, stats=stats)
+                          cpu_pool=CpuWorkerPool(cfg.cpu_kernel_threads), trace=trace, stats=stats,
+                          on_close=release)

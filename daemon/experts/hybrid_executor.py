@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -43,8 +44,11 @@ class StepContext:
 class HybridExecutor:
     def __init__(self, bank: ExpertBank, device, *, num_slots: int, policy: SplitPolicy,
                  bandwidth: BandwidthModel, cpu_pool: CpuWorkerPool | None = None,
-                 trace: RoutingTraceWriter | None = None, stats: EngineStats | None = None) -> None:
+                 trace: RoutingTraceWriter | None = None, stats: EngineStats | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
+        """``on_close`` releases what was set up for this executor outside it (the bank's pinning)."""
         self.bank, self.device, self.policy, self.bandwidth = bank, device, policy, bandwidth
+        self._on_close = on_close
         self.cpu_pool = cpu_pool or CpuWorkerPool()
         self.trace = trace
         self.on_cuda = getattr(device, "kind", "") == "cuda"
@@ -100,6 +104,9 @@ class HybridExecutor:
         self.cpu_pool.close()
         if self.trace is not None:
             self.trace.close()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:  # once, even if close() is called again
+            on_close()
 
     # -- the step -----------------------------------------------------------------------------
     def run(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,

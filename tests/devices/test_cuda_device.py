@@ -1,4 +1,4 @@
-"""CudaDevice and the CUDA kernels on a real GPU: int4 kernel vs its torch twin, pinned copies, a decode step."""
+"""CudaDevice and the CUDA kernels on a real GPU, against float64 oracles: int4 kernel, dense slots, pinned copies, a decode step."""
 
 from __future__ import annotations
 
@@ -14,14 +14,11 @@ from moed.cache.bank_builder import build_expert_bank  # noqa: E402
 from moed.cache.host_bank import ExpertActivation  # noqa: E402
 from moed.devices import CudaDevice, can_pin, pin_host_tensors, select_device, slot_layout, unpin  # noqa: E402
 from moed.devices import cuda_kernels as ck  # noqa: E402
-from moed.experts.expert_ffn import apply_activation, run_expert_reference  # noqa: E402
+from moed.experts.expert_ffn import apply_activation  # noqa: E402
 from moed.kernels.int4_format import quantize_int4  # noqa: E402
 
-
-def _close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
-    err = (y.float().cpu() - ref.float().cpu()).abs().max().item()
-    scale = ref.abs().max().item() + 1e-6
-    assert err <= rel * scale, f"max error {err:.3g} vs {rel} x max|ref| {scale:.3g}"
+from helpers import int4_oracle as oracle  # noqa: E402  (float64 oracles, never the code under test)
+from helpers.pin_check import assert_regions_pinned, region_bytes_in  # noqa: E402
 
 
 def _int4(num_slots: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -29,9 +26,25 @@ def _int4(num_slots: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, ...]
     return tuple(t.cuda() for t in quantize_int4(w))
 
 
+def _check_int4(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
+                slot_ids: list[int], offsets: list[int], what: str) -> None:
+    """``y`` against float64 math on the exact int4 weights, within the float32 accumulation bound."""
+    q, scale, mn = q.cpu(), scale.cpu(), mn.cpu()
+    if q.dim() == 2:
+        q, scale, mn = q[None], scale[None], mn[None]
+    ref = oracle.grouped_f64(x, oracle.dequant_f64(q, scale, mn), slot_ids, offsets)
+    oracle.assert_within(y, ref, oracle.fp32_bound(x, oracle.int4_magnitude(q, scale, mn), slot_ids, offsets), what)
+
+
+def test_int4_kernel_on_a_hand_computed_case_is_exact() -> None:
+    x, q, scale, mn, expected = (t.cuda() for t in oracle.hand_case())
+    y = ck.int4_grouped_matmul(x, q, scale, mn, oracle.HAND_SLOT_IDS, oracle.HAND_OFFSETS)
+    assert y.is_cuda and torch.equal(y.cpu(), expected.cpu()), (y, expected)
+
+
 @pytest.mark.parametrize("k,n", [(32, 2), (64, 64), (128, 96), (512, 1024), (2048, 768)])
 @pytest.mark.parametrize("counts", [[1], [1, 1, 1], [0, 3, 9], [17, 1, 8, 0]])
-def test_int4_kernel_matches_reference(k: int, n: int, counts: list[int]) -> None:
+def test_int4_kernel_matches_a_float64_oracle(k: int, n: int, counts: list[int]) -> None:
     q, scale, mn = _int4(4, k, n, seed=k + n)
     x = torch.randn(sum(counts), k, device="cuda")
     slot_ids = [(3 * e + 1) % 4 for e in range(len(counts))]
@@ -39,34 +52,43 @@ def test_int4_kernel_matches_reference(k: int, n: int, counts: list[int]) -> Non
     for c in counts:
         offsets.append(offsets[-1] + c)
     y = ck.int4_grouped_matmul(x, q, scale, mn, slot_ids, offsets)
-    ref = ck.int4_grouped_matmul_reference(x.cpu(), q.cpu(), scale.cpu(), mn.cpu(), slot_ids, offsets)
     assert y.shape == (sum(counts), n) and y.dtype == torch.float32 and y.is_cuda
-    _close(y, ref, 1e-4)
-    # device-side indices (no host round trip) give the same result
+    _check_int4(y, x, q, scale, mn, slot_ids, offsets, f"K={k} N={n} counts={counts}")
+    # device-side indices (no host round trip): the same kernel on the same data, bit for bit
     ids_t = torch.tensor(slot_ids, dtype=torch.int32, device="cuda")
     offs_t = torch.tensor(offsets, dtype=torch.int32, device="cuda")
-    torch.testing.assert_close(ck.int4_grouped_matmul(x, q, scale, mn, ids_t, offs_t), y)
+    assert torch.equal(ck.int4_grouped_matmul(x, q, scale, mn, ids_t, offs_t), y)
 
 
-def test_int4_kernel_on_a_side_stream_and_single_matrix() -> None:
+def test_int4_kernel_runs_on_the_current_stream() -> None:
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        pytest.skip("this torch has no torch.cuda._sleep to hold a stream back")
     q, scale, mn = _int4(2, 256, 512, seed=3)
     x = torch.randn(5, 256, device="cuda")
+    buf = torch.zeros_like(x)
+    torch.cuda.synchronize()
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        y = ck.int4_matmul(x, q[1], scale[1], mn[1])
+        sleep(200_000_000)  # ~0.1 s of GPU time on `side` before buf gets its values
+        buf.copy_(x)
+        y = ck.int4_matmul(buf, q[1], scale[1], mn[1])  # on any other stream it would read the zeros
     torch.cuda.current_stream().wait_stream(side)
-    _close(y, ck.int4_matmul_reference(x.cpu(), q[1].cpu(), scale[1].cpu(), mn[1].cpu()), 1e-4)
+    _check_int4(y, x, q[1], scale[1], mn[1], [0], [0, 5], "single matrix on a side stream")
     assert ck.int4_grouped_matmul(x[:0], q, scale, mn, [], [0]).shape == (0, 512)
 
 
 def test_grouped_matmul_fp32_bf16_on_cuda() -> None:
-    w = torch.randn(3, 64, 40)
-    x = torch.randn(6, 64)
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(3, 64, 40, generator=gen)
+    x = torch.randn(6, 64, generator=gen)
+    ids, offs = [2, 0], [0, 4, 6]
     for dtype in (torch.float32, torch.bfloat16):
-        y = ck.grouped_matmul(x.cuda(), {"down": w.to(dtype).cuda()}, "down", [2, 0], [0, 4, 6])
-        ref = ck.grouped_matmul(x, {"down": w.to(dtype)}, "down", [2, 0], [0, 4, 6])
-        _close(y, ref, 1e-5)
+        y = ck.grouped_matmul(x.cuda(), {"down": w.to(dtype).cuda()}, "down", ids, offs)
+        assert y.is_cuda and y.dtype == torch.float32
+        w64 = w.to(dtype).double()  # exact: the weights the slots hold
+        oracle.assert_within(y, oracle.grouped_f64(x, w64, ids, offs), oracle.fp32_bound(x, w64.abs(), ids, offs),
+                             f"{dtype} slots on CUDA")
 
 
 def _bank_tensors() -> dict[str, torch.Tensor]:
@@ -80,6 +102,10 @@ def test_pinned_copy_rows_land_in_slots() -> None:
     report = pin_host_tensors(list(bank.values()))
     try:
         assert report.method == "cudaHostRegister" and report.pinned_bytes > 0, report
+        assert_regions_pinned(report)  # what the report calls pinned, the driver does too
+        for kind, t in bank.items():
+            if region_bytes_in(t, report.regions) == t.numel() * t.element_size():
+                assert t.is_pinned(), kind
         dev = CudaDevice()
         slots = dev.alloc_slots(5, slot_layout(bank))
         assert all(t.is_cuda for t in slots.values())
@@ -105,7 +131,7 @@ def test_pinned_copy_rows_land_in_slots() -> None:
         unpin(report)
 
 
-def test_decode_step_on_cuda_matches_cpu_reference() -> None:
+def test_decode_step_on_cuda_matches_a_float64_oracle() -> None:
     d, inter, num = 64, 96, 6
     gen = torch.Generator().manual_seed(5)
     bank = build_expert_bank(torch.randn(num, d, 2 * inter, generator=gen) * 0.2,
@@ -122,10 +148,25 @@ def test_decode_step_on_cuda_matches_cpu_reference() -> None:
         h = ck.grouped_matmul(x.cuda(), slots, "gate_up", slot_of, offsets)  # [T, 2I]
         y = ck.grouped_matmul(apply_activation(h, bank.activation).contiguous(), slots, "down", slot_of, offsets)
         assert y.shape == (5, d) and y.is_cuda
-        ref = torch.cat([run_expert_reference(bank, 4, x[:2]), run_expert_reference(bank, 1, x[2:])])
-        _close(y, ref, 1e-3)
+        h, y = h.cpu(), y.cpu()  # waits for the copies and kernels before the bank is unpinned
     finally:
         unpin(report)
+    # the oracle reads the bank rows of the experts (not the slots) and does everything in float64
+    t = bank.tensors
+    gu64, gu_a = (f(t["gate_up.q"], t["gate_up.scale"], t["gate_up.min"]) for f in (oracle.dequant_f64, oracle.int4_magnitude))
+    dn64, dn_a = (f(t["down.q"], t["down.scale"], t["down.min"]) for f in (oracle.dequant_f64, oracle.int4_magnitude))
+    h64 = oracle.grouped_f64(x, gu64, experts, offsets)
+    eh = oracle.fp32_bound(x, gu_a, experts, offsets)
+    oracle.assert_within(h, h64, eh, "gate_up")
+    g, u, eg, eu = h64[:, :inter], h64[:, inter:], eh[:, :inter], eh[:, inter:]
+    silu = g / (1.0 + torch.exp(-g))
+    a64 = silu * u
+    # propagate: |silu'| <= 1.1, and the float32 silu and product add a few roundings of |a|
+    sa, ua = silu.abs() + 1.1 * eg, u.abs() + eu
+    ea = 1.1 * eg * ua + sa * eu + 8 * oracle.U32 * sa * ua
+    y64 = oracle.grouped_f64(a64, dn64, experts, offsets)
+    ey = oracle.fp32_bound(a64.abs() + ea, dn_a, experts, offsets) + oracle.grouped_f64(ea, dn_a, experts, offsets)
+    oracle.assert_within(y, y64, 2 * ey, "decode step")
 
 
 def test_select_device_and_info_on_cuda() -> None:

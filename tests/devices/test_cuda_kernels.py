@@ -1,4 +1,4 @@
-"""cuda_kernels without a GPU: the torch twins against moed's int4 format, the wrapper's checks, the kernel source."""
+"""cuda_kernels without a GPU: the torch twins against a float64 oracle, the wrapper's checks, the kernel source."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch
 from moed.devices import cuda_kernels as ck
 from moed.kernels.int4_format import INT4_GROUP_SIZE, dequantize_int4, quantize_int4
 
+from helpers import int4_oracle as oracle  # float64 oracles, never the code under test
+
 
 def _int4_slots(num_slots: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     w = torch.randn(num_slots, k, n, generator=torch.Generator().manual_seed(seed))
@@ -22,32 +24,55 @@ def test_group_size_matches_the_bank_format() -> None:
     assert ck.INT4_GROUP_SIZE == INT4_GROUP_SIZE
 
 
-def test_reference_matches_the_bank_dequantizer() -> None:
+def test_reference_matches_a_float64_oracle() -> None:
+    # the twin (the CPU path, and the GPU tests' old yardstick) against float64 math on the exact weights
     w, q, scale, mn = _int4_slots(3, 64, 48)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(7, 64, generator=gen)
     slot_ids, offsets = [2, 0, 2], [0, 1, 1, 7]  # an expert with no tokens, a slot used twice
     y = ck.int4_grouped_matmul_reference(x, q, scale, mn, slot_ids, offsets)
-    full = dequantize_int4(q, scale, mn)  # [S, K, N]
-    expected = torch.cat([x[0:1] @ full[2], x[1:7] @ full[2]])
-    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
-    # and the quantized product is close to the float one (the format is sane)
+    assert y.shape == (7, 48) and y.dtype == torch.float32
+    ref = oracle.grouped_f64(x, oracle.dequant_f64(q, scale, mn), slot_ids, offsets)
+    bound = oracle.fp32_bound(x, oracle.int4_magnitude(q, scale, mn), slot_ids, offsets)
+    oracle.assert_within(y, ref, bound, "int4_grouped_matmul_reference")
+    # the quantized product is close to the float one (the format is sane)
     assert (y[1:] - x[1:] @ w[2]).abs().max() < 0.1 * (x[1:] @ w[2]).abs().max()
-    torch.testing.assert_close(ck.int4_matmul_reference(x, q[1], scale[1], mn[1]), x @ full[1], rtol=1e-5, atol=1e-5)
+    y1 = ck.int4_matmul_reference(x, q[1], scale[1], mn[1])
+    oracle.assert_within(y1, oracle.grouped_f64(x, oracle.dequant_f64(q, scale, mn), [1], [0, 7]),
+                         oracle.fp32_bound(x, oracle.int4_magnitude(q, scale, mn), [1], [0, 7]), "int4_matmul_reference")
+
+
+def test_oracle_agrees_with_the_bank_dequantizer() -> None:
+    # the oracle restates the format; the bank's own dequantizer must read the same weights
+    _, q, scale, mn = _int4_slots(2, 96, 34, seed=4)
+    exact = oracle.dequant_f64(q, scale, mn)
+    diff = (dequantize_int4(q, scale, mn).double() - exact).abs()
+    assert float((diff - 2 * oracle.U32 * oracle.int4_magnitude(q, scale, mn)).max()) <= 0.0
+
+
+def test_reference_on_a_hand_computed_case_is_exact() -> None:
+    # small dyadic numbers: the layout (nibble -> column, group -> rows, slot) decides every digit
+    x, q, scale, mn, expected = oracle.hand_case()
+    y = ck.int4_grouped_matmul_reference(x, q, scale, mn, oracle.HAND_SLOT_IDS, oracle.HAND_OFFSETS)
+    assert torch.equal(y, expected), (y, expected)
+    assert torch.equal(ck.int4_matmul_reference(x[2:], q[0], scale[0], mn[0]), expected[2:])
 
 
 def test_grouped_matmul_dispatches_by_format_on_cpu() -> None:
     _, q, scale, mn = _int4_slots(2, 32, 16)
-    x = torch.randn(3, 32)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(2))
     slots = {"down.q": q, "down.scale": scale, "down.min": mn}
-    torch.testing.assert_close(
-        ck.grouped_matmul(x, slots, "down", [1], [0, 3]), x @ dequantize_int4(q[1], scale[1], mn[1])
-    )
-    w = torch.randn(2, 32, 16)
+    oracle.assert_within(ck.grouped_matmul(x, slots, "down", [1], [0, 3]),
+                         oracle.grouped_f64(x, oracle.dequant_f64(q, scale, mn), [1], [0, 3]),
+                         oracle.fp32_bound(x, oracle.int4_magnitude(q, scale, mn), [1], [0, 3]), "int4 slots")
+    w = torch.randn(2, 32, 16, generator=torch.Generator().manual_seed(3))
     for dtype in (torch.float32, torch.bfloat16):
         wd = w.to(dtype)
-        y = ck.grouped_matmul(x, {"down": wd}, "down", [1, 0], [0, 2, 3])
-        torch.testing.assert_close(y, torch.cat([x[:2] @ wd[1].float(), x[2:] @ wd[0].float()]))
+        ids, offs = [1, 0], [0, 2, 3]
+        y = ck.grouped_matmul(x, {"down": wd}, "down", ids, offs)
+        w64 = wd.double()  # bf16 -> float64 is exact: the weights the slots really hold
+        oracle.assert_within(y, oracle.grouped_f64(x, w64, ids, offs), oracle.fp32_bound(x, w64.abs(), ids, offs),
+                             f"{dtype} slots")
     with pytest.raises(ValueError, match="no matrix"):
         ck.grouped_matmul(x, {"down": w}, "gate_up", [0], [0, 3])
 

@@ -104,11 +104,13 @@ def test_copies_are_paced_to_b_p() -> None:
     handle.wait()
     elapsed = time.perf_counter() - started
     expected = nbytes / b_p
-    assert 0.7 * expected <= elapsed <= 2.5 * expected, f"{nbytes} B at {b_p} B/s took {elapsed:.3f} s"
-    assert 0.7 * expected <= handle.seconds <= 2.5 * expected
+    # Pacing is a lower bound (never faster than B_P); a busy machine may only make it slower, so the
+    # upper bounds are loose: they catch a copy that never finishes, not a slow scheduler.
+    assert 0.7 * expected <= elapsed <= 10 * expected, f"{nbytes} B at {b_p} B/s took {elapsed:.3f} s"
+    assert 0.7 * expected <= handle.seconds <= 10 * expected
     assert torch.equal(slots["w"][0], bank["w"][3]) and torch.equal(slots["w"][3], bank["w"][0])
     stats = dev.stats()
-    assert stats.bytes_copied == nbytes and 0.4 * b_p <= stats.copy_bytes_per_second <= 1.43 * b_p
+    assert stats.bytes_copied == nbytes and 0.1 * b_p <= stats.copy_bytes_per_second <= 1.43 * b_p
 
 
 def test_fast_links_are_reached() -> None:
@@ -119,7 +121,8 @@ def test_fast_links_are_reached() -> None:
     slots = dev.alloc_slots(4, slot_layout(bank))
     handle = dev.copy_rows_async(slots, [0, 1, 2, 3], bank, [0, 1, 2, 3])
     handle.wait()
-    assert 0.7 * 0.1 <= handle.seconds <= 2.5 * 0.1, f"100 MB at 1 GB/s took {handle.seconds:.3f} s"
+    # a memcpy path slower than ~0.2 GB/s would take more than 0.5 s (loose: the machine may be busy)
+    assert 0.7 * 0.1 <= handle.seconds <= 0.5, f"100 MB at 1 GB/s took {handle.seconds:.3f} s"
     assert torch.equal(slots["w"], bank["w"])
 
 
@@ -135,7 +138,7 @@ def test_queued_copies_share_the_link() -> None:
     elapsed = time.perf_counter() - started
     assert first.done(), "copies finish in submission order"
     # 20 MB in all: two 10 MB copies back to back, not in parallel (that would take ~0.05 s)
-    assert 0.7 * 0.1 <= elapsed <= 2.5 * 0.1, elapsed
+    assert 0.7 * 0.1 <= elapsed <= 10 * 0.1, elapsed
 
 
 def test_idle_link_does_not_bank_credit() -> None:
@@ -208,7 +211,7 @@ def test_charge_compute_books_time_without_sleeping() -> None:
     started = time.perf_counter()
     assert dev.charge_compute(500 * MB) == pytest.approx(0.5)
     assert dev.charge_compute(250 * MB) == pytest.approx(0.25)
-    assert time.perf_counter() - started < 0.2, "charge_compute slept without sleep_compute"
+    assert time.perf_counter() - started < 0.5, "charge_compute slept without sleep_compute (0.75 s charged)"
     stats = dev.stats()
     assert stats.num_compute_charges == 2 and stats.compute_bytes == 750 * MB
     assert stats.compute_seconds == pytest.approx(0.75)
