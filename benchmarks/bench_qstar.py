@@ -1,11 +1,12 @@
 """Does q* = m * B_P / B_H pick the fastest split?  Measured, not modelled.
 
-For each of the six machines in DESIGN.md we set the emulated device's B_P so that B_P / B_H on
-this machine equals that machine's ratio, then sweep every q from 0 to m: q experts are really
-copied (memcpy from the host bank into device slots, paced to B_P, competing for DRAM as DMA
-does) while the other m - q really run on the CPU (numba kernel), concurrently. The miss-service
-time is the wall time until both branches finish. We compare the time at q* with the best q, and
-with the linear model's prediction T(q) = max(q S / B_P, (m - q) S / (B_H - B_P)).
+For each of the paper's six machines (docs/design.md, Reference) we set the emulated device's
+B_P so that B_P / B_H on this machine equals that machine's ratio, then sweep every q from 0 to
+m: q experts are really copied (memcpy from the host bank into device slots, paced to B_P,
+competing for DRAM as DMA does) while the other m - q really run on the CPU (numba kernel),
+concurrently. The miss-service time is the wall time until both branches finish. We compare the
+time at q* with the best q, and with the linear model's prediction
+T(q) = max(q S / B_P, (m - q) S / (B_H - B_P)).
 
 The CPU branch gets one numba thread and the copy thread the other core, so the "DMA engine"
 does not steal the CPU branch's core (on this 2-core machine).
@@ -31,7 +32,7 @@ from moed.experts.cpu_pool import CpuWorkerPool
 from moed.experts.expert_ffn import run_expert
 from moed.experts.split_policy import q_split, q_star
 
-MACHINES = (  # name, B_P, B_H in GB/s (DESIGN.md, from the paper)
+MACHINES = (  # name, B_P, B_H in GB/s (the paper, via docs/design.md)
     ("RTX 4060 laptop", 11.8, 47.5),
     ("RTX 3090 server", 25.3, 56.7),
     ("RTX 4090 server", 25.1, 63.2),

@@ -109,7 +109,7 @@ class _QuotaPolicy(_BasePolicy):
 
 
 class LruPolicy(_QuotaPolicy):
-    """q = q*(m, B_P, B_H) hottest misses filled into LRU victims (DESIGN.md's policy)."""
+    """q = q*(m, B_P, B_H) hottest misses filled into LRU victims (the paper's policy, docs/design.md)."""
 
     name = "lru"
 

@@ -1,9 +1,10 @@
 """The fill/CPU split of one MoE layer call: q* from measured bandwidths, the plan type, the policy seam.
 
-DESIGN.md, "Decode: the bandwidth-adaptive split": with B_P the measured PCIe expert-transfer
+docs/design.md, "Decode: splitting the misses": with B_P the measured PCIe expert-transfer
 bandwidth and B_H the measured host-side expert-execution bandwidth, q* = m * B_P / B_H of the
 m misses are copied to the GPU (fills) and the rest run on the CPU. The concrete policies
-(adaptive, fill-all, static, ...) live in ``policies.py``.
+(adaptive, fill-all, static, ...) and their registry ``make_policy`` live in ``policies.py``,
+which imports this module (never the other way round).
 """
 
 from __future__ import annotations
@@ -108,10 +109,3 @@ class SplitPolicy(Protocol):
 
     def plan(self, cache: "ExpertCache", ids: Sequence[int], counts: Sequence[int], *,
              phase: str, b_p: float, b_h: float) -> SplitPlan: ...
-
-
-def make_policy(name: str, **opts: object) -> SplitPolicy:
-    """The split policy called ``name``; see ``moed.experts.policies.POLICY_NAMES``."""
-    from moed.experts.policies import make_policy as _make_policy
-
-    return _make_policy(name, **opts)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from moed.cache.kv_cache import KVCache
+from moed.layers.layer_config import AttentionConfig
 from moed.layers.norms import rms_norm
 from moed.layers.rotary import RotaryEmbedding
-from moed.models.model_config import AttentionConfig
 from moed.runner.forward_batch import ForwardBatch
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from moed.experts.executor import ExpertExecutor
 from moed.layers.dense_mlp import DenseMlp
-from moed.models.model_config import MoeConfig
+from moed.layers.layer_config import MoeConfig
 
 
 def route(cfg: MoeConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

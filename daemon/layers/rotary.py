@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from moed.models.model_config import RopeConfig
+from moed.layers.layer_config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, max_position_embeddings: int) -> tuple[torch.Tensor, float]:

@@ -13,14 +13,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moed.errors import ModelFormatError, UnsupportedModelError
-from moed.models.model_config import (
-    AttentionConfig,
-    ModelConfig,
-    MoeConfig,
-    eos_ids,
-    require,
-    rope_from_config,
-)
+from moed.layers.layer_config import AttentionConfig, MoeConfig
+from moed.models.model_config import ModelConfig, eos_ids, require, rope_from_config
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,8 @@
-"""ModelConfig: the one frozen description of a model's architecture, parsed from config.json."""
+"""ModelConfig: the one frozen description of a model's architecture, parsed from config.json.
+
+Its per-layer parts (``AttentionConfig``, ``RopeConfig``, ``MoeConfig``) live in
+``moed.layers.layer_config``: models import layers, never the other way round.
+"""
 
 from __future__ import annotations
 
@@ -6,67 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moed.errors import ModelFormatError
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters (transformers' ``rope_parameters``)."""
-
-    rope_type: str = "default"  # default | linear | llama3 | yarn
-    theta: float = 10000.0
-    dim: int = 0  # rotated dims per head
-    interleaved: bool = False  # DeepSeek lays rotary pairs out as (x0, x1), (x2, x3)...
-    params: tuple[tuple[str, Any], ...] = ()  # the remaining rope_parameters, sorted
-
-    def param(self, name: str, default: Any = None) -> Any:
-        for key, value in self.params:
-            if key == name:
-                return value
-        return default
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """Routing of one MoE layer kind."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    scoring: str = "softmax"  # softmax | sigmoid | topk_softmax (gpt-oss: softmax over the top-k logits)
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
-    num_groups: int = 1  # DeepSeek group-limited routing
-    topk_groups: int = 1
-    has_score_correction_bias: bool = False
-    has_router_bias: bool = False
-    shared_intermediate_size: int = 0  # 0 = no shared expert
-    has_shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(Linear(D, 1)) scales the shared expert
-    activation: str = "silu"  # silu | gpt_oss
-    has_expert_bias: bool = False
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    """Attention of every layer (per-layer differences live in ModelConfig.sliding_windows)."""
-
-    kind: str  # mha (includes GQA/MQA) | mla
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    has_qkv_bias: bool = False
-    has_o_bias: bool = False
-    qk_norm: str = "none"  # none | per_head (Qwen3) | full (OLMoE: over the whole projection)
-    clip_qkv: float | None = None
-    has_sinks: bool = False
-    scaling: float = 0.0
-    # MLA (DeepSeek-V3)
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
+from moed.layers.layer_config import AttentionConfig, MoeConfig, RopeConfig
 
 
 @dataclass(frozen=True)

@@ -197,12 +197,12 @@ def test_governor_thread_reacts_in_real_time():
         gov.on_budget(on_budget)
         start = gov.budget()
         source.set_other_apps(2 * GiB)
-        assert changed.wait(2.0)
+        assert changed.wait(10.0)
         assert events == [("moed-memory-governor", start - 2 * GiB)]
         changed.clear()
         t0 = time.monotonic()
         source.set_other_apps(0)
-        assert changed.wait(3.0)
+        assert changed.wait(10.0)
         assert time.monotonic() - t0 >= 0.2
         assert events[-1] == ("moed-memory-governor", start)
 
