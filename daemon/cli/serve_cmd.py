@@ -76,7 +76,7 @@ def _serve(args: argparse.Namespace, socket_path: str, shutdown: threading.Event
         if ctx is not None:
             log.info("shutting down (cancel in-flight: %s)", ctx.shutdown_cancel_inflight)
             ctx.stopping = True
-            ctx.manager.unload_all(cancel_inflight=ctx.shutdown_cancel_inflight)
+            ctx.manager.close(cancel_inflight=ctx.shutdown_cancel_inflight)
         if server is not None:
             server.stop()
         if governor is not None:

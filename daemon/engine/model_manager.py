@@ -72,7 +72,9 @@ class ModelManager:
         self.host_ram_available = host_ram_available
         self._models: dict[str, LoadedEntry] = {}
         self._lock = threading.Lock()
+        self._loads_done = threading.Condition(self._lock)
         self._loading = 0
+        self._closing = False  # close() was called: no new loads; loads in flight stop at their next progress
         self.last_used: str | None = None
 
     # -- discovery ------------------------------------------------------------------------------
@@ -108,33 +110,51 @@ class ModelManager:
         # the name the user gave (a symlinked directory keeps its own name), else the directory's
         name = name or (given.name if given.is_dir() and given.name else path.name)
         with self._lock:
+            if self._closing:
+                raise InvalidRequestError("the daemon is shutting down; no new models are loaded")
             if name in self._models:
                 raise InvalidRequestError(f"a model named {name!r} is already loaded; unload it first or pick another name")
             self._loading += 1
+        runtime = loop = None
         try:
             available = self.host_ram_available() if self.host_ram_available else None
             check_host_ram(estimate_host_bytes(path), available_bytes=available, what=f"model {name!r}")
             engine = EngineConfig(device=options.device, cache_fraction=options.cache_fraction, policy=options.policy,
                                   policy_options=options.policy_options, emulated_b_p=options.emulated_b_p)
-            report = (lambda done, total: progress("reading", done, total)) if progress else None
+
+            def report(done: int, total: int) -> None:  # on the loading thread, between reads
+                if self._closing:
+                    raise InvalidRequestError(f"loading {name!r} stopped: the daemon is shutting down")
+                if progress:
+                    progress("reading", done, total)
+
             runtime = open_runtime(path, experts_dtype=options.experts_dtype, verify=options.verify,
                                    progress=report, engine=engine)
             if progress:
                 progress("building", 1, 1)
             if runtime.tokenizer is None:
-                runtime.close()
                 raise ModelFormatError(f"{path}: no tokenizer.json; the daemon serves text and needs one")
             context = options.context_length or min(4096, runtime.model.config.max_position_embeddings)
             loop = EngineLoop(runtime, name=name, max_batch=options.max_batch, max_queue=options.max_queue,
                               context_length=context)
-            loop.start()
             entry = LoadedEntry(name, path, runtime, loop, options)
             with self._lock:
+                if self._closing:
+                    raise InvalidRequestError(f"loading {name!r} stopped: the daemon is shutting down")
+                loop.start()
                 self._models[name] = entry
             return entry
+        except BaseException:
+            # nothing half-loaded stays behind: the KV cache, the bank and the executor's threads go
+            if loop is not None:
+                loop.stop(cancel_inflight=True)
+            if runtime is not None:
+                runtime.close()
+            raise
         finally:
             with self._lock:
                 self._loading -= 1
+                self._loads_done.notify_all()
 
     def unload(self, name: str) -> bool:
         with self._lock:
@@ -144,6 +164,15 @@ class ModelManager:
         entry.loop.stop(cancel_inflight=True)
         entry.runtime.close()
         return True
+
+    def close(self, *, cancel_inflight: bool = True, load_timeout: float = 60.0) -> None:
+        """Shut down: refuse new loads, stop loads in flight (at their next read) and wait for
+        them, then unload every model. A loading thread must not outlive the daemon: the process
+        would exit with native threads still running inside it."""
+        with self._lock:
+            self._closing = True
+            self._loads_done.wait_for(lambda: self._loading == 0, timeout=load_timeout)
+        self.unload_all(cancel_inflight=cancel_inflight)
 
     def unload_all(self, *, cancel_inflight: bool = True) -> None:
         with self._lock:

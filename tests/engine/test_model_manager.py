@@ -45,3 +45,42 @@ def test_a_model_that_does_not_fit_in_host_ram_is_refused_before_loading(models)
 def test_unknown_model_names_say_where_they_looked(models):
     with pytest.raises(InvalidRequestError, match=str(models)):
         ModelManager([models]).load("nope", LoadOptions())
+
+
+def test_close_stops_a_load_in_flight_leaves_nothing_loaded_and_refuses_new_loads(models, tmp_path):
+    import threading
+
+    from moed.weights.converter import convert_model
+
+    ftw = convert_model(models / "tiny", tmp_path / "tiny-ftw", experts_dtype="fp32")
+    write_tiny_tokenizer(ftw)
+    manager = ModelManager([tmp_path])
+    reading, release = threading.Event(), threading.Event()
+    outcome: dict = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage == "reading":
+            reading.set()
+            release.wait(10)  # hold the load mid-read until close() has been called
+
+    def load() -> None:
+        try:
+            outcome["entry"] = manager.load(str(ftw), LoadOptions(device="cpu"), progress=progress)
+        except InvalidRequestError as exc:
+            outcome["error"] = str(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    assert reading.wait(30), "the load never reported reading"
+    closer = threading.Thread(target=manager.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive(), "close() returned while a load was still running"
+    release.set()
+    closer.join(30)
+    loader.join(30)
+    assert not closer.is_alive() and not loader.is_alive()
+    assert "shutting down" in outcome.get("error", ""), outcome
+    assert manager.loaded() == [] and not manager.is_loading
+    with pytest.raises(InvalidRequestError, match="shutting down"):
+        manager.load(str(ftw), LoadOptions(device="cpu"))
