@@ -17,6 +17,10 @@ class InvalidRequestError(MoedError):
     """A request parameter is out of range (sampling, prompt length, ...)."""
 
 
+class ModelExistsError(InvalidRequestError):
+    """A model of that name is already loaded (or being loaded)."""
+
+
 class InsufficientMemoryError(MoedError):
     """Not enough host RAM (or VRAM) for what was asked; the message says how much and what to do."""
 
@@ -32,3 +36,15 @@ class AlreadyRunningError(MoedError):
 
 class QueueFullError(MoedError):
     """The engine's waiting queue is full; the request was not accepted (retry later)."""
+
+
+MAX_QUOTED_CHARS = 200
+
+
+def quoted(value: object, limit: int = MAX_QUOTED_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters: an error must never
+    echo a whole 100 KB input back (gRPC refuses metadata that large, and logs fill up)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"

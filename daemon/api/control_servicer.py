@@ -12,10 +12,10 @@ import grpc
 
 from moed.api.convert import engine_figures, memory_figures, model_info
 from moed.api.daemon_context import DaemonContext
-from moed.api.errors import abort_with
+from moed.api.errors import abort_with, one_line
 from moed.experts.policy_spec import parse_policy
 from moed.engine.model_manager import LoadOptions, dir_bytes
-from moed.errors import InvalidRequestError, MoedError
+from moed.errors import InvalidRequestError, MoedError, quoted
 from moed.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger("moed.api")
@@ -58,7 +58,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 break
             yield event
         if "error" in outcome:
-            self.ctx.last_error = str(outcome["error"])
+            self.ctx.last_error = one_line(str(outcome["error"]))
             abort_with(context, outcome["error"])
         entry = outcome["entry"]
         self.ctx.manager.apply_cache_budget(self._cache_budget())
@@ -75,9 +75,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         from moed.experts.policies import POLICY_NAMES
 
         if policy not in POLICY_NAMES:
-            raise InvalidRequestError(f"policy {policy!r} is not one of {', '.join(POLICY_NAMES)}")
+            raise InvalidRequestError(f"policy {quoted(policy)} is not one of {', '.join(POLICY_NAMES)}")
         if request.experts_dtype and request.experts_dtype not in ("fp32", "bf16", "int4"):
-            raise InvalidRequestError(f"experts_dtype {request.experts_dtype!r}: choose fp32, bf16 or int4")
+            raise InvalidRequestError(f"experts_dtype {quoted(request.experts_dtype)}: choose fp32, bf16 or int4")
         fraction = request.cache_fraction if request.HasField("cache_fraction") else 0.25
         if not 0.0 <= fraction <= 1.0:
             raise InvalidRequestError(f"cache_fraction must be between 0 and 1, got {fraction}")
@@ -97,7 +97,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if not request.model:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name the model to unload")
         if not self.ctx.manager.unload(request.model):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not loaded")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"model {quoted(request.model)} is not loaded")
         return control_pb2.UnloadModelResponse(unloaded=True)
 
     def ListModels(self, request, context):

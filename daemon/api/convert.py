@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moed.engine.sampling import SamplingParams
-from moed.errors import InvalidRequestError
+from moed.errors import InvalidRequestError, quoted
 from moed.v1 import control_pb2, inference_pb2
 
 DEFAULT_MAX_TOKENS = 256
@@ -24,9 +24,15 @@ def sampling_from_proto(msg: inference_pb2.SamplingParams) -> SamplingParams:
     )
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def messages_from_proto(chat: inference_pb2.ChatMessages) -> list[dict]:
     if not chat.messages:
         raise InvalidRequestError("chat has no messages; send at least one {role, content}")
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequestError(f"chat.messages[{i}].role {quoted(m.role)} is not one of {', '.join(CHAT_ROLES)}")
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 

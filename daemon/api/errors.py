@@ -18,6 +18,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, getattr(errors, "InsufficientMemoryError", ())):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, errors.ModelExistsError):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, errors.InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, (errors.ModelFormatError, errors.UnsupportedModelError)):
@@ -28,6 +30,15 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc} (see the daemon log)"
 
 
+MAX_DETAILS_CHARS = 1000  # gRPC puts details in trailing metadata, which clients cap at a few KB
+
+
+def one_line(message: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    """An error's details as the client gets them: one line, at most ``limit`` characters."""
+    text = " ".join(str(message).split())
+    return text if len(text) <= limit else text[: limit - 15] + "... (truncated)"
+
+
 def abort_with(context: grpc.ServicerContext, exc: BaseException):
     code, message = status_for(exc)
-    context.abort(code, message)
+    context.abort(code, one_line(message))

@@ -9,7 +9,7 @@ import grpc
 
 from moed.api.convert import messages_from_proto, sampling_from_proto
 from moed.api.daemon_context import DaemonContext
-from moed.api.errors import abort_with
+from moed.api.errors import abort_with, one_line
 from moed.engine.request import GenerationRequest
 from moed.errors import MoedError
 from moed.v1 import inference_pb2, inference_pb2_grpc
@@ -55,7 +55,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, ttft_seconds=u.ttft_s,
                         decode_tokens_per_second=u.decode_tok_s, seed=u.seed or 0))
                 if event.done and event.finish_reason == "error":
-                    context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {event.error}")
+                    self.ctx.last_error = one_line(f"generation failed: {event.error}")
+                    context.abort(grpc.StatusCode.INTERNAL, self.ctx.last_error)
                 yield response
                 if event.done:
                     break

@@ -22,7 +22,7 @@ from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent, U
 from moed.engine.runtime import DEFAULT_CONTEXT, ModelRuntime
 from moed.engine.sampling import Sampler, SamplingParams
 from moed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from moed.errors import InvalidRequestError
+from moed.errors import InvalidRequestError, quoted
 from moed.runner.forward_batch import ForwardBatch
 from moed.text.stop_strings import StopMatcher
 from moed.text.stream_decoder import StreamDecoder
@@ -30,6 +30,8 @@ from moed.text.stream_decoder import StreamDecoder
 log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 5.0  # tokens_per_second looks this far back
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per sequence per step
+DEFAULT_MAX_STEP_TOKENS = 512  # tokens per step, all sequences together
 
 
 @dataclass
@@ -49,7 +51,8 @@ class _Live:
 
 class EngineLoop:
     def __init__(self, runtime: ModelRuntime, *, name: str, max_batch: int = 8, max_queue: int = 64,
-                 prefill_chunk: int = 256, max_step_tokens: int = 512, context_length: int | None = None) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+                 context_length: int | None = None) -> None:
         config = runtime.model.config
         max_pos = config.max_position_embeddings
         context = min(DEFAULT_CONTEXT, max_pos) if context_length is None else context_length
@@ -341,7 +344,7 @@ class EngineLoop:
         vocab = self._vocab_size
         bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]!r} is outside the model's vocabulary (0..{vocab - 1})")
+            raise InvalidRequestError(f"token id {quoted(bad[0])} is outside the model's vocabulary (0..{vocab - 1})")
 
 
 def _run_into(fn: Callable[[], Any], future: Future) -> None:

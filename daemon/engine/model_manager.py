@@ -15,11 +15,11 @@ from typing import Callable
 from moed.config import EngineConfig
 from moed.engine.engine_loop import EngineLoop
 from moed.engine.runtime import ModelRuntime, open_runtime
-from moed.errors import InvalidRequestError, ModelFormatError
-from moed.service.memory_governor import check_host_ram
-from moed.weights.model_loader import estimate_host_bytes
+from moed.engine.load_plan import check_load_fits, plan_load
+from moed.errors import InvalidRequestError, ModelExistsError, ModelFormatError, quoted
 
 ProgressFn = Callable[[str, int, int], None]  # (stage, done bytes, total bytes)
+MAX_NAME_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,13 @@ def is_model_dir(path: Path) -> bool:
     return (path / "ftw.json").is_file() or (path / "config.json").is_file()
 
 
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a name too long for the filesystem, a loop of symlinks, no permission
+        return False
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
@@ -74,6 +81,7 @@ class ModelManager:
         self._lock = threading.Lock()
         self._loads_done = threading.Condition(self._lock)
         self._loading = 0
+        self._reserved: set[str] = set()  # names of loads in flight
         self._closing = False  # close() was called: no new loads; loads in flight stop at their next progress
         self.last_used: str | None = None
 
@@ -90,14 +98,16 @@ class ModelManager:
         return list(found.values())
 
     def resolve(self, model: str) -> Path:
+        if not isinstance(model, str) or not model or "\x00" in model:
+            raise InvalidRequestError(f"model {quoted(model)}: give a model directory or the name of one")
         path = Path(model).expanduser()
-        if path.is_dir():
+        if _is_dir(path):
             return path.resolve()
         for candidate in self.discover():
             if candidate.name == model:
                 return candidate.resolve()
         where = ", ".join(str(d) for d in self.search_dirs) or "(none)"
-        raise InvalidRequestError(f"model {model!r} not found: not a directory, and no model of that name in {where}")
+        raise InvalidRequestError(f"model {quoted(model)} not found: not a directory, and no model of that name in {where}")
 
     # -- load / unload ---------------------------------------------------------------------------
     @property
@@ -105,26 +115,34 @@ class ModelManager:
         return self._loading > 0
 
     def load(self, model: str, options: LoadOptions, *, name: str = "", progress: ProgressFn | None = None) -> LoadedEntry:
+        """Load a model and start its engine loop; everything that can be checked before reading the
+        weights is (options, name, host RAM for weights plus KV cache), and a load that fails later
+        leaves nothing behind."""
         path = self.resolve(model)
         given = Path(model).expanduser()
         # the name the user gave (a symlinked directory keeps its own name), else the directory's
-        name = name or (given.name if given.is_dir() and given.name else path.name)
+        name = name or (given.name if _is_dir(given) and given.name else path.name)
+        if len(name) > MAX_NAME_CHARS or any(not c.isprintable() for c in name):
+            raise InvalidRequestError(f"model name {quoted(name)} must be at most {MAX_NAME_CHARS} printable characters")
+        plan = plan_load(path, options)  # reads config.json / the FTW index only
         with self._lock:
             if self._closing:
                 raise InvalidRequestError("the daemon is shutting down; no new models are loaded")
-            if name in self._models:
-                raise InvalidRequestError(f"a model named {name!r} is already loaded; unload it first or pick another name")
+            if name in self._models or name in self._reserved:
+                what = "is already loaded" if name in self._models else "is being loaded"
+                raise ModelExistsError(f"a model named {quoted(name)} {what}; unload it first or pick another name")
+            self._reserved.add(name)  # a second load of this name is refused until this one ends
             self._loading += 1
         runtime = loop = None
         try:
             available = self.host_ram_available() if self.host_ram_available else None
-            check_host_ram(estimate_host_bytes(path), available_bytes=available, what=f"model {name!r}")
+            check_load_fits(plan, available_bytes=available, what=f"model {quoted(name)}")
             engine = EngineConfig(device=options.device, cache_fraction=options.cache_fraction, policy=options.policy,
                                   policy_options=options.policy_options, emulated_b_p=options.emulated_b_p)
 
             def report(done: int, total: int) -> None:  # on the loading thread, between reads
                 if self._closing:
-                    raise InvalidRequestError(f"loading {name!r} stopped: the daemon is shutting down")
+                    raise InvalidRequestError(f"loading {quoted(name)} stopped: the daemon is shutting down")
                 if progress:
                     progress("reading", done, total)
 
@@ -134,13 +152,12 @@ class ModelManager:
                 progress("building", 1, 1)
             if runtime.tokenizer is None:
                 raise ModelFormatError(f"{path}: no tokenizer.json; the daemon serves text and needs one")
-            context = options.context_length or min(4096, runtime.model.config.max_position_embeddings)
             loop = EngineLoop(runtime, name=name, max_batch=options.max_batch, max_queue=options.max_queue,
-                              context_length=context)
+                              context_length=plan.context_length)
             entry = LoadedEntry(name, path, runtime, loop, options)
             with self._lock:
                 if self._closing:
-                    raise InvalidRequestError(f"loading {name!r} stopped: the daemon is shutting down")
+                    raise InvalidRequestError(f"loading {quoted(name)} stopped: the daemon is shutting down")
                 loop.start()
                 self._models[name] = entry
             return entry
@@ -153,6 +170,7 @@ class ModelManager:
             raise
         finally:
             with self._lock:
+                self._reserved.discard(name)
                 self._loading -= 1
                 self._loads_done.notify_all()
 
@@ -189,7 +207,7 @@ class ModelManager:
                 entry = self._models.get(name)
                 if entry is None:
                     loaded = ", ".join(self._models) or "none"
-                    raise InvalidRequestError(f"model {name!r} is not loaded (loaded: {loaded}); load it with `moed load`")
+                    raise InvalidRequestError(f"model {quoted(name)} is not loaded (loaded: {loaded}); load it with `moed load`")
             elif len(self._models) == 1:
                 entry = next(iter(self._models.values()))
             elif not self._models:

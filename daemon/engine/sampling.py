@@ -9,16 +9,21 @@ from dataclasses import dataclass
 
 import torch
 
-from moed.errors import InvalidRequestError
+from moed.errors import InvalidRequestError, quoted
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000  # per stop string
 # torch.Generator.manual_seed takes 64-bit seeds.
 MAX_SEED = 2**64 - 1
+# Below this temperature sampling is greedy decoding: softmax(l / T) puts all but e^-100 of the mass
+# on the top token whenever it leads by 1e-3, and tinier (subnormal) values would overflow float32.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 def _bad(field: str, value: object, allowed: str, hint: str = "") -> InvalidRequestError:
     tail = f"; {hint}" if hint else "."
-    return InvalidRequestError(f"{field}={value!r} is out of range: {field} must be {allowed}{tail}")
+    return InvalidRequestError(f"{field}={quoted(value)} is out of range: {field} must be {allowed}{tail}")
 
 
 def _is_number(value: object) -> bool:
@@ -33,7 +38,7 @@ def _is_int(value: object) -> bool:
 class SamplingParams:
     """How one request picks tokens; defaults are greedy decoding of up to 256 tokens."""
 
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
@@ -68,13 +73,15 @@ class SamplingParams:
             raise _bad("stop", f"<{len(self.stop)} strings>", f"at most {MAX_STOP_STRINGS} strings")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}.")
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {quoted(s)}.")
+            if len(s) > MAX_STOP_CHARS:
+                raise InvalidRequestError(f"a stop string has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}.")
+            raise InvalidRequestError(f"ignore_eos must be true or false, got {quoted(self.ignore_eos)}.")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def apply_repetition_penalty(
@@ -88,7 +95,8 @@ def apply_repetition_penalty(
     ids = ids[(ids >= 0) & (ids < logits.shape[-1])]
     seen = logits[ids]
     logits = logits.clone()
-    logits[ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
+    # clamped: a tiny or huge penalty must not turn a finite logit into inf (inf - inf is NaN later)
+    logits[ids] = torch.where(seen < 0, seen * penalty, seen / penalty).clamp(-_F32_MAX, _F32_MAX)
     return logits
 
 
@@ -145,7 +153,9 @@ class Sampler:
         if p.greedy:
             return x
         if p.temperature != 1.0:
-            x = x / p.temperature
+            # shift first so the top logit is 0: dividing by a small temperature then gives 0 and
+            # -inf (never inf, never NaN); softmax and the warpers below are shift-invariant
+            x = (x - x.max()) / p.temperature
         x = apply_top_k(x, p.top_k)
         x = apply_top_p(x, p.top_p)
         return apply_min_p(x, p.min_p)
@@ -158,6 +168,8 @@ class Sampler:
         if self.params.greedy:
             return int(torch.argmax(x))
         probs = x.softmax(dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            raise ValueError("the model produced non-finite logits (NaN); the request cannot be sampled")
         return int(torch.multinomial(probs, 1, generator=self._generator_for(probs.device)))
 
 

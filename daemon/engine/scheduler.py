@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from moed.errors import InvalidRequestError, QueueFullError
+from moed.errors import InvalidRequestError, QueueFullError, quoted
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class SchedulerConfig:
         for name in ("max_batch", "max_queue", "prefill_chunk", "max_step_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidRequestError(f"{name}={value!r}: must be an integer >= 1")
+                raise InvalidRequestError(f"{name}={quoted(value)}: must be an integer >= 1")
         if self.max_step_tokens < self.max_batch:
             raise InvalidRequestError(
                 f"max_step_tokens={self.max_step_tokens} is below max_batch={self.max_batch}: every running "
@@ -108,7 +108,7 @@ class Scheduler:
         """Queue a sequence; returns its seq id. Raises QueueFullError when max_queue are already waiting."""
         if request_id in self._by_request:
             raise InvalidRequestError(
-                f"request_id {request_id!r} is already queued or running; give each request a unique id")
+                f"request_id {quoted(request_id)} is already queued or running; give each request a unique id")
         if len(self._waiting) >= self.max_queue:
             raise QueueFullError(
                 f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue}); retry later")

@@ -42,7 +42,7 @@ import numpy as np
 from moed.cache.admission import DEFAULT_HALF_LIFE, DEFAULT_RULES, AdmissionDuel
 from moed.cache.eviction import EvictionStrategy, LruEviction, LruFrequencyEviction
 from moed.cache.expert_cache import ExpertCache
-from moed.errors import InvalidRequestError
+from moed.errors import InvalidRequestError, quoted
 from moed.experts.split_policy import PHASES, SplitPlan, SplitPolicy, q_star, round_half_up
 
 
@@ -343,10 +343,10 @@ def make_policy(name: str, **opts: object) -> SplitPolicy:
     """A fresh policy called ``name`` (one of ``POLICY_NAMES``) with its options."""
     cls = POLICIES.get(name)
     if cls is None:
-        raise InvalidRequestError(f"unknown split policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+        raise InvalidRequestError(f"unknown split policy {quoted(name)}; choose one of {', '.join(POLICY_NAMES)}")
     try:
         return cls(**opts)
     except TypeError as exc:
-        raise InvalidRequestError(f"split policy {name!r} does not take options {sorted(opts)}: {exc}") from None
+        raise InvalidRequestError(f"split policy {quoted(name)} does not take options {sorted(opts)}: {exc}") from None
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moed.errors import InvalidRequestError
+from moed.errors import InvalidRequestError, quoted
 
 
 def parse_policy(text: str) -> tuple[str, tuple[tuple[str, float], ...]]:
@@ -12,10 +12,10 @@ def parse_policy(text: str) -> tuple[str, tuple[tuple[str, float], ...]]:
         try:
             share = float(value) if value else 0.5
         except ValueError:
-            raise InvalidRequestError(f"--policy {text!r}: write fixed-share:F with F a number in [0, 1]") from None
+            raise InvalidRequestError(f"--policy {quoted(text)}: write fixed-share:F with F a number in [0, 1]") from None
         if not 0.0 <= share <= 1.0:
-            raise InvalidRequestError(f"--policy {text!r}: the CPU share F must be in [0, 1]")
+            raise InvalidRequestError(f"--policy {quoted(text)}: the CPU share F must be in [0, 1]")
         return name, (("cpu_share", share),)
     if value:
-        raise InvalidRequestError(f"--policy {text!r}: only fixed-share takes a value (fixed-share:F)")
+        raise InvalidRequestError(f"--policy {quoted(text)}: only fixed-share takes a value (fixed-share:F)")
     return name, ()

@@ -51,8 +51,13 @@ class MhaAttention:
         self.q_norm, self.k_norm = get("q_norm.weight"), get("k_norm.weight")
         self.sinks = get("sinks")
 
+    @staticmethod
+    def cache_entries_for(cfg: AttentionConfig) -> dict[str, tuple[int, ...]]:
+        """Per-token KV-cache entries: keys and values of the KV heads."""
+        return {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
+
     def cache_entries(self) -> dict[str, tuple[int, ...]]:
-        return {"k": (self.cfg.num_kv_heads, self.cfg.head_dim), "v": (self.cfg.num_kv_heads, self.cfg.head_dim)}
+        return self.cache_entries_for(self.cfg)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -28,8 +28,13 @@ class MlaAttention:
         self.kv_b = get("kv_b_proj.weight")
         self.wo, self.bo = get("o_proj.weight"), get("o_proj.bias")
 
+    @staticmethod
+    def cache_entries_for(cfg: AttentionConfig) -> dict[str, tuple[int, ...]]:
+        """Per-token KV-cache entries: the compressed latent and the shared rotary key."""
+        return {"latent": (cfg.kv_lora_rank,), "k_rot": (cfg.qk_rope_head_dim,)}
+
     def cache_entries(self) -> dict[str, tuple[int, ...]]:
-        return {"latent": (self.cfg.kv_lora_rank,), "k_rot": (self.cfg.qk_rope_head_dim,)}
+        return self.cache_entries_for(self.cfg)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -5,6 +5,8 @@ Shapes: B sequences, T new tokens per step, D hidden, V vocabulary.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -46,6 +48,7 @@ class MoeTransformer:
                                 weights[f"{prefix}.post_attention_layernorm.weight"], mlp))
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """The KV cache of ``num_slots`` sequences of up to ``max_len`` tokens (``kv_cache_bytes`` of it)."""
         return KVCache([attention.cache_entries() for _, attention, _, _ in self.layers], num_slots, max_len)
 
     @torch.inference_mode()
@@ -88,3 +91,13 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: 
                 f"{where}: tensor {name!r} has shape {list(tensor.shape)} but config.json implies {list(shape)}; "
                 "the config and the weights do not belong together"
             )
+
+
+KV_DTYPE_BYTES = 4  # KVCache stores float32
+
+
+def kv_cache_bytes(config: ModelConfig, num_slots: int, max_len: int) -> int:
+    """Bytes ``new_cache(num_slots, max_len)`` allocates, from the config alone (checked before a load)."""
+    attention_cls = MlaAttention if config.attention.kind == "mla" else MhaAttention
+    per_token = sum(math.prod(shape) for shape in attention_cls.cache_entries_for(config.attention).values())
+    return per_token * KV_DTYPE_BYTES * config.num_layers * num_slots * max_len

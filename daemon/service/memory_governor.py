@@ -333,17 +333,23 @@ def plan_cache_bytes(budget: int | None, fixed_bytes: int, kv_bytes: int, *, res
     return max(room, min_cache_bytes)
 
 
-def _fmt_host(num_bytes: int) -> str:
+def format_bytes(num_bytes: int) -> str:
+    """Host-memory figures for people: GB with one decimal, or whole MB below 1 GB."""
     if num_bytes >= GB:
         return f"{num_bytes / GB:.1f} GB"
     return f"{math.ceil(num_bytes / 10**6)} MB"
 
 
+def available_host_bytes() -> int:
+    """Host RAM a load may use now: psutil's `available` (free plus reclaimable cache)."""
+    return int(psutil.virtual_memory().available)
+
+
 def check_host_ram(required_bytes: int, *, available_bytes: int | None = None, what: str = "the model") -> None:
     """Raise InsufficientMemoryError when `required_bytes` exceed the host RAM available now
     (psutil's `available`: free plus reclaimable cache)."""
-    available = int(psutil.virtual_memory().available) if available_bytes is None else int(available_bytes)
+    available = available_host_bytes() if available_bytes is None else int(available_bytes)
     if required_bytes > available:
         raise InsufficientMemoryError(
-            f"{what} needs {_fmt_host(required_bytes)} of host RAM but {_fmt_host(available)} are available; "
+            f"{what} needs {format_bytes(required_bytes)} of host RAM but {format_bytes(available)} are available; "
             "close other programs or use a smaller expert dtype (--experts-dtype int4)")

@@ -13,7 +13,7 @@ import jinja2.ext
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from moed.errors import InvalidRequestError, ModelFormatError, MoedError
+from moed.errors import InvalidRequestError, ModelFormatError, MoedError, quoted
 
 NO_TEMPLATE_MESSAGE = "model has no chat template; use plain prompt mode (omit --chat)"
 # Variables render_chat sets itself; extra template variables may not override them.
@@ -95,7 +95,7 @@ def _content_text(content: Any, where: str) -> str:
             is_text = isinstance(part, Mapping) and part.get("type", "text") == "text"
             if not (is_text and isinstance(part.get("text"), str)):
                 raise InvalidRequestError(
-                    f"{where}.content[{j}] must be a text part {{'type': 'text', 'text': '...'}}, got {part!r}; "
+                    f"{where}.content[{j}] must be a text part {{'type': 'text', 'text': '...'}}, got {quoted(part)}; "
                     "only text content is supported."
                 )
             texts.append(part["text"])
@@ -131,7 +131,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise InvalidRequestError(f"{where} must be an object with 'role' and 'content', got {type(msg).__name__}.")
         role = msg.get("role")
         if not isinstance(role, str) or not role:
-            raise InvalidRequestError(f"{where}.role must be a non-empty string such as 'user', got {role!r}.")
+            raise InvalidRequestError(f"{where}.role must be a non-empty string such as 'user', got {quoted(role)}.")
         clean = {k: _plain(v, f"{where}.{k}") for k, v in msg.items() if v is not None}
         if "content" in clean:
             clean["content"] = _content_text(msg["content"], where)

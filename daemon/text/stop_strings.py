@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moed.errors import InvalidRequestError
+from moed.errors import InvalidRequestError, quoted
 
 
 class StopMatcher:
@@ -19,7 +19,7 @@ class StopMatcher:
             raise InvalidRequestError("stop must be a list of strings, not a single string; wrap it in a list.")
         for s in stop:
             if not isinstance(s, str) or not s:
-                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}.")
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {quoted(s)}.")
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(stop))
         self._longest = max((len(s) for s in self._stops), default=0)
         self._pending = ""

@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from moed.errors import ModelFormatError
+from moed.weights.file_checks import require_regular_file
 from moed.models.families import Family, family_of, parse_model_config
 from moed.models.model_config import ModelConfig
 
@@ -35,8 +36,9 @@ class DenseCheckpoint:
 
 def read_config_json(path: Path) -> dict:
     file = path / "config.json"
-    if not file.is_file():
+    if not file.is_file() and not file.exists():
         raise ModelFormatError(f"{path}: no config.json found; is this a Hugging Face model directory?")
+    require_regular_file(file)
     try:
         cfg = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -55,6 +57,8 @@ class _TensorSource:
             raise ModelFormatError(f"{path}: no *.safetensors weight files found")
         self.location: dict[str, Path] = {}
         self.handles = {}
+        for file in self.files:
+            require_regular_file(file)
         for file in self.files:
             try:
                 handle = safe_open(str(file), "pt")

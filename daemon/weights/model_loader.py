@@ -15,6 +15,7 @@ from moed.errors import InvalidRequestError, ModelFormatError
 from moed.models.families import parse_model_config
 from moed.models.model_config import ModelConfig
 from moed.weights.ftw_reader import load_ftw, read_ftw_index
+from moed.weights.file_checks import require_regular_file
 from moed.weights.hf_checkpoint import DenseCheckpoint, load_hf_checkpoint
 
 FTW_INDEX = "ftw.json"
@@ -49,13 +50,33 @@ def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bo
                     f"{path} stores {stored} experts; re-run `moed convert --experts-dtype {experts_dtype}` "
                     "to change the expert format")
         return _load_ftw_model(path, verify, progress)
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").exists():
         raise ModelFormatError(
             f"{path}: neither {FTW_INDEX} (moed FTW) nor config.json (Hugging Face) found; "
             "point --model at a model directory")
     checkpoint = load_hf_checkpoint(path)
     bank = bank_from_checkpoint(checkpoint, experts_dtype or "fp32")
     return LoadedModel(path, "hf", checkpoint.config, checkpoint.weights, bank)
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The model's config from config.json or the FTW index alone, without reading any weights."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelFormatError(f"{path}: model directory not found")
+    if is_ftw_dir(path):
+        where = str(path / FTW_INDEX)
+        config = read_ftw_index(path).metadata.get("config")
+        if not isinstance(config, dict):
+            raise ModelFormatError(f"{where}: metadata lacks the model config; re-run `moed convert`")
+        return parse_model_config(config, where=where)
+    if not (path / "config.json").exists():
+        raise ModelFormatError(
+            f"{path}: neither {FTW_INDEX} (moed FTW) nor config.json (Hugging Face) found; "
+            "point --model at a model directory")
+    from moed.weights.hf_checkpoint import read_config_json
+
+    return parse_model_config(read_config_json(path), where=str(path / "config.json"))
 
 
 def bank_from_checkpoint(checkpoint: DenseCheckpoint, dtype: str) -> ExpertBank:
@@ -140,6 +161,7 @@ def estimate_host_bytes(path: str | Path) -> int:
         return read_ftw_index(path).nbytes()
     total = 0
     for file in sorted(path.glob("*.safetensors")):
+        require_regular_file(file)  # never open a FIFO: the open would block until a writer comes
         try:
             with open(file, "rb") as fh:
                 (length,) = struct.unpack("<Q", fh.read(8))

@@ -1,0 +1,79 @@
+"""LoadPlan: what a model load will need, worked out from its config before any weight is read.
+
+Options are validated here (context length against the model, batch and queue sizes, expert
+dtype, device), so a load that cannot succeed is refused before it spends seconds reading
+gigabytes; and the host-RAM check covers the KV cache as well as the weights, saying which
+smaller batch or context would fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from moed.cache.host_bank import EXPERT_DTYPES
+from moed.devices.select import DEVICE_NAMES
+from moed.engine.engine_loop import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK
+from moed.engine.runtime import DEFAULT_CONTEXT
+from moed.engine.scheduler import SchedulerConfig
+from moed.errors import InsufficientMemoryError, InvalidRequestError, quoted
+from moed.models.moe_transformer import kv_cache_bytes
+from moed.service.memory_governor import available_host_bytes, format_bytes
+from moed.weights.model_loader import estimate_host_bytes, read_model_config
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    context_length: int
+    max_batch: int
+    weight_bytes: int  # host RAM the weights and expert bank need at the load's peak
+    kv_bytes: int  # the KV cache: max_batch sequences of context_length tokens
+    kv_bytes_per_token: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+
+def plan_load(path: Path, options) -> LoadPlan:
+    """Validate ``options`` (a LoadOptions) against the model at ``path``; raises InvalidRequestError."""
+    config = read_model_config(path)
+    max_pos = config.max_position_embeddings
+    context = options.context_length or min(DEFAULT_CONTEXT, max_pos)
+    if isinstance(context, bool) or not isinstance(context, int) or context < 2:
+        raise InvalidRequestError(f"context_length must be an integer of at least 2 tokens, got {quoted(context)}")
+    if context > max_pos:
+        raise InvalidRequestError(
+            f"context_length {context} exceeds the model's max_position_embeddings ({max_pos}); use at most {max_pos}")
+    # the engine loop's own limits, checked now rather than after the weights are read
+    SchedulerConfig(options.max_batch, options.max_queue, DEFAULT_PREFILL_CHUNK, DEFAULT_MAX_STEP_TOKENS)
+    if options.experts_dtype is not None and options.experts_dtype not in EXPERT_DTYPES:
+        raise InvalidRequestError(f"experts_dtype {quoted(options.experts_dtype)}: choose one of {', '.join(EXPERT_DTYPES)}")
+    device = str(options.device or "auto").strip().lower()
+    if device not in DEVICE_NAMES:
+        raise InvalidRequestError(f"unknown device {quoted(options.device)}: choose one of {', '.join(DEVICE_NAMES)}")
+    per_token = kv_cache_bytes(config, 1, 1)
+    return LoadPlan(context_length=context, max_batch=options.max_batch, weight_bytes=estimate_host_bytes(path),
+                    kv_bytes=per_token * options.max_batch * context, kv_bytes_per_token=per_token)
+
+
+def check_load_fits(plan: LoadPlan, *, available_bytes: int | None = None, what: str = "the model") -> None:
+    """Raise InsufficientMemoryError when weights + KV cache exceed the host RAM available now,
+    naming a max_batch and a context_length that would fit."""
+    available = available_host_bytes() if available_bytes is None else int(available_bytes)
+    if plan.total_bytes <= available:
+        return
+    need = (f"{what} needs {format_bytes(plan.total_bytes)} of host RAM ({format_bytes(plan.weight_bytes)} of weights "
+            f"+ {format_bytes(plan.kv_bytes)} of KV cache for max_batch {plan.max_batch} x context "
+            f"{plan.context_length}) but {format_bytes(available)} are available")
+    room = available - plan.weight_bytes
+    tokens = room // plan.kv_bytes_per_token if room > 0 and plan.kv_bytes_per_token > 0 else 0
+    hints = []
+    if tokens // plan.context_length >= 1:
+        hints.append(f"max_batch {min(plan.max_batch - 1, tokens // plan.context_length)} "
+                     f"with context {plan.context_length}")
+    if tokens // plan.max_batch >= 2:
+        hints.append(f"context {min(plan.context_length - 1, tokens // plan.max_batch)} with max_batch {plan.max_batch}")
+    if hints:
+        raise InsufficientMemoryError(f"{need}; would fit: {' or '.join(hints)}")
+    raise InsufficientMemoryError(f"{need}; close other programs or use a smaller expert dtype (--experts-dtype int4)")

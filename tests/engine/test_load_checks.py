@@ -1,0 +1,201 @@
+"""What a model load checks before it reads weights, and what a failed load leaves behind (issue #9)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+
+from helpers.tiny_models import FAMILIES, build_tiny_model
+from helpers.tiny_tokenizer import write_tiny_tokenizer
+from moed.engine import model_manager as mm
+from moed.engine.load_plan import plan_load
+from moed.engine.model_manager import LoadOptions, ModelManager
+from moed.engine.runtime import open_runtime
+from moed.errors import InsufficientMemoryError, InvalidRequestError, ModelExistsError, ModelFormatError
+from moed.models.moe_transformer import kv_cache_bytes
+from moed.weights.model_loader import read_model_config
+
+GB = 10**9
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    build_tiny_model("mixtral", root / "tiny")
+    write_tiny_tokenizer(root / "tiny")
+    return root
+
+
+@pytest.fixture
+def no_weight_reads(monkeypatch):
+    """Fail the test if anything opens the weights (open_runtime is where reading starts)."""
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("the weights were read although the load should have been refused before")
+
+    monkeypatch.setattr(mm, "open_runtime", refuse)
+    return calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_cache_bytes_from_the_config_equal_what_the_model_allocates(family, tmp_path):
+    build_tiny_model(family, tmp_path)
+    runtime = open_runtime(tmp_path)
+    try:
+        for slots, length in ((1, 1), (3, 17), (8, 128)):
+            cache = runtime.model.new_cache(slots, length)
+            assert kv_cache_bytes(read_model_config(tmp_path), slots, length) == cache.nbytes() > 0
+    finally:
+        runtime.close()
+
+
+def test_a_kv_cache_that_does_not_fit_is_refused_before_reading_and_says_what_would_fit(models, no_weight_reads):
+    plan = plan_load(models / "tiny", LoadOptions(max_batch=256, context_length=256))
+    per_seq = plan.kv_bytes_per_token * 256
+    # room for the weights and exactly 10 sequences of 256 tokens
+    available = plan.weight_bytes + 10 * per_seq + per_seq // 2
+    manager = ModelManager([models], host_ram_available=lambda: available)
+    with pytest.raises(InsufficientMemoryError) as info:
+        manager.load("tiny", LoadOptions(device="cpu", max_batch=256, context_length=256))
+    message = str(info.value)
+    assert "KV cache" in message and "max_batch 256 x context 256" in message
+    # 10.5 sequences' room: 10 full sequences of 256 tokens, or 256 sequences of 10 tokens
+    assert "max_batch 10 with context 256" in message and "context 10 with max_batch 256" in message
+    assert no_weight_reads == [] and manager.loaded() == [] and not manager.is_loading
+
+
+def test_weights_alone_too_big_keeps_the_old_advice(models, no_weight_reads):
+    manager = ModelManager([models], host_ram_available=lambda: 1000)
+    with pytest.raises(InsufficientMemoryError, match="--experts-dtype int4"):
+        manager.load("tiny", LoadOptions(device="cpu"))
+
+
+@pytest.mark.parametrize("options,words", [
+    (dict(context_length=1), "at least 2"),
+    (dict(context_length=10**6), "max_position_embeddings"),
+    (dict(max_batch=0), "max_batch"),
+    (dict(max_batch=1000), "max_step_tokens"),
+    (dict(max_queue=-1), "max_queue"),
+    (dict(experts_dtype="fp4"), "experts_dtype"),
+    (dict(device="tpu"), "unknown device"),
+])
+def test_bad_options_are_refused_before_any_weight_is_read(models, no_weight_reads, options, words):
+    manager = ModelManager([models])
+    with pytest.raises(InvalidRequestError, match=words):
+        manager.load("tiny", LoadOptions(**options))
+    assert no_weight_reads == [] and manager.loaded() == [] and not manager.is_loading
+
+
+def test_a_load_failing_after_the_read_closes_what_it_built(models, monkeypatch):
+    closed = []
+    real_open = mm.open_runtime
+
+    def open_then_track(*args, **kwargs):
+        runtime = real_open(*args, **kwargs)
+        close = runtime.close
+        runtime.close = lambda: (closed.append(True), close())
+        return runtime
+
+    def loop_fails(*args, **kwargs):
+        raise RuntimeError("injected: the engine loop could not be built")
+
+    monkeypatch.setattr(mm, "open_runtime", open_then_track)
+    monkeypatch.setattr(mm, "EngineLoop", loop_fails)
+    manager = ModelManager([models])
+    with pytest.raises(RuntimeError, match="injected"):
+        manager.load("tiny", LoadOptions(device="cpu"))
+    assert closed == [True], "the runtime of a failed load was not closed"
+    assert manager.loaded() == [] and not manager.is_loading
+    monkeypatch.undo()
+    entry = manager.load("tiny", LoadOptions(device="cpu"))  # the name is free again
+    assert manager.unload(entry.name)
+
+
+def test_two_concurrent_loads_of_one_name_load_it_once(models, monkeypatch):
+    gate = threading.Barrier(2)
+    release = threading.Event()
+    real_open = mm.open_runtime
+
+    def slow_open(*args, **kwargs):
+        release.wait(10)  # the first load holds here until the second has been refused
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(mm, "open_runtime", slow_open)
+    manager = ModelManager([models])
+    outcomes: list = [None, None]
+
+    def load(i: int) -> None:
+        gate.wait(10)
+        try:
+            outcomes[i] = manager.load("tiny", LoadOptions(device="cpu"))
+        except ModelExistsError as exc:
+            outcomes[i] = exc
+            release.set()
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    release.set()
+    errors = [o for o in outcomes if isinstance(o, ModelExistsError)]
+    entries = [o for o in outcomes if o is not None and not isinstance(o, Exception)]
+    assert len(errors) == 1 and len(entries) == 1, outcomes
+    assert "is being loaded" in str(errors[0])
+    assert [e.name for e in manager.loaded()] == ["tiny"]
+    assert manager.unload("tiny") and manager.loaded() == []
+
+
+def test_a_fifo_among_the_weights_is_refused_without_blocking(models, tmp_path):
+    d = tmp_path / "fifo-model"
+    d.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(models / "tiny" / name, d / name)
+    os.mkfifo(d / "model.safetensors")
+    manager = ModelManager([tmp_path])
+    result: dict = {}
+
+    def load() -> None:
+        try:
+            manager.load(str(d), LoadOptions(device="cpu"))
+        except ModelFormatError as exc:
+            result["error"] = str(exc)
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    loader.join(20)
+    assert not loader.is_alive(), "the load blocked on the FIFO"
+    assert "named pipe" in result.get("error", "") and "model.safetensors" in result["error"]
+    assert not manager.is_loading
+
+
+def test_error_messages_quote_at_most_a_bounded_part_of_the_input(models):
+    manager = ModelManager([models])
+    huge = "m" * 100_000
+    with pytest.raises(InvalidRequestError) as info:
+        manager.load(huge, LoadOptions(device="cpu"))
+    assert len(str(info.value)) < 1000 and "100002 characters" in str(info.value)
+    with pytest.raises(InvalidRequestError) as info:
+        manager.get(huge)
+    assert len(str(info.value)) < 1000
+
+
+def test_tiny_temperatures_and_extreme_penalties_still_sample():
+    from moed.engine.sampling import Sampler, SamplingParams
+
+    logits = torch.tensor([0.5, 3.0, -2.0, 2.9, 1.0])
+    for t in (1e-40, 5e-324, 1e-6, 1e-5, 1e-3):
+        token = Sampler(SamplingParams(temperature=t, seed=1)).sample(logits, [])
+        assert token == 1, f"temperature {t}: the top logit's token, got {token}"
+    for penalty in (1e-45, 5e-324, 1e300):
+        s = Sampler(SamplingParams(temperature=0.7, repetition_penalty=penalty, seed=2))
+        token = s.sample(logits, [1, 3])
+        assert 0 <= token < 5
+    # a tiny penalty makes the seen positive logits huge: they win
+    assert Sampler(SamplingParams(temperature=0.5, repetition_penalty=1e-45, seed=3)).sample(logits, [4]) == 4
