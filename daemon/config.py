@@ -82,6 +82,61 @@ def socket_override() -> str | None:
     return os.environ.get("MOED_SOCKET") or None
 
 
-def daemon_token() -> str | None:
-    """$MOED_TOKEN: the token a daemon on a non-loopback address requires, and clients send."""
-    return os.environ.get("MOED_TOKEN") or None
+def daemon_token(token: str | None = None, token_file: str | os.PathLike | None = None) -> str | None:
+    """The token a daemon requires as call metadata (mandatory on a non-loopback address) and clients send.
+
+    The first that is set: ``token`` (`moed serve --token`), the file ``token_file`` (`--token-file`),
+    $MOED_TOKEN, the file $MOED_TOKEN_FILE. A token file must be private to its owner (see
+    read_token_file); a token on a command line is visible to every local user in the process list.
+    """
+    if token:
+        return token
+    if token_file:
+        return read_token_file(token_file)
+    if os.environ.get("MOED_TOKEN"):
+        return os.environ["MOED_TOKEN"]
+    if os.environ.get("MOED_TOKEN_FILE"):
+        return read_token_file(os.environ["MOED_TOKEN_FILE"], what="$MOED_TOKEN_FILE")
+    return None
+
+
+MAX_TOKEN_FILE_BYTES = 4096
+
+
+def read_token_file(path: str | os.PathLike, *, what: str = "token file") -> str:
+    """The token in the file at ``path``, surrounding whitespace stripped.
+
+    InvalidRequestError (one line, saying what to do) when the file cannot be read, is not a regular file,
+    may be read or written by the group or other users (POSIX modes; the fix is ``chmod 600``), is empty,
+    or holds more than one line or characters that cannot travel as gRPC metadata (printable ASCII only).
+    """
+    import stat
+
+    from moed.errors import InvalidRequestError
+
+    shown = os.fspath(path)
+    path = Path(os.path.expanduser(shown))
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise InvalidRequestError(f"{what} {shown}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        st = os.fstat(fd)  # of the file opened, not of whatever the path names a moment later
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidRequestError(f"{what} {shown} is not a regular file")
+        if os.name == "posix" and st.st_mode & 0o077:
+            raise InvalidRequestError(
+                f"{what} {shown} is accessible to other users (mode {stat.S_IMODE(st.st_mode):04o}); a token "
+                f"must be private: run `chmod 600 {shown}`")
+        data = os.read(fd, MAX_TOKEN_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_TOKEN_FILE_BYTES:
+        raise InvalidRequestError(f"{what} {shown} is larger than {MAX_TOKEN_FILE_BYTES} bytes; it should hold "
+                                  "only the token")
+    token = data.decode("ascii", errors="replace").strip()
+    if not token:
+        raise InvalidRequestError(f"{what} {shown} is empty; write the token into it (one line)")
+    if not all(" " <= c <= "~" for c in token):
+        raise InvalidRequestError(f"{what} {shown}: the token must be one line of printable ASCII characters")
+    return token

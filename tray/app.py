@@ -178,10 +178,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         address = args.socket or default_address()
+        token = config.daemon_token()  # a bad $MOED_TOKEN_FILE is a one-line error, not a traceback
     except MoedError as exc:
         print(f"moed-tray: error: {exc}", file=sys.stderr)
         return 2
-    app = TrayApp(address, log_dir=default_log_dir(), token=config.daemon_token(), refresh_s=args.refresh)
+    app = TrayApp(address, log_dir=default_log_dir(), token=token, refresh_s=args.refresh)
     try:
         app.run()
     except ImportError as exc:

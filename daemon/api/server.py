@@ -27,6 +27,33 @@ SERVICE_NAMES = (
 )
 
 
+class OneLineDeserializeErrors(logging.Filter):
+    """grpc logs a request it cannot deserialize (invalid UTF-8, a truncated or garbage frame) with
+    ``_LOGGER.exception``: a traceback in the daemon log for every bad frame a client sends. The client
+    already gets INTERNAL; the log gets one WARNING line with the decode error instead."""
+
+    PREFIX = "Exception deserializing"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith(self.PREFIX)):
+            return True  # anything else (serializing *our* replies included) keeps its traceback
+        exc = record.exc_info[1] if record.exc_info else None
+        reason = f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error"
+        record.msg = "a client sent a request that could not be deserialized (%s); the call failed with INTERNAL"
+        record.args = (" ".join(reason.split()),)  # one line, whatever the error text holds
+        record.exc_info = record.exc_text = None
+        record.stack_info = None
+        record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
+def install_grpc_log_filter() -> None:
+    """Install OneLineDeserializeErrors on grpc's logger (once; a second call does nothing)."""
+    common = logging.getLogger("grpc._common")
+    if not any(isinstance(f, OneLineDeserializeErrors) for f in common.filters):
+        common.addFilter(OneLineDeserializeErrors())
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     socket_path: Path | None = None  # unix socket (mode 0600)
@@ -43,13 +70,14 @@ class ServerConfig:
                 raise InvalidRequestError(f"--tcp {self.tcp!r}: write HOST:PORT, e.g. 127.0.0.1:50515")
             if not is_loopback_host(host) and not self.token:
                 raise InvalidRequestError(
-                    f"--tcp {self.tcp}: listening beyond this machine needs a token (--token or MOED_TOKEN); "
+                    f"--tcp {self.tcp}: listening beyond this machine needs a token (--token-file, MOED_TOKEN_FILE or MOED_TOKEN); "
                     "refusing to expose the daemon without one")
 
 
 class DaemonServer:
     def __init__(self, ctx: DaemonContext, config: ServerConfig) -> None:
         self.ctx, self.config = ctx, config
+        install_grpc_log_filter()
         interceptors = [TokenInterceptor(config.token)] if config.token else []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
                                                              thread_name_prefix="moed-grpc"),

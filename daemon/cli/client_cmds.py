@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from decimal import Decimal, InvalidOperation
 
 from moed.api.client import MoedClient
 from moed.cli.progress import ProgressBar
@@ -88,26 +89,47 @@ def gb(n: int | float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+MAX_CAP_BYTES = 2**60  # ~1.15 EB: far above any GPU, well inside the protocol's uint64
+_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_CAP_HELP = "write bytes (6G, 6000M), a percentage (50%) or auto"
+
+
 def parse_cap(value: str) -> tuple[int, float | None]:
+    """'6G' -> (6e9, None); '50%' -> (0, 0.5); 'auto' -> (0, None). InvalidRequestError (one line) for
+    anything else: empty, negative, NaN/inf, a percentage outside (0, 100], more than MAX_CAP_BYTES."""
     text = value.strip().lower()
     if text in ("auto", "off", "none", "0"):
         return 0, None
     if text.endswith("%"):
-        try:
-            fraction = float(text[:-1]) / 100
-        except ValueError:
-            raise InvalidRequestError(f"cap {value!r}: write a percentage like 50%") from None
+        percent = _decimal(text[:-1])
+        if percent is None:
+            raise InvalidRequestError(f"cap {value!r}: write a percentage like 50% (or auto)")
+        fraction = float(percent) / 100 if -1000 < percent < 1000 else -1.0
+        if not 0 < fraction <= 1:
+            raise InvalidRequestError(f"cap {value!r}: a percentage must be above 0% and at most 100% (or auto)")
         return 0, fraction
-    units = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-    scale = units.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in units else text
-    try:
-        cap = int(float(number) * scale)
-    except ValueError:
-        raise InvalidRequestError(f"cap {value!r}: write bytes (6G, 6000M), a percentage (50%) or auto") from None
-    if cap <= 0:
+    scale = _UNITS.get(text[-1:], 1)
+    number = _decimal(text[:-1] if text[-1:] in _UNITS else text)
+    if number is None:
+        raise InvalidRequestError(f"cap {value!r}: {_CAP_HELP}")
+    if number < 0:
         raise InvalidRequestError(f"cap {value!r} must be positive (or auto)")
+    if number.adjusted() > 30 or number * scale > MAX_CAP_BYTES:  # adjusted(): no huge products
+        raise InvalidRequestError(f"cap {value!r} is too large: at most {MAX_CAP_BYTES} bytes "
+                                  f"({MAX_CAP_BYTES / 1e18:.2f} EB); {_CAP_HELP}")
+    cap = int(number * scale) if number.adjusted() > -30 else 0
+    if cap <= 0:
+        raise InvalidRequestError(f"cap {value!r} must be at least 1 byte (or auto)")
     return cap, None
+
+
+def _decimal(text: str) -> Decimal | None:
+    """A finite decimal number, or None (empty, NaN, infinity, not a number)."""
+    try:
+        number = Decimal(text.strip())
+    except (InvalidOperation, ValueError):
+        return None
+    return number if number.is_finite() and text.strip() else None
 
 
 def stream_answer(client: MoedClient, **kw) -> None:

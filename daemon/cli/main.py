@@ -42,7 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_client_commands(sub, add_address)
 
-    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to FTW")
+    conv = sub.add_parser(
+        "convert", help="convert a Hugging Face checkpoint to FTW",
+        description="Convert a Hugging Face checkpoint to an FTW directory. The model is written to a "
+                    "hidden temp directory beside dst, .<name>.tmp-<pid>-<random> in dst's parent directory "
+                    "(<name> is dst's last component), and renamed to dst only once complete, so dst never "
+                    "holds half a model; dst's parent needs room for the whole model (twice, with --force, "
+                    "until the old one is deleted). A killed conversion leaves its temp directory behind: "
+                    "the next convert to the same dst removes those whose process is gone, one line each "
+                    "on stderr, and never one of a conversion still running.")
     conv.add_argument("src", help="Hugging Face model directory")
     conv.add_argument("dst", help="FTW output directory (written atomically)")
     conv.add_argument("--experts-dtype", choices=("fp32", "bf16", "int4"), default="fp32")

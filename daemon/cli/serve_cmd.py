@@ -17,8 +17,14 @@ log = logging.getLogger("moed.serve")
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="load this model at start (directory or name)")
-    parser.add_argument("--tcp", help="also listen on HOST:PORT (non-loopback needs --token)")
-    parser.add_argument("--token", help="require this token as call metadata (default $MOED_TOKEN)")
+    parser.add_argument("--tcp", help="also listen on HOST:PORT (non-loopback needs a token: --token-file, "
+                        "--token or $MOED_TOKEN)")
+    tokens = parser.add_mutually_exclusive_group()
+    tokens.add_argument("--token", help="require this token as call metadata (default $MOED_TOKEN, else the "
+                        "file $MOED_TOKEN_FILE); other local users can see it in the process list: prefer "
+                        "--token-file")
+    tokens.add_argument("--token-file", metavar="PATH", help="read the token from this file (one line; it must "
+                        "be private to you: chmod 600)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "emulated", "cuda"))
     parser.add_argument("--policy", default="adaptive")
     parser.add_argument("--cache-fraction", type=float, default=0.25)
@@ -67,7 +73,7 @@ def _serve(args: argparse.Namespace, socket_path: str, shutdown: threading.Event
             governor.set_user_cap(cap or None, fraction=fraction)
         ctx = DaemonContext(manager=ModelManager(paths.model_dirs()), governor=governor, shutdown_requested=shutdown)
         server = DaemonServer(ctx, ServerConfig(socket_path=socket, tcp=args.tcp,
-                                                token=args.token or config.daemon_token()))
+                                                token=config.daemon_token(args.token, args.token_file)))
         if shutdown.is_set():  # asked to stop while starting: never open the socket
             log.info("shutdown requested during start-up")
         else:

@@ -7,7 +7,7 @@ from typing import Callable
 
 from moed.errors import ModelFormatError
 from moed.weights.ftw_format import source_fingerprint_of
-from moed.weights.ftw_writer import write_ftw
+from moed.weights.ftw_writer import StaleReport, write_ftw
 from moed.weights.hf_checkpoint import load_hf_checkpoint
 from moed.weights.model_loader import BANK_PREFIX, bank_from_checkpoint, bank_metadata, is_ftw_dir
 
@@ -17,7 +17,11 @@ EXTRA_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "genera
 
 
 def convert_model(src: str | Path, dst: str | Path, *, experts_dtype: str = "fp32", overwrite: bool = False,
-                  progress: Callable[[int, int], None] | None = None) -> Path:
+                  progress: Callable[[int, int], None] | None = None,
+                  on_stale_removed: StaleReport | None = None) -> Path:
+    """Write ``src`` as an FTW directory at ``dst``. The write goes to a hidden temp directory beside
+    ``dst`` first; temp directories that earlier, killed conversions to ``dst`` left there are removed
+    (each passed to ``on_stale_removed``), those of conversions still running are left alone."""
     src, dst = Path(src), Path(dst)
     if is_ftw_dir(src):
         raise ModelFormatError(f"{src} is already an FTW model; convert from the Hugging Face directory")
@@ -29,4 +33,4 @@ def convert_model(src: str | Path, dst: str | Path, *, experts_dtype: str = "fp3
     sources = sorted(src.glob("*.safetensors")) + [src / "config.json"]
     return write_ftw(dst, tensors, metadata={"config": checkpoint.raw_config, "bank": bank_metadata(bank)},
                      source_fingerprint=source_fingerprint_of(sources), extra_files=extra,
-                     overwrite=overwrite, progress=progress)
+                     overwrite=overwrite, progress=progress, on_stale_removed=on_stale_removed)

@@ -6,6 +6,10 @@ $ErrorActionPreference = 'Stop'
 
 $Moed = '@MOED@'
 $MoedTray = '@MOED_TRAY@'
+$DaemonArguments = '@DAEMON_ARGUMENTS@'
+# The daemon's token file ('' = no token). It becomes this user's MOED_TOKEN_FILE, which the daemon, the
+# tray and the moed command read the token from: the token itself is never on a command line.
+$TokenFile = '@TOKEN_FILE@'
 $Tasks = @('moed daemon', 'moed tray')
 
 if ($Uninstall) {
@@ -15,6 +19,10 @@ if ($Uninstall) {
             Unregister-ScheduledTask -TaskName $name -Confirm:$false
             Write-Host "removed logon task '$name'"
         }
+    }
+    if ($TokenFile -and [Environment]::GetEnvironmentVariable('MOED_TOKEN_FILE', 'User') -eq $TokenFile) {
+        [Environment]::SetEnvironmentVariable('MOED_TOKEN_FILE', $null, 'User')
+        Write-Host "removed the user environment variable MOED_TOKEN_FILE"
     }
     exit 0
 }
@@ -32,7 +40,13 @@ $principal = New-ScheduledTaskPrincipal -UserId $user -LogonType Interactive -Ru
 $settings = New-ScheduledTaskSettingsSet -AllowStartIfOnBatteries -DontStopIfGoingOnBatteries `
     -ExecutionTimeLimit ([TimeSpan]::Zero) -RestartCount 3 -RestartInterval (New-TimeSpan -Minutes 1)
 
-$daemon = New-ScheduledTaskAction -Execute $Moed -Argument 'serve'
+if ($TokenFile) {
+    [Environment]::SetEnvironmentVariable('MOED_TOKEN_FILE', $TokenFile, 'User')
+    $env:MOED_TOKEN_FILE = $TokenFile
+    Write-Host "MOED_TOKEN_FILE=$TokenFile set for $env:USERNAME (the daemon reads its token from it)"
+}
+
+$daemon = New-ScheduledTaskAction -Execute $Moed -Argument $DaemonArguments
 Register-ScheduledTask -TaskName 'moed daemon' -Action $daemon -Trigger $trigger -Principal $principal `
     -Settings $settings -Description 'moed: local daemon serving Mixture-of-Experts models' -Force | Out-Null
 
