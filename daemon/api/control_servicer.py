@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from typing import Callable
 
 import grpc
@@ -85,8 +84,6 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             raise InvalidRequestError(f"max_batch {request.max_batch} is too large (at most 256)")
         if request.max_queue > 100_000:
             raise InvalidRequestError(f"max_queue {request.max_queue} is too large (at most 100000)")
-        if request.emulated_b_p < 0:
-            raise InvalidRequestError("emulated_b_p must be positive (bytes/s)")
         return LoadOptions(device=request.device or "auto", policy=policy, policy_options=policy_options,
                            cache_fraction=fraction, context_length=request.context_length or None,
                            experts_dtype=request.experts_dtype or None, verify=request.verify,
@@ -126,6 +123,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             if not total:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no GPU memory total known: give the cap in bytes")
             cap = int(request.cap_fraction * total)
+            if cap < 1:  # 0 would mean "no cap": the opposite of what a tiny fraction asks for
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"cap_fraction {request.cap_fraction!r} of {total} bytes is below one byte")
         governor.set_user_cap(cap)
         self.ctx.manager.apply_cache_budget(self._cache_budget())
         return self._status()
@@ -159,9 +159,12 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         interval = request.interval_seconds or 1.0
         if not 0.05 <= interval <= 3600:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "interval_seconds must be between 0.05 and 3600")
+        ended = threading.Event()
+        context.add_callback(ended.set)  # the client went away or cancelled: stop at once, not after interval
         while context.is_active() and not self.ctx.stopping:
             yield self._status()
-            time.sleep(interval)
+            if ended.wait(interval) or self.ctx.shutdown_requested.is_set():
+                break
 
     # -- calibration and shutdown --------------------------------------------------------------------
     def Calibrate(self, request, context):
@@ -178,7 +181,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             future = entry.loop.run_at_safe_point(lambda: calibrate(device, entry.runtime.loaded.bank, seconds=seconds))
             profile = future.result()
             save_profile(profile, entry.runtime.loaded.bank)
-        except MoedError as exc:
+        except Exception as exc:  # MoedError -> its status; anything else -> one-line INTERNAL (logged)
             abort_with(context, exc)
         return control_pb2.CalibrateResponse(b_p=profile.b_p, b_h=profile.b_h, b_p_concurrent=profile.b_p_concurrent,
                                              b_h_concurrent=profile.b_h_concurrent, q_ratio=profile.q_ratio,

@@ -30,6 +30,7 @@ from moed.text.stream_decoder import StreamDecoder
 log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 5.0  # tokens_per_second looks this far back
+MAX_REQUEST_ID_CHARS = 256  # every response carries it back
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per sequence per step
 DEFAULT_MAX_STEP_TOKENS = 512  # tokens per step, all sequences together
 
@@ -332,6 +333,9 @@ class EngineLoop:
     def _validate(self, request: GenerationRequest) -> None:
         if not isinstance(request.request_id, str) or not request.request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(f"request_id has {len(request.request_id)} characters; "
+                                      f"at most {MAX_REQUEST_ID_CHARS} are allowed")
         if not isinstance(request.params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(request.params).__name__}")
         prompt = request.prompt_ids

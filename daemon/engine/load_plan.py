@@ -22,6 +22,10 @@ from moed.service.memory_governor import available_host_bytes, format_bytes
 from moed.weights.model_loader import estimate_host_bytes, read_model_config
 
 
+MIN_EMULATED_B_P = 1e6  # bytes/s; slower emulated links make copies take hours (and timestamps overflow)
+MAX_EMULATED_B_P = 1e13
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     context_length: int
@@ -52,6 +56,10 @@ def plan_load(path: Path, options) -> LoadPlan:
     device = str(options.device or "auto").strip().lower()
     if device not in DEVICE_NAMES:
         raise InvalidRequestError(f"unknown device {quoted(options.device)}: choose one of {', '.join(DEVICE_NAMES)}")
+    b_p = options.emulated_b_p
+    if not (MIN_EMULATED_B_P <= b_p <= MAX_EMULATED_B_P):  # NaN fails both comparisons
+        raise InvalidRequestError(f"emulated_b_p {b_p!r} bytes/s is out of range: give a value between "
+                                  f"{MIN_EMULATED_B_P:.0e} and {MAX_EMULATED_B_P:.0e}")
     per_token = kv_cache_bytes(config, 1, 1)
     return LoadPlan(context_length=context, max_batch=options.max_batch, weight_bytes=estimate_host_bytes(path),
                     kv_bytes=per_token * options.max_batch * context, kv_bytes_per_token=per_token)

@@ -3,12 +3,16 @@
 The lock file doubles as the pid file: it holds JSON {pid, address, started}. The OS drops the
 lock when the process dies (however it dies), so a stale file from a crashed daemon never blocks
 the next start. The file is never deleted -- deleting it would let two daemons lock two
-different files under the same name; a released lock leaves it empty.
+different files under the same name; a released lock leaves it empty. A daemon that takes the
+lock and finds a previous holder's JSON still there (that daemon died without releasing it: a
+SIGKILL, a crash, a power cut) says so in one line, logged and printed:
+"recovered a stale lock left by pid N (not running)".
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -31,6 +35,8 @@ else:
 _WIN_LOCK_OFFSET = 1 << 20
 # a holder that just took the lock may not have written its JSON yet
 _READ_RETRY_S = 1.0
+
+log = logging.getLogger("moed.service.lock")
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,26 @@ def read_lock_holder(path: Path) -> LockHolder | None:
         return None
 
 
+def _pid_state(pid: int) -> str:
+    """Why a pid that left a stale lock no longer holds it: "not running", or what runs under it now."""
+    if pid == os.getpid():  # e.g. pid 1 in a container again: an earlier process with our pid
+        return "not running"
+    try:
+        import psutil
+
+        running = psutil.pid_exists(pid)  # never os.kill(pid, 0): on Windows that terminates the process
+    except Exception:  # psutil missing or refused: say what is certain
+        return "not running"
+    return "that pid now belongs to another process" if running else "not running"
+
+
+def stale_lock_message(path: Path, holder: LockHolder) -> str:
+    """The one line a daemon logs and prints when it took over the lock of a daemon that died holding it."""
+    where = f", last listening on {holder.address}" if holder.address else ""
+    since = f", started {holder.started}" if holder.started else ""
+    return f"recovered a stale lock left by pid {holder.pid} ({_pid_state(holder.pid)}): {path}{where}{since}"
+
+
 def _already_running(path: Path, holder: LockHolder | None) -> AlreadyRunningError:
     if holder is None:
         return AlreadyRunningError(
@@ -113,12 +139,17 @@ class InstanceLock:
         self._pid = os.getpid()
         self._address: str | None = None
         self._started = ""
+        # the previous holder whose JSON was still in the file when we took the lock: it died holding it
+        self.recovered_from: LockHolder | None = None
 
     @property
     def is_held(self) -> bool:
         return self._fd is not None
 
-    def acquire(self, address: str | None = None) -> "InstanceLock":
+    def acquire(self, address: str | None = None, *, announce: bool = True) -> "InstanceLock":
+        """Take the lock or raise AlreadyRunningError. A previous holder's JSON still in the file
+        means that daemon died without releasing it: `recovered_from` names it and, with `announce`,
+        one line says so (logged as a warning and printed on stdout)."""
         if self._fd is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,10 +158,30 @@ class InstanceLock:
             os.close(fd)
             raise _already_running(self.path, self._wait_for_holder())
         self._fd = fd
+        self.recovered_from = self._stale_holder(fd)
         self._started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self._address = address
         self._write()
+        if self.recovered_from is not None and announce:
+            message = stale_lock_message(self.path, self.recovered_from)
+            log.warning("%s", message)
+            print(f"moed: {message}", flush=True)
         return self
+
+    @staticmethod
+    def _stale_holder(fd: int) -> LockHolder | None:
+        """What a dead holder left in the file we now lock (None: empty, i.e. released cleanly)."""
+        try:
+            os.lseek(fd, 0, os.SEEK_SET)
+            data = b""
+            while len(data) < _WIN_LOCK_OFFSET:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                data += chunk
+        except OSError:
+            return None
+        return _parse(data.decode("utf-8", errors="replace")) if data.strip() else None
 
     def _wait_for_holder(self) -> LockHolder | None:
         """The holder's JSON; it may take a moment after it locked the file to write it."""

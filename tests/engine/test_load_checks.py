@@ -84,6 +84,9 @@ def test_weights_alone_too_big_keeps_the_old_advice(models, no_weight_reads):
     (dict(max_queue=-1), "max_queue"),
     (dict(experts_dtype="fp4"), "experts_dtype"),
     (dict(device="tpu"), "unknown device"),
+    (dict(device="emulated", emulated_b_p=float("inf")), "emulated_b_p"),
+    (dict(device="emulated", emulated_b_p=5e-324), "emulated_b_p"),
+    (dict(device="emulated", emulated_b_p=float("nan")), "emulated_b_p"),
 ])
 def test_bad_options_are_refused_before_any_weight_is_read(models, no_weight_reads, options, words):
     manager = ModelManager([models])

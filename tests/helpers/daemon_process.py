@@ -42,6 +42,11 @@ class Daemon:
         tmp.write_text(json.dumps({"total": total, "other_apps": other_apps}))
         tmp.replace(self.gpu_file)  # atomic: the daemon never reads half a file
 
+    def kill(self) -> int:
+        """SIGKILL: no handler runs and nothing is cleaned up, as in a crash or an OOM kill."""
+        self.proc.kill()
+        return self.proc.wait(30)
+
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -116,3 +116,55 @@ def test_update_address_on_a_released_lock_is_refused(tmp_path):
     lock = InstanceLock(tmp_path / "moed.lock")
     with pytest.raises(RuntimeError, match="not held"):
         lock.update_address("unix:///x.sock")
+
+
+def test_a_daemon_that_died_holding_the_lock_is_named_in_one_line_logged_and_printed(tmp_path, capsys, caplog):
+    lock_path = tmp_path / "moed.lock"
+    holder = start_holder(lock_path, "unix:///a.sock")
+    os.kill(holder.pid, signal.SIGKILL)  # no release: its JSON stays in the file
+    holder.wait()
+    with caplog.at_level("WARNING", logger="moed.service.lock"):
+        lock = InstanceLock(lock_path).acquire("unix:///b.sock")
+    try:
+        assert lock.recovered_from is not None and lock.recovered_from.pid == holder.pid
+        assert lock.recovered_from.address == "unix:///a.sock"
+        expected = f"recovered a stale lock left by pid {holder.pid} (not running)"
+        printed = capsys.readouterr().out.splitlines()
+        assert len(printed) == 1 and expected in printed[0] and "unix:///a.sock" in printed[0]
+        logged = [r.getMessage() for r in caplog.records if r.name == "moed.service.lock"]
+        assert len(logged) == 1 and expected in logged[0] and "\n" not in logged[0]
+        assert read_lock_holder(lock_path).pid == os.getpid()  # and the file now names us
+    finally:
+        lock.release()
+
+
+def test_a_cleanly_released_lock_or_a_fresh_file_is_not_called_stale(tmp_path, capsys):
+    lock_path = tmp_path / "moed.lock"
+    first = InstanceLock(lock_path).acquire("unix:///a.sock")
+    assert first.recovered_from is None
+    first.release()
+    second = InstanceLock(lock_path).acquire()
+    try:
+        assert second.recovered_from is None
+        assert "stale" not in capsys.readouterr().out
+    finally:
+        second.release()
+
+
+def test_a_stale_pid_reused_by_another_process_is_said_so_and_announce_false_is_quiet(tmp_path, capsys):
+    lock_path = tmp_path / "moed.lock"
+    alive = os.getppid()  # running, but not holding the lock: the dead daemon's pid was reused
+    lock_path.write_text(json.dumps({"pid": alive, "address": None, "started": "2024-01-01T00:00:00+00:00"}))
+    lock = InstanceLock(lock_path).acquire(announce=False)
+    try:
+        assert lock.recovered_from.pid == alive
+        assert capsys.readouterr().out == ""
+    finally:
+        lock.release()
+    lock_path.write_text(json.dumps({"pid": alive, "address": None, "started": ""}))
+    with InstanceLock(lock_path) as lock:
+        out = capsys.readouterr().out
+        assert f"recovered a stale lock left by pid {alive} (that pid now belongs to another process)" in out
+    lock_path.write_text("not json at all")  # unreadable leftovers: taken over quietly
+    with InstanceLock(lock_path) as lock:
+        assert lock.recovered_from is None and capsys.readouterr().out == ""
