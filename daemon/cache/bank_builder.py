@@ -16,13 +16,36 @@ def _check_f32(t: torch.Tensor, what: str, shape: tuple[int, ...]) -> None:
 
 
 def _convert(name: str, w: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """One matrix kind ``w [N, K, Ncols]`` float32 in bank layout."""
+    """One matrix kind ``w [N, K, Ncols]`` float32 in bank layout (each of the N rows on its own, so
+    converting a few rows at a time gives exactly the rows of converting them all at once)."""
     if dtype == "fp32":
         return {name: w.contiguous()}
     if dtype == "bf16":
         return {name: w.to(torch.bfloat16).contiguous()}
     q, scale, mn = quantize_int4(w)
     return {f"{name}.q": q, f"{name}.scale": scale, f"{name}.min": mn}
+
+
+def bank_tensor_specs(dtype: str, num_slots: int, hidden: int, inter: int,
+                      has_bias: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor of a bank, without building it (what a streaming
+    writer reserves before the rows arrive); the same names and shapes build_expert_bank makes."""
+    probe = convert_expert_rows(torch.zeros(1, hidden, 2 * inter), torch.zeros(1, inter, hidden), dtype,
+                                torch.zeros(1, 2 * inter) if has_bias else None,
+                                torch.zeros(1, hidden) if has_bias else None)
+    return {name: ((num_slots, *t.shape[1:]), t.dtype) for name, t in probe.items()}
+
+
+def convert_expert_rows(gate_up: torch.Tensor, down: torch.Tensor, dtype: str,
+                        gate_up_bias: torch.Tensor | None = None,
+                        down_bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Some consecutive bank rows: float32 ``gate_up [n, D, 2I]``, ``down [n, I, D]`` (+ biases) ->
+    the bank's tensors for those n rows, in the bank's dtype."""
+    tensors = {**_convert("gate_up", gate_up, dtype), **_convert("down", down, dtype)}
+    if gate_up_bias is not None and down_bias is not None:
+        tensors["gate_up_bias"] = gate_up_bias.contiguous()
+        tensors["down_bias"] = down_bias.contiguous()
+    return tensors
 
 
 def build_expert_bank(
@@ -59,12 +82,10 @@ def build_expert_bank(
     if (gate_up_bias is None) != (down_bias is None):
         raise ValueError("give both gate_up_bias and down_bias, or neither")
 
-    tensors = {**_convert("gate_up", gate_up, dtype), **_convert("down", down, dtype)}
     if gate_up_bias is not None and down_bias is not None:
         _check_f32(gate_up_bias, "gate_up_bias", (slots, two_inter))
         _check_f32(down_bias, "down_bias", (slots, hidden))
-        tensors["gate_up_bias"] = gate_up_bias.contiguous()
-        tensors["down_bias"] = down_bias.contiguous()
+    tensors = convert_expert_rows(gate_up, down, dtype, gate_up_bias, down_bias)
     return ExpertBank(
         num_moe_layers=num_moe_layers,
         num_experts=num_experts,

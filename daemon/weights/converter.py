@@ -1,15 +1,25 @@
-"""`moed convert`: a Hugging Face checkpoint, merged once into expert banks, written as FTW."""
+"""`moed convert`: a Hugging Face checkpoint, merged once into expert banks, written as FTW, streaming.
+
+Nothing is held whole: the FTW layout is reserved from the tensors' shapes, then non-expert
+weights are read and written one at a time and routed experts a chunk at a time (read, stacked
+k-major, converted to the bank dtype, written into their rows of the bank). Peak memory is one
+chunk plus the largest non-expert tensor, whatever the number of layers. The source is read
+with pread, not mmap, so its pages do not count against the process (see safetensors_files.py).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+from moed.cache.bank_builder import bank_tensor_specs, convert_expert_rows
 from moed.errors import ModelFormatError
 from moed.weights.ftw_format import source_fingerprint_of
-from moed.weights.ftw_writer import StaleReport, write_ftw
-from moed.weights.hf_checkpoint import load_hf_checkpoint
-from moed.weights.model_loader import BANK_PREFIX, bank_from_checkpoint, bank_metadata, is_ftw_dir
+from moed.weights.ftw_writer import FtwStreamWriter, StaleReport, TensorSpec
+from moed.weights.hf_checkpoint import HfCheckpoint
+from moed.weights.model_loader import BANK_PREFIX, bank_metadata_for, check_bank_dtype, is_ftw_dir
 
 # Copied verbatim so an FTW directory is self-contained (tokenizer and templates included).
 EXTRA_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -25,12 +35,25 @@ def convert_model(src: str | Path, dst: str | Path, *, experts_dtype: str = "fp3
     src, dst = Path(src), Path(dst)
     if is_ftw_dir(src):
         raise ModelFormatError(f"{src} is already an FTW model; convert from the Hugging Face directory")
-    checkpoint = load_hf_checkpoint(src)
-    bank = bank_from_checkpoint(checkpoint, experts_dtype)
-    tensors = {name: ("weight", t.contiguous()) for name, t in checkpoint.weights.items()}
-    tensors.update({BANK_PREFIX + name: ("expert_bank", t.contiguous()) for name, t in bank.tensors.items()})
+    checkpoint = HfCheckpoint(src)
+    config = checkpoint.config
+    check_bank_dtype(config, experts_dtype)
+    moe = config.moe
+    weight_specs = [TensorSpec(name, "weight", torch.float32, shape) for name, shape in checkpoint.weight_shapes().items()]
+    bank_specs = [TensorSpec(BANK_PREFIX + name, "expert_bank", dtype, shape)
+                  for name, (shape, dtype) in bank_tensor_specs(experts_dtype, checkpoint.num_bank_rows,
+                                                                config.hidden_size, moe.intermediate_size,
+                                                                moe.has_expert_bias).items()]
     extra = {name: src / name for name in EXTRA_FILES if (src / name).is_file()}
     sources = sorted(src.glob("*.safetensors")) + [src / "config.json"]
-    return write_ftw(dst, tensors, metadata={"config": checkpoint.raw_config, "bank": bank_metadata(bank)},
-                     source_fingerprint=source_fingerprint_of(sources), extra_files=extra,
-                     overwrite=overwrite, progress=progress, on_stale_removed=on_stale_removed)
+    metadata = {"config": checkpoint.raw_config,
+                "bank": bank_metadata_for(config, experts_dtype)}
+    with FtwStreamWriter(dst, weight_specs + bank_specs, overwrite=overwrite, progress=progress,
+                         metadata_check=metadata, on_stale_removed=on_stale_removed) as writer:
+        for spec in weight_specs:
+            writer.write(spec.name, checkpoint.read_weight(spec.name))
+        for chunk in checkpoint.expert_chunks():
+            rows = convert_expert_rows(chunk.gate_up, chunk.down, experts_dtype, chunk.gate_up_bias, chunk.down_bias)
+            for name, tensor in rows.items():
+                writer.write_rows(BANK_PREFIX + name, chunk.start, tensor)
+        return writer.finish(metadata=metadata, source_fingerprint=source_fingerprint_of(sources), extra_files=extra)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import logging
 import os
 import re
@@ -13,6 +14,7 @@ import stat
 import sys
 import zlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
@@ -63,28 +65,173 @@ def write_ftw(
     which the next write to the same ``dst`` removes once its writer is gone (see
     ``remove_stale_temp_dirs``; each removal is passed to ``on_stale_removed``, else logged).
     """
-    dst = Path(os.path.abspath(dst))
     _check_inputs(tensors, extra_files, shard_size)
-    json.dumps(metadata, allow_nan=False)  # fail before writing gigabytes, not after
-    remove_stale_temp_dirs(dst, on_stale_removed)
-    if os.path.lexists(dst) and not overwrite:
-        raise InvalidRequestError(f"{dst} already exists; pass --force (overwrite=True) to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _make_temp_dir(dst, "tmp")
-    try:
-        files, entries = _write_shards(tmp, tensors, shard_size, progress)
-        extras = {name: _copy_extra(tmp / name, src) for name, src in extra_files.items()}
-        index = FtwIndex(source_fingerprint, metadata, files, entries, extras)
-        text = index_to_json(index)
-        with open(tmp / INDEX_NAME, "w", encoding="utf-8") as f:
-            f.write(text)
-            _fsync(f)
-        _fsync_dir(tmp)
-        _install(tmp, dst, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dst
+    specs = [TensorSpec(name, kind, t.dtype, tuple(t.shape)) for name, (kind, t) in tensors.items()]
+    with FtwStreamWriter(dst, specs, shard_size=shard_size, overwrite=overwrite, progress=progress,
+                         metadata_check=metadata, on_stale_removed=on_stale_removed) as writer:
+        for name, (_, t) in tensors.items():
+            writer.write(name, t)
+        return writer.finish(metadata=metadata, source_fingerprint=source_fingerprint, extra_files=extra_files)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor the writer reserves room for before its data arrives."""
+
+    name: str
+    kind: str  # one of KINDS
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class FtwStreamWriter:
+    """Writes an FTW directory whose tensors arrive piece by piece (a converter's bounded working set).
+
+    The layout (shard and aligned offset of every tensor) is fixed up front from the specs; then
+    each tensor is written whole (``write``) or as consecutive row blocks along dim 0
+    (``write_rows``, in order per tensor; blocks of different tensors may interleave), with its
+    CRC32 accumulated as it goes. ``finish`` checks every byte was written, writes ftw.json last
+    and renames the temp directory into place: nothing loadable exists at ``dst`` before that, and
+    leaving the ``with`` block without ``finish`` (an error, Ctrl-C) deletes the temp directory.
+    """
+
+    def __init__(self, dst: str | Path, specs: list[TensorSpec], *, shard_size: int = DEFAULT_SHARD_SIZE,
+                 overwrite: bool = False, progress: Progress | None = None, metadata_check: Any = None,
+                 on_stale_removed: StaleReport | None = None) -> None:
+        if shard_size < ALIGNMENT:
+            raise InvalidRequestError(f"shard size {shard_size} is too small; it must be at least {ALIGNMENT} bytes")
+        names = [spec.name for spec in specs]
+        if len(set(names)) != len(names):
+            raise ValueError("FtwStreamWriter: tensor names must be unique")
+        for spec in specs:
+            if spec.kind not in KINDS or spec.dtype not in DTYPE_NAMES:
+                raise ValueError(f"tensor {spec.name!r}: kind {spec.kind!r} / dtype {spec.dtype} cannot be stored in FTW")
+        if metadata_check is not None:
+            json.dumps(metadata_check, allow_nan=False)  # fail before writing gigabytes, not after
+        self.dst = Path(os.path.abspath(dst))
+        remove_stale_temp_dirs(self.dst, on_stale_removed)
+        if os.path.lexists(self.dst) and not overwrite:
+            raise InvalidRequestError(f"{self.dst} already exists; pass --force (overwrite=True) to replace it")
+        self.overwrite = overwrite
+        self.progress = progress
+        self.specs = {spec.name: spec for spec in specs}
+        self.total = sum(spec.nbytes for spec in specs)
+        self.done = 0
+        self._entries: dict[str, tuple[str, int]] = {}  # name -> (shard, offset)
+        self._files: dict[str, int] = {}  # shard -> size
+        shard, pos = "", 0
+        for spec in specs:
+            size = spec.nbytes
+            if not shard or (pos > 0 and pos + align_up(size) > shard_size):  # a big tensor gets its own shard
+                if shard:
+                    self._files[shard] = pos
+                shard, pos = shard_name(len(self._files)), 0
+            self._entries[spec.name] = (shard, pos)
+            pos += align_up(size)
+        if shard:
+            self._files[shard] = pos
+        self._written = {name: 0 for name in self.specs}  # bytes written so far, per tensor
+        self._crc = {name: 0 for name in self.specs}
+        self.dst.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = _make_temp_dir(self.dst, "tmp")
+        self._fds: dict[str, int] = {}
+        self._finished = False
+        try:
+            for name, size in self._files.items():
+                fd = os.open(self.tmp / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+                self._fds[name] = fd
+                os.ftruncate(fd, size)  # zero padding between tensors comes for free (sparse until written)
+        except BaseException:
+            self.abort()
+            raise
+
+    def __enter__(self) -> "FtwStreamWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._finished:
+            self.abort()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self.write_rows(name, 0, tensor)
+
+    def write_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Rows ``start .. start + len(rows)`` of tensor ``name`` (the whole tensor when start is 0 and
+        rows has its full shape); each call must begin where the previous one for ``name`` ended."""
+        spec = self.specs.get(name)
+        if spec is None:
+            raise KeyError(f"FtwStreamWriter: no tensor {name!r} was reserved")
+        whole = start == 0 and tuple(rows.shape) == spec.shape
+        if rows.dtype != spec.dtype or (not whole and (rows.dim() != len(spec.shape) or tuple(rows.shape[1:]) != spec.shape[1:])):
+            raise ValueError(f"tensor {name!r}: got {rows.dtype} {tuple(rows.shape)}, reserved {spec.dtype} {spec.shape}")
+        row_bytes = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else spec.nbytes
+        offset = 0 if whole else start * row_bytes
+        if offset != self._written[name]:
+            raise ValueError(f"tensor {name!r}: rows from {start} arrive, but {self._written[name] // max(row_bytes, 1)} "
+                             "rows were written so far (blocks must come in order)")
+        data = rows.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        mv = data.numpy().data
+        if offset + mv.nbytes > spec.nbytes:
+            raise ValueError(f"tensor {name!r}: {offset + mv.nbytes} bytes is more than its {spec.nbytes}")
+        shard, base = self._entries[name]
+        fd = self._fds[shard]
+        for pos in range(0, mv.nbytes, _WRITE_CHUNK):
+            chunk = mv[pos : pos + _WRITE_CHUNK]
+            _pwrite_all(fd, chunk, base + offset + pos)
+            self._crc[name] = zlib.crc32(chunk, self._crc[name])
+            self.done += chunk.nbytes
+            if self.progress is not None:
+                self.progress(self.done, self.total)
+        self._written[name] += mv.nbytes
+
+    def finish(self, *, metadata: dict[str, Any], source_fingerprint: str,
+               extra_files: Mapping[str, str | Path | bytes] = {}) -> Path:
+        missing = [n for n, spec in self.specs.items() if self._written[n] != spec.nbytes]
+        if missing:
+            raise ValueError(f"FtwStreamWriter: {len(missing)} tensors are incomplete, e.g. {missing[0]!r}")
+        for name in extra_files:
+            if not is_plain_file_name(name) or name == INDEX_NAME or name.startswith("shard-"):
+                raise ValueError(f"extra file name {name!r} must be a plain file name, not {INDEX_NAME} or shard-*")
+        try:
+            for fd in self._fds.values():
+                os.fsync(fd)
+            self._close_fds()
+            files = {name: FtwFile(name, size) for name, size in self._files.items()}
+            entries = {n: FtwTensor(n, spec.kind, DTYPE_NAMES[spec.dtype], spec.shape, *self._entries[n], spec.nbytes,
+                                    self._crc[n]) for n, spec in self.specs.items()}
+            extras = {name: _copy_extra(self.tmp / name, src) for name, src in extra_files.items()}
+            text = index_to_json(FtwIndex(source_fingerprint, metadata, files, entries, extras))
+            with open(self.tmp / INDEX_NAME, "w", encoding="utf-8") as f:
+                f.write(text)
+                _fsync(f)
+            _fsync_dir(self.tmp)
+            _install(self.tmp, self.dst, self.overwrite)
+        except BaseException:
+            self.abort()
+            raise
+        self._finished = True
+        return self.dst
+
+    def abort(self) -> None:
+        """Close and delete everything written so far (idempotent)."""
+        self._close_fds()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _close_fds(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _check_inputs(
@@ -249,65 +396,6 @@ def _make_temp_dir(dst: Path, what: str) -> Path:
             return p
         except FileExistsError:
             continue
-
-
-def _write_shards(
-    tmp: Path, tensors: Mapping[str, tuple[str, torch.Tensor]], shard_size: int, progress: Progress | None
-) -> tuple[dict[str, FtwFile], dict[str, FtwTensor]]:
-    """Pack tensors in order at aligned offsets; start a shard when the next would overflow."""
-    total = sum(t.numel() * t.element_size() for _, t in tensors.values())
-    done = [0]
-
-    def advance(n: int) -> None:
-        done[0] += n
-        if progress is not None:
-            progress(done[0], total)
-
-    files: dict[str, FtwFile] = {}
-    entries: dict[str, FtwTensor] = {}
-    f: BinaryIO | None = None
-    shard = ""
-    pos = 0
-    try:
-        for name, (kind, t) in tensors.items():
-            size = t.numel() * t.element_size()
-            # a tensor bigger than shard_size alone gets a shard of its own
-            if f is None or (pos > 0 and pos + align_up(size) > shard_size):
-                if f is not None:
-                    _close_shard(f, files, shard, pos)
-                shard = shard_name(len(files))
-                f = open(tmp / shard, "wb")
-                pos = 0
-            crc = _write_tensor(f, t, advance)
-            f.write(_ZEROS[: align_up(size) - size])
-            entries[name] = FtwTensor(name, kind, DTYPE_NAMES[t.dtype], tuple(t.shape), shard, pos, size, crc)
-            pos += align_up(size)
-        if f is not None:
-            _close_shard(f, files, shard, pos)
-            f = None
-    finally:
-        if f is not None:
-            f.close()
-    return files, entries
-
-
-def _close_shard(f: BinaryIO, files: dict[str, FtwFile], shard: str, size: int) -> None:
-    _fsync(f)
-    f.close()
-    files[shard] = FtwFile(shard, size)
-
-
-def _write_tensor(f: BinaryIO, t: torch.Tensor, advance: Callable[[int], None]) -> int:
-    """Write the tensor's raw bytes (bf16 included: viewed as uint8, never through numpy's dtypes)."""
-    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    mv = data.numpy().data
-    crc = 0
-    for start in range(0, mv.nbytes, _WRITE_CHUNK):
-        chunk = mv[start : start + _WRITE_CHUNK]
-        f.write(chunk)
-        crc = zlib.crc32(chunk, crc)
-        advance(chunk.nbytes)
-    return crc
 
 
 def _copy_extra(dst: Path, src: str | Path | bytes) -> FtwExtraFile:

@@ -1,37 +1,29 @@
-"""Read a Hugging Face model directory (config.json + *.safetensors) into moed's canonical form.
+"""Read a Hugging Face model directory (config.json + *.safetensors) in moed's canonical form, a piece at a time.
 
-Non-expert tensors keep their HF names (MoE parts renamed, see models/families.py) and become
-float32; routed experts are gathered into float32 k-major stacks ``gate_up [N, D, 2I]`` and
-``down [N, I, D]`` in flat-id order, ready for ``build_expert_bank``.
+Non-expert tensors keep their HF names (MoE parts renamed, see models/families.py) and are read
+one by one as float32; routed experts come as float32 k-major chunks of consecutive flat ids
+(``gate_up [n, D, 2I]``, gate columns first, and ``down [n, I, D]``), so the converter and the
+loader hold one chunk of experts at a time, never the whole pool.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from moed.errors import ModelFormatError
-from moed.weights.file_checks import require_regular_file
+from moed.errors import ModelFormatError, quoted
 from moed.models.families import Family, family_of, parse_model_config
 from moed.models.model_config import ModelConfig
+from moed.weights.file_checks import require_regular_file
+from moed.weights.safetensors_files import SafetensorsFiles
 
-
-@dataclass
-class DenseCheckpoint:
-    """A checkpoint in canonical form with experts still as float32 stacks."""
-
-    config: ModelConfig
-    raw_config: dict
-    weights: dict[str, torch.Tensor]
-    gate_up: torch.Tensor | None  # [N, D, 2I] f32, gate columns first
-    down: torch.Tensor | None  # [N, I, D] f32
-    gate_up_bias: torch.Tensor | None = None  # [N, 2I]
-    down_bias: torch.Tensor | None = None  # [N, D]
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+CHUNK_EXPERTS = 16  # experts per chunk: a Qwen3-30B-A3B chunk is 16 x 4.7 MB x 2 (fp32) = 150 MB
 
 
 def read_config_json(path: Path) -> dict:
@@ -48,57 +40,88 @@ def read_config_json(path: Path) -> dict:
     return cfg
 
 
-class _TensorSource:
-    """All tensors of the directory's safetensors files, opened lazily."""
+@dataclass(frozen=True)
+class ExpertChunk:
+    """Bank rows ``start .. start + n`` (flat ids ``moe_layer * E + expert``), float32."""
 
-    def __init__(self, path: Path) -> None:
-        self.files = sorted(path.glob("*.safetensors"))
-        if not self.files:
-            raise ModelFormatError(f"{path}: no *.safetensors weight files found")
-        self.location: dict[str, Path] = {}
-        self.handles = {}
-        for file in self.files:
-            require_regular_file(file)
-        for file in self.files:
-            try:
-                handle = safe_open(str(file), "pt")
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise ModelFormatError(f"{file}: cannot read safetensors file ({exc}); the file is corrupt or truncated") from None
-            self.handles[file] = handle
-            for key in handle.keys():
-                self.location[key] = file
-
-    def keys(self) -> list[str]:
-        return list(self.location)
-
-    def get(self, key: str) -> torch.Tensor:
-        file = self.location.get(key)
-        if file is None:
-            raise ModelFormatError(f"tensor {key!r} not found in any *.safetensors file of {self.files[0].parent}")
-        try:
-            return self.handles[file].get_tensor(key).to(torch.float32)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise ModelFormatError(f"{file}: cannot read tensor {key!r} ({exc}); the file is corrupt or truncated") from None
+    start: int
+    gate_up: torch.Tensor  # [n, D, 2I]
+    down: torch.Tensor  # [n, I, D]
+    gate_up_bias: torch.Tensor | None = None  # [n, 2I]
+    down_bias: torch.Tensor | None = None  # [n, D]
 
 
-def load_hf_checkpoint(path: str | Path) -> DenseCheckpoint:
-    path = Path(path)
-    raw = read_config_json(path)
-    family = family_of(raw, where=str(path / "config.json"))
-    config = parse_model_config(raw, where=str(path / "config.json"))
-    source = _TensorSource(path)
-    weights, experts = _canonical_weights(config, family, source)
-    gate_up, down, gate_up_bias, down_bias = _expert_stacks(config, family, source, experts, path)
-    return DenseCheckpoint(config, raw, weights, gate_up, down, gate_up_bias, down_bias)
+class HfCheckpoint:
+    """One Hugging Face directory: config parsed, tensor names mapped; data read on demand."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.raw_config = read_config_json(self.path)
+        where = str(self.path / "config.json")
+        self.family: Family = family_of(self.raw_config, where=where)
+        self.config: ModelConfig = parse_model_config(self.raw_config, where=where)
+        self.source = SafetensorsFiles(self.path)
+        self.weight_keys = _canonical_keys(self.config, self.family, self.source.keys())  # canonical -> HF
+
+    @property
+    def num_bank_rows(self) -> int:
+        return self.config.num_moe_layers * self.config.moe.num_experts
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: self.source.shape(key) for name, key in self.weight_keys.items()}
+
+    def read_weight(self, name: str) -> torch.Tensor:
+        return self.source.get(self.weight_keys[name]).contiguous()
+
+    def expert_chunks(self, chunk_experts: int = CHUNK_EXPERTS) -> Iterator[ExpertChunk]:
+        """Every routed expert, in flat-id order, ``chunk_experts`` at a time (never across layers)."""
+        config, names, moe = self.config, self.family.names, self.config.moe
+        d, inter, num_experts = config.hidden_size, moe.intermediate_size, moe.num_experts
+        for layer in range(config.num_layers):
+            if not config.moe_layers[layer]:
+                continue
+            base = config.moe_layer_index(layer) * num_experts
+            prefix = names.moe_prefix.format(i=layer) + "."
+            if names.fused_gate_up:  # gpt-oss: one tensor per layer holds every expert
+                fused = self._shaped(prefix + names.fused_gate_up, (num_experts, d, 2 * inter))
+                gate_up = torch.cat([fused[..., 0::2], fused[..., 1::2]], dim=-1)  # interleaved -> gate | up
+                del fused
+                down = self._shaped(prefix + names.fused_down, (num_experts, inter, d))
+                gub = db = None
+                if moe.has_expert_bias:
+                    bias = self._shaped(prefix + names.fused_gate_up + "_bias", (num_experts, 2 * inter))
+                    gub = torch.cat([bias[..., 0::2], bias[..., 1::2]], dim=-1)
+                    db = self._shaped(prefix + names.fused_down + "_bias", (num_experts, d))
+                for e0 in range(0, num_experts, chunk_experts):
+                    e1 = min(num_experts, e0 + chunk_experts)
+                    yield ExpertChunk(base + e0, gate_up[e0:e1], down[e0:e1],
+                                      None if gub is None else gub[e0:e1], None if db is None else db[e0:e1])
+                continue
+            for e0 in range(0, num_experts, chunk_experts):
+                e1 = min(num_experts, e0 + chunk_experts)
+                gate_up = torch.empty(e1 - e0, d, 2 * inter)
+                down = torch.empty(e1 - e0, inter, d)
+                for i, e in enumerate(range(e0, e1)):
+                    gate_up[i, :, :inter] = self._shaped(prefix + names.expert_gate.format(e=e), (inter, d)).t()
+                    gate_up[i, :, inter:] = self._shaped(prefix + names.expert_up.format(e=e), (inter, d)).t()
+                    down[i] = self._shaped(prefix + names.expert_down.format(e=e), (d, inter)).t()
+                yield ExpertChunk(base + e0, gate_up, down)
+
+    def _shaped(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if key not in self.source:
+            raise ModelFormatError(
+                f"{self.path}: expert tensor {quoted(key)} is missing (config.json expects shape {list(shape)})")
+        got = self.source.shape(key)
+        if got != shape:
+            raise ModelFormatError(
+                f"{self.path}: tensor {quoted(key)} has shape {list(got)} but config.json implies {list(shape)}; "
+                "the config and the weights do not belong together")
+        return self.source.get(key)
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def _canonical_weights(config: ModelConfig, family: Family, source: _TensorSource):
+def _canonical_keys(config: ModelConfig, family: Family, keys: list[str]) -> dict[str, str]:
+    """Canonical non-expert weight name -> the HF tensor that holds it (routed experts excluded)."""
     names = family.names
-    weights: dict[str, torch.Tensor] = {}
-    experts: dict[int, list[str]] = {}
     renames = {names.router + ".weight": "router.weight"}
     if names.router_bias:
         renames[names.router_bias] = "router.bias"
@@ -109,7 +132,8 @@ def _canonical_weights(config: ModelConfig, family: Family, source: _TensorSourc
             renames[f"{names.shared}.{part}.weight"] = f"shared.{part}.weight"
     if names.shared_gate:
         renames[names.shared_gate + ".weight"] = "shared_gate.weight"
-    for key in source.keys():
+    mapping: dict[str, str] = {}
+    for key in keys:
         match = _LAYER.match(key)
         layer = int(match.group(1)) if match else None
         if layer is not None and layer >= config.num_layers:
@@ -121,55 +145,8 @@ def _canonical_weights(config: ModelConfig, family: Family, source: _TensorSourc
             if key.startswith(prefix):
                 rel = key[len(prefix):]
                 if rel in renames:
-                    weights[f"model.layers.{layer}.mlp.{renames[rel]}"] = source.get(key)
-                elif rel.startswith("experts."):
-                    experts.setdefault(layer, []).append(key)
+                    mapping[f"model.layers.{layer}.mlp.{renames[rel]}"] = key
+                # routed experts (rel starts with "experts.") are read by expert_chunks
                 continue
-        weights[key] = source.get(key)
-    return weights, experts
-
-
-def _expert_stacks(config: ModelConfig, family: Family, source: _TensorSource, found: dict[int, list[str]], path: Path):
-    moe = config.moe
-    if config.num_moe_layers == 0:
-        return None, None, None, None
-    d, inter, num_experts = config.hidden_size, moe.intermediate_size, moe.num_experts
-    n = config.num_moe_layers * num_experts
-    gate_up = torch.empty(n, d, 2 * inter)
-    down = torch.empty(n, inter, d)
-    gate_up_bias = torch.empty(n, 2 * inter) if moe.has_expert_bias else None
-    down_bias = torch.empty(n, d) if moe.has_expert_bias else None
-    names = family.names
-    for layer in range(config.num_layers):
-        if not config.moe_layers[layer]:
-            continue
-        base = config.moe_layer_index(layer) * num_experts
-        prefix = names.moe_prefix.format(i=layer) + "."
-        if names.fused_gate_up:
-            fused = _shaped(source, prefix + names.fused_gate_up, (num_experts, d, 2 * inter), path)
-            gate_up[base : base + num_experts] = torch.cat([fused[..., 0::2], fused[..., 1::2]], dim=-1)
-            down[base : base + num_experts] = _shaped(source, prefix + names.fused_down, (num_experts, inter, d), path)
-            if moe.has_expert_bias:
-                bias = _shaped(source, prefix + names.fused_gate_up + "_bias", (num_experts, 2 * inter), path)
-                gate_up_bias[base : base + num_experts] = torch.cat([bias[..., 0::2], bias[..., 1::2]], dim=-1)
-                down_bias[base : base + num_experts] = _shaped(
-                    source, prefix + names.fused_down + "_bias", (num_experts, d), path)
-            continue
-        for e in range(num_experts):
-            gate = _shaped(source, prefix + names.expert_gate.format(e=e), (inter, d), path)
-            up = _shaped(source, prefix + names.expert_up.format(e=e), (inter, d), path)
-            gate_up[base + e] = torch.cat([gate.t(), up.t()], dim=1)
-            down[base + e] = _shaped(source, prefix + names.expert_down.format(e=e), (d, inter), path).t()
-    return gate_up, down, gate_up_bias, down_bias
-
-
-def _shaped(source: _TensorSource, key: str, shape: tuple[int, ...], path: Path) -> torch.Tensor:
-    if key not in source.location:
-        raise ModelFormatError(f"{path}: expert tensor {key!r} is missing (config.json expects shape {list(shape)})")
-    tensor = source.get(key)
-    if tuple(tensor.shape) != shape:
-        raise ModelFormatError(
-            f"{path}: tensor {key!r} has shape {list(tensor.shape)} but config.json implies {list(shape)}; "
-            "the config and the weights do not belong together"
-        )
-    return tensor
+        mapping[key] = key
+    return mapping

@@ -9,14 +9,14 @@ from typing import Callable
 
 import torch
 
-from moed.cache.bank_builder import build_expert_bank
-from moed.cache.host_bank import EXPERT_DTYPES, ExpertActivation, ExpertBank
+from moed.cache.bank_builder import bank_tensor_specs, convert_expert_rows
+from moed.cache.host_bank import EXPERT_DTYPES, INT4_GROUP_SIZE, ExpertActivation, ExpertBank
 from moed.errors import InvalidRequestError, ModelFormatError
 from moed.models.families import parse_model_config
 from moed.models.model_config import ModelConfig
 from moed.weights.ftw_reader import load_ftw, read_ftw_index
 from moed.weights.file_checks import require_regular_file
-from moed.weights.hf_checkpoint import DenseCheckpoint, load_hf_checkpoint
+from moed.weights.hf_checkpoint import HfCheckpoint
 
 FTW_INDEX = "ftw.json"
 BANK_PREFIX = "experts."
@@ -54,9 +54,10 @@ def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bo
         raise ModelFormatError(
             f"{path}: neither {FTW_INDEX} (moed FTW) nor config.json (Hugging Face) found; "
             "point --model at a model directory")
-    checkpoint = load_hf_checkpoint(path)
-    bank = bank_from_checkpoint(checkpoint, experts_dtype or "fp32")
-    return LoadedModel(path, "hf", checkpoint.config, checkpoint.weights, bank)
+    checkpoint = HfCheckpoint(path)
+    bank = stream_expert_bank(checkpoint, experts_dtype or "fp32")
+    weights = {name: checkpoint.read_weight(name) for name in checkpoint.weight_keys}
+    return LoadedModel(path, "hf", checkpoint.config, weights, bank)
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
@@ -79,25 +80,47 @@ def read_model_config(path: str | Path) -> ModelConfig:
     return parse_model_config(read_config_json(path), where=str(path / "config.json"))
 
 
-def bank_from_checkpoint(checkpoint: DenseCheckpoint, dtype: str) -> ExpertBank:
+def expert_activation(config: ModelConfig) -> ExpertActivation:
+    moe = config.moe
+    return ExpertActivation(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
+
+
+def check_bank_dtype(config: ModelConfig, dtype: str) -> None:
+    """Refuse a bank dtype the model cannot be stored in, before anything is read."""
     if dtype not in EXPERT_DTYPES:
         raise InvalidRequestError(f"experts dtype {dtype!r} is not one of {', '.join(EXPERT_DTYPES)}")
-    moe = checkpoint.config.moe
-    activation = ExpertActivation(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
-    try:
-        return build_expert_bank(
-            checkpoint.gate_up, checkpoint.down, num_moe_layers=checkpoint.config.num_moe_layers,
-            num_experts=moe.num_experts, dtype=dtype, activation=activation,
-            gate_up_bias=checkpoint.gate_up_bias, down_bias=checkpoint.down_bias)
-    except ValueError as exc:
-        raise InvalidRequestError(f"cannot store experts as {dtype}: {exc}") from None
+    if dtype == "int4":
+        for what, k in (("hidden size", config.hidden_size), ("expert intermediate size", config.moe.intermediate_size)):
+            if k % INT4_GROUP_SIZE:
+                raise InvalidRequestError(f"cannot store experts as int4: the {what} {k} is not a multiple of "
+                                          f"{INT4_GROUP_SIZE}; use --experts-dtype bf16 or fp32")
 
 
-def bank_metadata(bank: ExpertBank) -> dict:
+def stream_expert_bank(checkpoint: HfCheckpoint, dtype: str) -> ExpertBank:
+    """The bank, filled a chunk of experts at a time into tensors allocated once at their final size
+    (peak: the bank plus one chunk in float32, never the whole pool in float32)."""
+    config = checkpoint.config
+    check_bank_dtype(config, dtype)
+    moe = config.moe
+    specs = bank_tensor_specs(dtype, checkpoint.num_bank_rows, config.hidden_size, moe.intermediate_size,
+                              moe.has_expert_bias)
+    tensors = {name: torch.empty(shape, dtype=tdtype) for name, (shape, tdtype) in specs.items()}
+    for chunk in checkpoint.expert_chunks():
+        rows = convert_expert_rows(chunk.gate_up, chunk.down, dtype, chunk.gate_up_bias, chunk.down_bias)
+        for name, t in rows.items():
+            tensors[name][chunk.start : chunk.start + t.shape[0]] = t
+    return ExpertBank(num_moe_layers=config.num_moe_layers, num_experts=moe.num_experts,
+                      hidden_size=config.hidden_size, intermediate_size=moe.intermediate_size, dtype=dtype,
+                      activation=expert_activation(config), tensors=tensors)
+
+
+def bank_metadata_for(config: ModelConfig, dtype: str) -> dict:
+    """The FTW index's description of the bank a model's experts make in ``dtype`` (before it exists)."""
+    act = expert_activation(config)
     return {
-        "dtype": bank.dtype, "num_moe_layers": bank.num_moe_layers, "num_experts": bank.num_experts,
-        "hidden_size": bank.hidden_size, "intermediate_size": bank.intermediate_size,
-        "activation": {"kind": bank.activation.kind, "alpha": bank.activation.alpha, "limit": bank.activation.limit},
+        "dtype": dtype, "num_moe_layers": config.num_moe_layers, "num_experts": config.moe.num_experts,
+        "hidden_size": config.hidden_size, "intermediate_size": config.moe.intermediate_size,
+        "activation": {"kind": act.kind, "alpha": act.alpha, "limit": act.limit},
     }
 
 
@@ -151,8 +174,8 @@ def read_json(path: Path) -> dict:
 def estimate_host_bytes(path: str | Path) -> int:
     """Host RAM a load will need at its peak, from file headers only (checked before loading).
 
-    FTW: the tensors as stored. Hugging Face: every tensor as float32 (how it is read), twice for the
-    experts' float32 stacks plus the bank built from them.
+    FTW: the tensors as stored. Hugging Face: every tensor as float32 (how non-expert weights are
+    kept and the largest a bank can be), plus an eighth for the chunk of experts being converted.
     """
     import struct
 
@@ -174,4 +197,4 @@ def estimate_host_bytes(path: str | Path) -> int:
                 for dim in meta.get("shape", []):
                     numel *= int(dim)
                 total += 4 * numel
-    return 2 * total
+    return total + total // 8

@@ -175,16 +175,16 @@ def test_existing_destination_needs_overwrite(tmp_path: Path) -> None:
 
 
 def _crash_on_second_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = ftw_writer._write_tensor
+    real = ftw_writer._pwrite_all  # every tensor byte goes through it (one call per small tensor)
     calls = [0]
 
-    def flaky(*args: Any) -> int:
+    def flaky(*args: Any) -> None:
         calls[0] += 1
         if calls[0] == 2:
             raise OSError(28, "No space left on device (simulated)")
         return real(*args)
 
-    monkeypatch.setattr(ftw_writer, "_write_tensor", flaky)
+    monkeypatch.setattr(ftw_writer, "_pwrite_all", flaky)
 
 
 def test_crash_mid_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
