@@ -29,7 +29,8 @@ def run_generate(args: argparse.Namespace) -> int:
     engine = engine_config_from_args(args)
     load_started = time.perf_counter()
     runtime = open_runtime(args.model, experts_dtype=args.experts_dtype, verify=args.verify,
-                           progress=ProgressBar("loading"), engine=engine, trace_out=args.trace_out)
+                           progress=ProgressBar("loading"), engine=engine, trace_out=args.trace_out,
+                           weights_dtype=args.dtype)
     load_s = time.perf_counter() - load_started
     try:
         prompt_ids = runtime.encode_prompt(args.prompt, chat=args.chat, system=args.system)

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--experts-dtype", choices=("fp32", "bf16", "int4"),
                      help="expert format when loading a Hugging Face directory (default fp32)")
     gen.add_argument("--verify", action="store_true", help="verify FTW checksums while loading")
+    gen.add_argument("--dtype", choices=("auto", "fp32"), default="auto",
+                     help="non-expert weights at run time: auto keeps the checkpoint's (bf16/fp16/fp32), "
+                          "fp32 widens them")
     add_engine_arguments(gen)
     gen.add_argument("--trace-out", metavar="FILE", help="record expert routing as JSON lines")
 

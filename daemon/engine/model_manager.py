@@ -34,6 +34,7 @@ class LoadOptions:
     max_batch: int = 8
     max_queue: int = 64
     emulated_b_p: float = 16e9
+    weights_dtype: str = "auto"  # non-expert weights: the checkpoint's dtype, or "fp32"
 
 
 @dataclass
@@ -147,7 +148,7 @@ class ModelManager:
                     progress("reading", done, total)
 
             runtime = open_runtime(path, experts_dtype=options.experts_dtype, verify=options.verify,
-                                   progress=report, engine=engine)
+                                   progress=report, engine=engine, weights_dtype=options.weights_dtype)
             if progress:
                 progress("building", 1, 1)
             if runtime.tokenizer is None:

@@ -50,8 +50,9 @@ def compile_expert_kernels(bank) -> None:
 
 def open_runtime(path: str | Path, *, experts_dtype: str | None = None, verify: bool = False,
                  progress: Callable[[int, int], None] | None = None, engine: EngineConfig | None = None,
-                 trace_out: str | Path | None = None) -> ModelRuntime:
-    loaded = load_model(path, experts_dtype=experts_dtype, verify=verify, progress=progress)
+                 trace_out: str | Path | None = None, weights_dtype: str = "auto") -> ModelRuntime:
+    loaded = load_model(path, experts_dtype=experts_dtype, verify=verify, progress=progress,
+                        weights_dtype=weights_dtype)
     compile_expert_kernels(loaded.bank)
     executor = build_executor(loaded.bank, engine or EngineConfig(device="cpu"), trace_out=trace_out)
     model = MoeTransformer(loaded.config, loaded.weights, executor, where=str(loaded.path))

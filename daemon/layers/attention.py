@@ -9,6 +9,7 @@ import torch
 
 from moed.cache.kv_cache import KVCache
 from moed.layers.layer_config import AttentionConfig
+from moed.layers.linear import linear
 from moed.layers.norms import rms_norm
 from moed.layers.rotary import RotaryEmbedding
 from moed.runner.forward_batch import ForwardBatch
@@ -25,7 +26,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:
         # gpt-oss: a per-head learned logit joins the softmax and is then dropped
-        sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
         scores = torch.cat([scores, sink], dim=-1)
         scores = scores - scores.max(dim=-1, keepdim=True).values
         probs = torch.softmax(scores, dim=-1)[..., :-1]
@@ -33,10 +34,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v)  # [B, H, T, Dv]
     return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
 
 
 class MhaAttention:

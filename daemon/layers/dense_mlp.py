@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moed.layers.linear import linear
+
 
 class DenseMlp:
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str) -> None:
@@ -13,4 +15,4 @@ class DenseMlp:
         self.down = weights[f"{prefix}.down_proj.weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+        return linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from moed.cache.kv_cache import KVCache
-from moed.layers.attention import attend, linear
+from moed.layers.attention import attend
+from moed.layers.linear import linear
 from moed.layers.layer_config import AttentionConfig
 from moed.layers.norms import rms_norm
 from moed.layers.rotary import RotaryEmbedding

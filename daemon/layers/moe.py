@@ -10,13 +10,15 @@ import torch.nn.functional as F
 
 from moed.experts.executor import ExpertExecutor
 from moed.layers.dense_mlp import DenseMlp
+from moed.layers.linear import linear
 from moed.layers.layer_config import MoeConfig
 
 
 def route(cfg: MoeConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
           score_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D] -> (topk_ids [N, A] int64, topk_weights [N, A] f32)."""
-    logits = F.linear(x.float(), weight.float(), bias)  # [N, E]
+    # routing decides which experts run: always float32, whatever dtype the router is stored in
+    logits = F.linear(x.float(), weight.float(), None if bias is None else bias.float())  # [N, E]
     if cfg.scoring == "topk_softmax":  # gpt-oss: softmax over the chosen logits only
         values, ids = torch.topk(logits, cfg.top_k, dim=-1)
         return ids, torch.softmax(values, dim=-1)
@@ -62,6 +64,6 @@ class MoeLayer:
         if self.shared is not None:
             shared = self.shared.forward(x)
             if self.shared_gate is not None:
-                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+                shared = torch.sigmoid(linear(x, self.shared_gate)) * shared
             out = out + shared
         return out

@@ -15,6 +15,7 @@ from moed.errors import ModelFormatError
 from moed.experts.executor import ExpertExecutor
 from moed.layers.attention import MhaAttention
 from moed.layers.dense_mlp import DenseMlp
+from moed.layers.linear import linear
 from moed.layers.mla_attention import MlaAttention
 from moed.layers.moe import MoeLayer
 from moed.layers.norms import rms_norm
@@ -55,7 +56,7 @@ class MoeTransformer:
     def forward(self, batch: ForwardBatch, cache: KVCache, *, last_only: bool = True) -> torch.Tensor:
         """Run one step; returns logits [B, V] of each sequence's last valid token, or [B, T, V]."""
         eps = self.config.rms_norm_eps
-        x = F.embedding(batch.input_ids, self.embed)  # [B, T, D]
+        x = F.embedding(batch.input_ids, self.embed).float()  # [B, T, D] (the table may be bf16)
         cos_sin = self.rotary.cos_sin(batch.positions)
         valid = batch.valid
         begin_step = getattr(self.executor, "begin_step", None)
@@ -76,7 +77,7 @@ class MoeTransformer:
         if last_only:
             last = torch.tensor(batch.lengths) - 1
             x = x[torch.arange(x.shape[0]), last][:, None]  # [B, 1, D]
-        logits = F.linear(rms_norm(x, self.final_norm, eps), self.lm_head)
+        logits = linear(rms_norm(x, self.final_norm, eps), self.lm_head)
         return logits[:, 0] if last_only else logits
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from moed.cache.bank_builder import bank_tensor_specs, convert_expert_rows
 from moed.errors import ModelFormatError
 from moed.weights.ftw_format import source_fingerprint_of
@@ -39,7 +37,9 @@ def convert_model(src: str | Path, dst: str | Path, *, experts_dtype: str = "fp3
     config = checkpoint.config
     check_bank_dtype(config, experts_dtype)
     moe = config.moe
-    weight_specs = [TensorSpec(name, "weight", torch.float32, shape) for name, shape in checkpoint.weight_shapes().items()]
+    # non-expert weights keep the checkpoint's dtype (a bf16 model's FTW holds bf16 attention weights)
+    weight_specs = [TensorSpec(name, "weight", checkpoint.weight_dtype(name), shape)
+                    for name, shape in checkpoint.weight_shapes().items()]
     bank_specs = [TensorSpec(BANK_PREFIX + name, "expert_bank", dtype, shape)
                   for name, (shape, dtype) in bank_tensor_specs(experts_dtype, checkpoint.num_bank_rows,
                                                                 config.hidden_size, moe.intermediate_size,

@@ -1,7 +1,7 @@
 """Read a Hugging Face model directory (config.json + *.safetensors) in moed's canonical form, a piece at a time.
 
 Non-expert tensors keep their HF names (MoE parts renamed, see models/families.py) and are read
-one by one as float32; routed experts come as float32 k-major chunks of consecutive flat ids
+one by one in the checkpoint's dtype (float32, bf16 or fp16; anything else as float32); routed experts come as float32 k-major chunks of consecutive flat ids
 (``gate_up [n, D, 2I]``, gate columns first, and ``down [n, I, D]``), so the converter and the
 loader hold one chunk of experts at a time, never the whole pool.
 """
@@ -23,6 +23,7 @@ from moed.weights.file_checks import require_regular_file
 from moed.weights.safetensors_files import SafetensorsFiles
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+NATIVE_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHUNK_EXPERTS = 16  # experts per chunk: a Qwen3-30B-A3B chunk is 16 x 4.7 MB x 2 (fp32) = 150 MB
 
 
@@ -70,8 +71,15 @@ class HfCheckpoint:
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: self.source.shape(key) for name, key in self.weight_keys.items()}
 
-    def read_weight(self, name: str) -> torch.Tensor:
-        return self.source.get(self.weight_keys[name]).contiguous()
+    def weight_dtype(self, name: str) -> torch.dtype:
+        """The dtype a non-expert weight is kept in: the checkpoint's own when it is float32, bf16 or
+        fp16 (computed with float32 accumulation, see layers/linear.py), else float32."""
+        stored = self.source.dtype(self.weight_keys[name])
+        return stored if stored in NATIVE_WEIGHT_DTYPES else torch.float32
+
+    def read_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One non-expert weight, in ``dtype`` (default: ``weight_dtype(name)``)."""
+        return self.source.get(self.weight_keys[name], dtype or self.weight_dtype(name)).contiguous()
 
     def expert_chunks(self, chunk_experts: int = CHUNK_EXPERTS) -> Iterator[ExpertChunk]:
         """Every routed expert, in flat-id order, ``chunk_experts`` at a time (never across layers)."""

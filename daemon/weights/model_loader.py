@@ -35,10 +35,23 @@ def is_ftw_dir(path: Path) -> bool:
     return (path / FTW_INDEX).is_file()
 
 
+WEIGHT_DTYPES = ("auto", "fp32")  # auto: the checkpoint's own (float32, bf16 or fp16)
+
+
 def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bool = False,
-               progress: Callable[[int, int], None] | None = None) -> LoadedModel:
-    """``experts_dtype`` applies to HF directories (default fp32); FTW banks load as they were written."""
-    path = Path(path)
+               progress: Callable[[int, int], None] | None = None, weights_dtype: str = "auto") -> LoadedModel:
+    """``experts_dtype`` applies to HF directories (default fp32); FTW banks load as they were written.
+    ``weights_dtype`` is the non-expert weights' dtype at run time: "auto" keeps what the files hold,
+    "fp32" widens them (exact float32 arithmetic, twice the memory of bf16)."""
+    if weights_dtype not in WEIGHT_DTYPES:
+        raise InvalidRequestError(f"weights dtype {weights_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
+    loaded = _load(Path(path), experts_dtype, verify, progress, weights_dtype)
+    if weights_dtype == "fp32":
+        loaded.weights = {name: t.float() for name, t in loaded.weights.items()}
+    return loaded
+
+
+def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights_dtype: str) -> LoadedModel:
     if not path.is_dir():
         raise ModelFormatError(f"{path}: model directory not found")
     if is_ftw_dir(path):
@@ -56,7 +69,8 @@ def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bo
             "point --model at a model directory")
     checkpoint = HfCheckpoint(path)
     bank = stream_expert_bank(checkpoint, experts_dtype or "fp32")
-    weights = {name: checkpoint.read_weight(name) for name in checkpoint.weight_keys}
+    wanted = torch.float32 if weights_dtype == "fp32" else None
+    weights = {name: checkpoint.read_weight(name, wanted) for name in checkpoint.weight_keys}
     return LoadedModel(path, "hf", checkpoint.config, weights, bank)
 
 
