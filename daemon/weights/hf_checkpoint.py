@@ -20,6 +20,7 @@ from moed.errors import ModelFormatError, quoted
 from moed.models.families import Family, family_of, parse_model_config
 from moed.models.model_config import ModelConfig
 from moed.weights.file_checks import require_regular_file
+from moed.weights.fp8_blocks import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_blocks, fp8_config_of
 from moed.weights.safetensors_files import SafetensorsFiles
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -61,6 +62,7 @@ class HfCheckpoint:
         where = str(self.path / "config.json")
         self.family: Family = family_of(self.raw_config, where=where)
         self.config: ModelConfig = parse_model_config(self.raw_config, where=where)
+        self.fp8 = fp8_config_of(self.raw_config, where)
         self.source = SafetensorsFiles(self.path)
         self.weight_keys = _canonical_keys(self.config, self.family, self.source.keys())  # canonical -> HF
 
@@ -73,13 +75,30 @@ class HfCheckpoint:
 
     def weight_dtype(self, name: str) -> torch.dtype:
         """The dtype a non-expert weight is kept in: the checkpoint's own when it is float32, bf16 or
-        fp16 (computed with float32 accumulation, see layers/linear.py), else float32."""
+        fp16 (computed with float32 accumulation, see layers/linear.py), bf16 for FP8 weights (their
+        block scales applied), else float32."""
         stored = self.source.dtype(self.weight_keys[name])
+        if stored in FP8_DTYPES:
+            return torch.bfloat16
         return stored if stored in NATIVE_WEIGHT_DTYPES else torch.float32
 
     def read_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One non-expert weight, in ``dtype`` (default: ``weight_dtype(name)``)."""
-        return self.source.get(self.weight_keys[name], dtype or self.weight_dtype(name)).contiguous()
+        return self._read(self.weight_keys[name]).to(dtype or self.weight_dtype(name)).contiguous()
+
+    def _read(self, key: str) -> torch.Tensor:
+        """A tensor as float32 (FP8 block scales applied), or in its own dtype when that is bf16/fp16/fp32."""
+        stored = self.source.dtype(key)
+        if stored not in FP8_DTYPES:
+            return self.source.get(key, None if stored in NATIVE_WEIGHT_DTYPES else torch.float32)
+        scale_key = key + SCALE_SUFFIX
+        if self.fp8 is None or scale_key not in self.source:
+            raise ModelFormatError(
+                f"{self.source.entries[key].file}: tensor {quoted(key)} is FP8 but "
+                + ("config.json has no quantization_config" if self.fp8 is None else f"{quoted(scale_key)} is missing")
+                + "; block-scaled FP8 needs both (is the checkpoint complete?)")
+        return dequantize_fp8_blocks(self.source.get(key, None), self.source.get(scale_key), self.fp8.block,
+                                     f"{self.source.entries[key].file}: {quoted(key)}")
 
     def expert_chunks(self, chunk_experts: int = CHUNK_EXPERTS) -> Iterator[ExpertChunk]:
         """Every routed expert, in flat-id order, ``chunk_experts`` at a time (never across layers)."""
@@ -124,7 +143,7 @@ class HfCheckpoint:
             raise ModelFormatError(
                 f"{self.path}: tensor {quoted(key)} has shape {list(got)} but config.json implies {list(shape)}; "
                 "the config and the weights do not belong together")
-        return self.source.get(key)
+        return self._read(key).float()
 
 
 def _canonical_keys(config: ModelConfig, family: Family, keys: list[str]) -> dict[str, str]:
@@ -146,8 +165,8 @@ def _canonical_keys(config: ModelConfig, family: Family, keys: list[str]) -> dic
         layer = int(match.group(1)) if match else None
         if layer is not None and layer >= config.num_layers:
             continue  # e.g. DeepSeek's multi-token-prediction layers: not used for generation
-        if key.endswith("rotary_emb.inv_freq"):
-            continue
+        if key.endswith("rotary_emb.inv_freq") or key.endswith(SCALE_SUFFIX):
+            continue  # FP8 block scales are read with their weights
         if layer is not None and config.moe_layers[layer]:
             prefix = names.moe_prefix.format(i=layer) + "."
             if key.startswith(prefix):
