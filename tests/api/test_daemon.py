@@ -15,8 +15,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from helpers.daemon_process import start_daemon
-from helpers.tiny_models import build_tiny_model
-from helpers.tiny_tokenizer import write_tiny_tokenizer
+from helpers.tiny_models import build_tiny_model_dir
 from moed.api.client import DaemonCallError, DaemonUnavailableError, MoedClient
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -27,10 +26,7 @@ PROMPTS = ["The router reads", "A small expert", "The daemon loads the weights",
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    build_tiny_model("mixtral", root / "tiny")
-    write_tiny_tokenizer(root / "tiny")
-    return root
+    return build_tiny_model_dir(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from helpers.daemon_process import start_daemon
-from helpers.tiny_models import build_tiny_model
-from helpers.tiny_tokenizer import write_tiny_tokenizer
+from helpers.tiny_models import build_tiny_model_dir
 from moed.api.client import DaemonCallError
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -21,10 +20,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    build_tiny_model("mixtral", root / "tiny")
-    write_tiny_tokenizer(root / "tiny")
-    return root
+    return build_tiny_model_dir(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,7 @@ import threading
 import pytest
 import torch
 
-from helpers.tiny_models import FAMILIES, build_tiny_model
-from helpers.tiny_tokenizer import write_tiny_tokenizer
+from helpers.tiny_models import FAMILIES, build_tiny_model, build_tiny_model_dir
 from moed.engine import model_manager as mm
 from moed.engine.load_plan import plan_load
 from moed.engine.model_manager import LoadOptions, ModelManager
@@ -24,10 +23,7 @@ GB = 10**9
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    build_tiny_model("mixtral", root / "tiny")
-    write_tiny_tokenizer(root / "tiny")
-    return root
+    return build_tiny_model_dir(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.tiny_models import build_tiny_model
+from helpers.tiny_models import build_tiny_model_dir
 from helpers.tiny_tokenizer import write_tiny_tokenizer
 from moed.engine.model_manager import LoadOptions, ModelManager
 from moed.errors import InsufficientMemoryError, InvalidRequestError
@@ -13,10 +13,7 @@ from moed.weights.model_loader import estimate_host_bytes
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    build_tiny_model("olmoe", root / "tiny")
-    write_tiny_tokenizer(root / "tiny")
-    return root
+    return build_tiny_model_dir(tmp_path_factory.mktemp("models"), "olmoe")
 
 
 def test_load_by_name_then_unload(models):

@@ -67,3 +67,12 @@ def build_tiny_model(family: str, dst: Path, *, seed: int = 0, scale: float = 4.
                 buf.normal_(0, 0.05)
     model.save_pretrained(dst)
     return model
+
+
+def build_tiny_model_dir(root: Path, family: str = "mixtral", name: str = "tiny") -> Path:
+    """``root/name``: a tiny ``family`` model with the tiny test tokenizer, ready to load by name from ``root``."""
+    from helpers.tiny_tokenizer import write_tiny_tokenizer
+
+    build_tiny_model(family, root / name)
+    write_tiny_tokenizer(root / name)
+    return root
