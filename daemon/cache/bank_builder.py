@@ -95,3 +95,18 @@ def build_expert_bank(
         activation=activation,
         tensors=tensors,
     )
+
+
+def dequantize_bank_rows(tensors: dict[str, torch.Tensor], dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a bank in ``dtype`` (biases ignored) -> float32 ``(gate_up [n, D, 2I], down [n, I, D])``,
+    the plain-torch dequantisation (what converting a packed source to another bank dtype starts from)."""
+    from moed.kernels.int4_format import dequantize_int4
+
+    def one(name: str) -> torch.Tensor:
+        if dtype in ("fp32", "bf16"):
+            return tensors[name].float()
+        if dtype == "int4":
+            return dequantize_int4(tensors[f"{name}.q"], tensors[f"{name}.scale"], tensors[f"{name}.min"])
+        raise ValueError(f"cannot dequantize bank rows of dtype {dtype!r}")
+
+    return one("gate_up"), one("down")

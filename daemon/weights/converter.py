@@ -12,10 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from moed.cache.bank_builder import bank_tensor_specs, convert_expert_rows
+from moed.cache.bank_builder import bank_tensor_specs
 from moed.errors import ModelFormatError
 from moed.weights.ftw_format import source_fingerprint_of
 from moed.weights.ftw_writer import FtwStreamWriter, StaleReport, TensorSpec
+from moed.weights.expert_chunk import bank_rows
 from moed.weights.hf_checkpoint import HfCheckpoint
 from moed.weights.model_loader import BANK_PREFIX, bank_metadata_for, check_bank_dtype, is_ftw_dir
 
@@ -53,7 +54,7 @@ def convert_model(src: str | Path, dst: str | Path, *, experts_dtype: str = "fp3
         for spec in weight_specs:
             writer.write(spec.name, checkpoint.read_weight(spec.name))
         for chunk in checkpoint.expert_chunks():
-            rows = convert_expert_rows(chunk.gate_up, chunk.down, experts_dtype, chunk.gate_up_bias, chunk.down_bias)
+            rows = bank_rows(chunk, experts_dtype)
             for name, tensor in rows.items():
                 writer.write_rows(BANK_PREFIX + name, chunk.start, tensor)
         return writer.finish(metadata=metadata, source_fingerprint=source_fingerprint_of(sources), extra_files=extra)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from moed.errors import ModelFormatError, quoted
 from moed.models.families import Family, family_of, parse_model_config
 from moed.models.model_config import ModelConfig
+from moed.weights.expert_chunk import ExpertChunk
 from moed.weights.file_checks import require_regular_file
 from moed.weights.fp8_blocks import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_blocks, fp8_config_of
 from moed.weights.safetensors_files import SafetensorsFiles
@@ -40,17 +40,6 @@ def read_config_json(path: Path) -> dict:
     if not isinstance(cfg, dict):
         raise ModelFormatError(f"{file}: expected a JSON object")
     return cfg
-
-
-@dataclass(frozen=True)
-class ExpertChunk:
-    """Bank rows ``start .. start + n`` (flat ids ``moe_layer * E + expert``), float32."""
-
-    start: int
-    gate_up: torch.Tensor  # [n, D, 2I]
-    down: torch.Tensor  # [n, I, D]
-    gate_up_bias: torch.Tensor | None = None  # [n, 2I]
-    down_bias: torch.Tensor | None = None  # [n, D]
 
 
 class HfCheckpoint:

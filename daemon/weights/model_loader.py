@@ -9,13 +9,14 @@ from typing import Callable
 
 import torch
 
-from moed.cache.bank_builder import bank_tensor_specs, convert_expert_rows
+from moed.cache.bank_builder import bank_tensor_specs
 from moed.cache.host_bank import EXPERT_DTYPES, INT4_GROUP_SIZE, ExpertActivation, ExpertBank
 from moed.errors import InvalidRequestError, ModelFormatError
 from moed.models.families import parse_model_config
 from moed.models.model_config import ModelConfig
 from moed.weights.ftw_reader import load_ftw, read_ftw_index
 from moed.weights.file_checks import require_regular_file
+from moed.weights.expert_chunk import bank_rows
 from moed.weights.hf_checkpoint import HfCheckpoint
 
 FTW_INDEX = "ftw.json"
@@ -120,7 +121,7 @@ def stream_expert_bank(checkpoint: HfCheckpoint, dtype: str) -> ExpertBank:
                               moe.has_expert_bias)
     tensors = {name: torch.empty(shape, dtype=tdtype) for name, (shape, tdtype) in specs.items()}
     for chunk in checkpoint.expert_chunks():
-        rows = convert_expert_rows(chunk.gate_up, chunk.down, dtype, chunk.gate_up_bias, chunk.down_bias)
+        rows = bank_rows(chunk, dtype)
         for name, t in rows.items():
             tensors[name][chunk.start : chunk.start + t.shape[0]] = t
     return ExpertBank(num_moe_layers=config.num_moe_layers, num_experts=moe.num_experts,
