@@ -66,7 +66,8 @@ def ftw_estimate(layers: int, s: argparse.Namespace) -> int:
     """Rough FTW size: non-expert weights as float32, experts in the chosen format."""
     experts = expert_source_bytes(layers, s)
     rest = source_bytes(layers, s) - experts
-    per_bf16_byte = {"fp32": 2.0, "bf16": 1.0, "int4": (0.5 + 4 / 32) / 2}[s.experts_dtype]
+    per_bf16_byte = {"fp32": 2.0, "bf16": 1.0, "int4": (0.5 + 4 / 32) / 2, "q8": (1 + 2 / 32) / 2,
+                     "mxfp4": (0.5 + 1 / 32) / 2}[s.experts_dtype]
     return int(2 * rest + per_bf16_byte * experts)
 
 
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--layers", type=int, nargs="+", default=[6, 12], help="layer counts (default 6 12)")
     p.add_argument("--workdir", type=Path, required=True, help="where checkpoints and outputs are written")
-    p.add_argument("--experts-dtype", choices=("fp32", "bf16", "int4"), default="int4")
+    p.add_argument("--experts-dtype", choices=("fp32", "bf16", "int4", "q8", "mxfp4"), default="int4")
     p.add_argument("--keep", action="store_true", help="keep the sources and outputs (needs room for all)")
     p.add_argument("--rss-limit-gib", type=float, help="kill a child above this RSS (default 90%% of MemAvailable)")
     p.add_argument("--moed", default=_default_exe("moed"), help="the moed executable (default .venv/bin/moed)")

@@ -107,7 +107,7 @@ class Sweep:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--m", type=int, default=16, help="misses per step")
-    parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "int4"))
+    parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "int4", "q8", "mxfp4"))
     parser.add_argument("--shape", default="2048x768", help="expert shape DxI (default Qwen3-30B-A3B)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cpu-threads", type=int, default=1)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from moed.cache.host_bank import EXPERT_DTYPES, INT4_GROUP_SIZE, ExpertActivation, ExpertBank
-from moed.kernels.int4_format import quantize_int4
+from moed.cache.host_bank import EXPERT_DTYPES, INT4_GROUP_SIZE, PACKED_DTYPES, ExpertActivation, ExpertBank
+from moed.kernels.int4_format import dequantize_int4, quantize_int4
+from moed.kernels.mxfp4_format import dequantize_mxfp4, quantize_mxfp4
+from moed.kernels.q8_format import dequantize_q8, quantize_q8
 
 
 def _check_f32(t: torch.Tensor, what: str, shape: tuple[int, ...]) -> None:
@@ -22,8 +24,16 @@ def _convert(name: str, w: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
         return {name: w.contiguous()}
     if dtype == "bf16":
         return {name: w.to(torch.bfloat16).contiguous()}
-    q, scale, mn = quantize_int4(w)
-    return {f"{name}.q": q, f"{name}.scale": scale, f"{name}.min": mn}
+    if dtype == "int4":
+        q, scale, mn = quantize_int4(w)
+        return {f"{name}.q": q, f"{name}.scale": scale, f"{name}.min": mn}
+    if dtype == "q8":
+        qs, d = quantize_q8(w)
+        return {f"{name}.qs": qs, f"{name}.d": d}
+    if dtype == "mxfp4":
+        fp4, e8m0 = quantize_mxfp4(w)
+        return {f"{name}.fp4": fp4, f"{name}.e8m0": e8m0}
+    raise ValueError(f"bank dtype {dtype!r} is not one of {EXPERT_DTYPES}")
 
 
 def bank_tensor_specs(dtype: str, num_slots: int, hidden: int, inter: int,
@@ -75,10 +85,10 @@ def build_expert_bank(
     inter = two_inter // 2
     _check_f32(gate_up, "gate_up", (slots, hidden, two_inter))
     _check_f32(down, "down", (slots, inter, hidden))
-    if dtype == "int4":
+    if dtype in PACKED_DTYPES:
         for what, k in (("hidden size D", hidden), ("intermediate size I", inter)):
             if k % INT4_GROUP_SIZE:
-                raise ValueError(f"int4 bank: {what}={k} must be a multiple of {INT4_GROUP_SIZE}")
+                raise ValueError(f"{dtype} bank: {what}={k} must be a multiple of {INT4_GROUP_SIZE}")
     if (gate_up_bias is None) != (down_bias is None):
         raise ValueError("give both gate_up_bias and down_bias, or neither")
 
@@ -100,13 +110,15 @@ def build_expert_bank(
 def dequantize_bank_rows(tensors: dict[str, torch.Tensor], dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of a bank in ``dtype`` (biases ignored) -> float32 ``(gate_up [n, D, 2I], down [n, I, D])``,
     the plain-torch dequantisation (what converting a packed source to another bank dtype starts from)."""
-    from moed.kernels.int4_format import dequantize_int4
-
     def one(name: str) -> torch.Tensor:
         if dtype in ("fp32", "bf16"):
             return tensors[name].float()
         if dtype == "int4":
             return dequantize_int4(tensors[f"{name}.q"], tensors[f"{name}.scale"], tensors[f"{name}.min"])
-        raise ValueError(f"cannot dequantize bank rows of dtype {dtype!r}")
+        if dtype == "q8":
+            return dequantize_q8(tensors[f"{name}.qs"], tensors[f"{name}.d"])
+        if dtype == "mxfp4":
+            return dequantize_mxfp4(tensors[f"{name}.fp4"], tensors[f"{name}.e8m0"])
+        raise ValueError(f"cannot dequantize bank rows of dtype {dtype!r} (one of {EXPERT_DTYPES})")
 
     return one("gate_up"), one("down")

@@ -7,7 +7,7 @@ slots). Weights are stored input-major ("k-major", ``[K, N]`` per expert, the tr
 of the reduction dimension with long contiguous inner loops.
 
 Layout by ``dtype`` (N = number of experts in the bank, D = hidden size, I = expert
-intermediate size, G = INT4_GROUP_SIZE):
+intermediate size, G = INT4_GROUP_SIZE = 32, the group size of every packed format):
 
 - ``fp32``: ``gate_up`` float32 ``[N, D, 2I]`` (columns ``[:I]`` gate, ``[I:]`` up),
   ``down`` float32 ``[N, I, D]``.
@@ -16,6 +16,12 @@ intermediate size, G = INT4_GROUP_SIZE):
   ``M.q`` uint8 ``[N, K, Ncols/2]`` (byte ``[k, j]``: low nibble = column ``j``, high
   nibble = column ``j + Ncols/2``), ``M.scale`` and ``M.min`` bfloat16 ``[N, K/G, Ncols]``;
   ``w[k, n] = q[k, n] * scale[k // G, n] + min[k // G, n]`` with ``q`` in 0..15.
+- ``q8`` (GGUF Q8_0's block, symmetric): ``M.qs`` int8 ``[N, K, Ncols]``, ``M.d`` float16
+  ``[N, K/G, Ncols]``; ``w[k, n] = qs[k, n] * d[k // G, n]`` (kernels/q8_format.py).
+- ``mxfp4`` (OCP MX FP4, as gpt-oss ships): ``M.fp4`` uint8 ``[N, K, Ncols/2]`` (int4's nibble
+  packing; each nibble an E2M1 code: bit 3 sign, magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6),
+  ``M.e8m0`` uint8 ``[N, K/G, Ncols]``; ``w[k, n] = e2m1(code[k, n]) * 2**(e8m0[k // G, n] - 127)``
+  (kernels/mxfp4_format.py).
 - optional biases (gpt-oss), always float32: ``gate_up_bias`` ``[N, 2I]``, ``down_bias``
   ``[N, D]``.
 """
@@ -26,9 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moed.cache.expert_dtypes import EXPERT_DTYPES, PACKED_DTYPES  # noqa: F401  (re-exported)
 from moed.kernels.int4_format import INT4_GROUP_SIZE  # noqa: F401  (re-exported: part of the bank layout)
 
-EXPERT_DTYPES = ("fp32", "bf16", "int4")
 ACTIVATIONS = ("silu", "gpt_oss")
 
 

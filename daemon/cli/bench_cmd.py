@@ -26,16 +26,19 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_bench_bw(args)
     if args.bench_command == "policy":
         return run_bench_policy(args)
+    from moed.cache.host_bank import EXPERT_DTYPES, INT4_GROUP_SIZE, PACKED_DTYPES
     from moed.experts.kernel_bench import bench_kernels, format_table
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    bad = [d for d in dtypes if d not in ("fp32", "bf16", "int4")]
+    bad = [d for d in dtypes if d not in EXPERT_DTYPES]
     if bad or not dtypes:
-        raise InvalidRequestError(f"--dtypes: {bad or dtypes} not among fp32, bf16, int4")
+        raise InvalidRequestError(f"--dtypes: {bad or dtypes} not among {', '.join(EXPERT_DTYPES)}")
     shapes = parse_shapes(args.shapes)
+    packed = [d for d in dtypes if d in PACKED_DTYPES]
     for hidden, inter in shapes:
-        if "int4" in dtypes and (hidden % 32 or inter % 32):
-            raise InvalidRequestError(f"--shapes: int4 needs D and I to be multiples of 32, got {hidden}x{inter}")
+        if packed and (hidden % INT4_GROUP_SIZE or inter % INT4_GROUP_SIZE):
+            raise InvalidRequestError(f"--shapes: {', '.join(packed)} need D and I to be multiples of "
+                                      f"{INT4_GROUP_SIZE}, got {hidden}x{inter}")
     rows = bench_kernels(shapes, dtypes)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0

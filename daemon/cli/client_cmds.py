@@ -6,8 +6,10 @@ import argparse
 import sys
 import time
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 
 from moed.api.client import MoedClient
+from moed.cache.expert_dtypes import EXPERT_DTYPES
 from moed.cli.progress import ProgressBar
 from moed.errors import InvalidRequestError
 
@@ -31,13 +33,15 @@ def add_client_commands(sub, add_address) -> None:
 
     load = sub.add_parser("load", help="load a model into the daemon")
     add_address(load)
-    load.add_argument("model", help="model directory or name found in the model directories")
+    load.add_argument("model", help="model directory, .gguf file, or name found in the model directories")
     load.add_argument("--name", default="")
     load.add_argument("--device", default="auto", choices=("auto", "cpu", "emulated", "cuda"))
     load.add_argument("--policy", default="adaptive")
     load.add_argument("--cache-fraction", type=float)
     load.add_argument("--context", type=int, default=0)
-    load.add_argument("--experts-dtype", default="", choices=("", "fp32", "bf16", "int4"))
+    load.add_argument("--experts-dtype", default="", choices=("", *EXPERT_DTYPES))
+    load.add_argument("--weights-dtype", default="auto", choices=("auto", "fp32"),
+                      help="non-expert weights: the checkpoint's own dtype (auto) or widened to fp32")
     load.add_argument("--max-batch", type=int, default=0)
     load.add_argument("--verify", action="store_true")
 
@@ -160,11 +164,14 @@ def run_client_command(args: argparse.Namespace, client: MoedClient) -> int:
         print_ps(client)
     elif cmd == "load":
         options = dict(name=args.name, device=args.device, policy=args.policy, context_length=args.context,
-                       experts_dtype=args.experts_dtype, verify=args.verify, max_batch=args.max_batch)
+                       experts_dtype=args.experts_dtype, verify=args.verify, max_batch=args.max_batch,
+                       weights_dtype=args.weights_dtype)
         if args.cache_fraction is not None:
             options["cache_fraction"] = args.cache_fraction
         bar = ProgressBar(f"loading {args.model}", min_seconds=0.0)
-        for progress in client.load(args.model, **options):
+        # a path that exists here is sent absolute (the daemon's working directory is not ours)
+        model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+        for progress in client.load(model, **options):
             if progress.stage == "reading" and progress.total_bytes:
                 bar(progress.done_bytes, progress.total_bytes)
             if progress.HasField("model"):

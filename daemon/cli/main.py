@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moed.cache.expert_dtypes import EXPERT_DTYPES
 from moed.errors import MoedError
 
 
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--context", type=int, help="context length in tokens (default: min(4096, model max))")
-    gen.add_argument("--experts-dtype", choices=("fp32", "bf16", "int4"),
+    gen.add_argument("--experts-dtype", choices=EXPERT_DTYPES,
                      help="expert format when loading a Hugging Face directory (default fp32)")
     gen.add_argument("--verify", action="store_true", help="verify FTW checksums while loading")
     gen.add_argument("--dtype", choices=("auto", "fp32"), default="auto",
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "on stderr, and never one of a conversion still running.")
     conv.add_argument("src", help="Hugging Face model directory")
     conv.add_argument("dst", help="FTW output directory (written atomically)")
-    conv.add_argument("--experts-dtype", choices=("fp32", "bf16", "int4"), default="fp32")
+    conv.add_argument("--experts-dtype", choices=EXPERT_DTYPES, default="fp32")
     conv.add_argument("--force", action="store_true", help="replace dst if it exists")
 
     from moed.cli.service_cmd import add_service_command
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks of this machine")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
     kernels = bench_sub.add_parser("kernels", help="host read bandwidth and CPU expert kernel GB/s")
-    kernels.add_argument("--dtypes", default="fp32,bf16,int4")
+    kernels.add_argument("--dtypes", default=",".join(EXPERT_DTYPES),
+                         help=f"comma-separated bank dtypes to measure (default: all of {', '.join(EXPERT_DTYPES)})")
     kernels.add_argument("--shapes", default="576x1536,2048x768", help="expert shapes DxI, comma separated")
     kernels.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--device", default="auto", choices=("auto", "emulated", "cuda"))
     bw.add_argument("--emulated-bp", type=float, default=16.0, help="emulated device: B_P in GB/s")
     bw.add_argument("--seconds", type=float, default=1.0, help="time per measurement phase")
-    bw.add_argument("--experts-dtype", choices=("fp32", "bf16", "int4"))
+    bw.add_argument("--experts-dtype", choices=EXPERT_DTYPES)
     bw.add_argument("--no-save", action="store_true", help="do not store the profile")
 
     pol = bench_sub.add_parser("policy", help="replay a routing trace through the cache policies")

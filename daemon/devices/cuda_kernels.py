@@ -1,4 +1,4 @@
-"""Grouped expert matmuls over device cache slots: the cupy int4 kernel, the torch path for fp32/bf16, torch twins.
+"""Grouped expert matmuls over device cache slots: the cupy int4 kernel, torch for fp32/bf16/q8/mxfp4, torch twins.
 
 Shapes: ``T`` tokens (grouped by expert), ``E`` experts in the call, ``S`` slots, ``K`` input and
 ``N`` output columns of one matrix. Expert ``e`` multiplies the token rows
@@ -14,6 +14,12 @@ from typing import Any, Sequence
 import torch
 
 INT4_GROUP_SIZE = 32  # must match the bank layout (moed.kernels.int4_format; a test checks)
+BLOCK_GROUP_SIZE = 32  # q8 and mxfp4 groups along K (moed.kernels.q8_format / mxfp4_format; a test checks)
+# Block-scaled formats: main tensor suffix, its dtype, whether two columns share a byte, scale suffix and dtype.
+_BLOCK_SCALED = {
+    "q8": (".qs", torch.int8, False, ".d", torch.float16),
+    "mxfp4": (".fp4", torch.uint8, True, ".e8m0", torch.uint8),
+}
 KERNEL_FILE = "expert_int4.cu"
 KERNEL_NAME = "expert_int4_grouped_matmul"
 _BLOCK = 128  # threads per block; must match BLOCK in the .cu source
@@ -203,6 +209,93 @@ def int4_matmul_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return int4_grouped_matmul_reference(x, *_one_slot(q, scale, mn), [0], [0, x.shape[0]])
 
 
+# --------------------------------------------------------------------------- q8 / mxfp4 (torch on the slots' device)
+# The bank layouts restated (devices/ imports nothing else from moed): q8 ``w = qs * d``; mxfp4
+# ``w = e2m1(code) * 2**(e8m0 - 127)`` with int4's nibble packing. Each slot a call uses is
+# dequantised to float32 once, then multiplied with fp32 accumulation; a dedicated CUDA kernel
+# is later work.
+
+
+def dequantize_q8_slot(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """One slot's ``qs`` int8 ``[K, N]``, ``d`` fp16 ``[K/32, N]`` -> float32 ``W [K, N]`` (exact)."""
+    return qs.float() * d.float().repeat_interleave(BLOCK_GROUP_SIZE, dim=0)
+
+
+def dequantize_mxfp4_slot(fp4: torch.Tensor, e8m0: torch.Tensor) -> torch.Tensor:
+    """One slot's ``fp4`` uint8 ``[K, N/2]``, ``e8m0`` uint8 ``[K/32, N]`` -> float32 ``W [K, N]`` (exact).
+
+    No table: an E2M1 code's magnitude bits placed at fp16 bits 9..11 read as fp16 are its value
+    times 2**-14 (E2M1's 0 and 0.5 land on fp16's zero and a subnormal); bit 3 is the sign.
+    """
+    codes = torch.cat([fp4 & 0x0F, fp4 >> 4], dim=-1).to(torch.int16)  # [K, N]
+    magnitude = ((codes & 7) << 9).view(torch.float16).float() * 16384.0
+    value = torch.where((codes & 8) != 0, -magnitude, magnitude)
+    e = e8m0.to(torch.int32)
+    scale = torch.where(e > 0, e << 23, torch.full_like(e, 1 << 22)).view(torch.float32)  # 2**(e - 127)
+    return value * scale.repeat_interleave(BLOCK_GROUP_SIZE, dim=0)
+
+
+def _check_block_scaled(x: torch.Tensor, slots: dict[str, torch.Tensor], name: str, fmt: str) -> tuple[int, int, int]:
+    """Validate a q8 / mxfp4 slot matrix and ``x``; returns ``(S, K, N)``."""
+    suffix, dtype, two_per_byte, scale_suffix, scale_dtype = _BLOCK_SCALED[fmt]
+    w = slots[name + suffix]
+    if w.dim() != 3 or w.dtype != dtype:
+        raise ValueError(f"{fmt} slots {name + suffix!r} must be {dtype} [S, K, N{'/2' if two_per_byte else ''}], "
+                         f"got {w.dtype} {tuple(w.shape)}")
+    num_slots, k, cols = w.shape
+    n = cols * 2 if two_per_byte else cols
+    if k % BLOCK_GROUP_SIZE:
+        raise ValueError(f"{fmt} slots {name + suffix!r}: K={k} is not a multiple of {BLOCK_GROUP_SIZE}")
+    scale = slots.get(name + scale_suffix)
+    want = (num_slots, k // BLOCK_GROUP_SIZE, n)
+    if scale is None or scale.dtype != scale_dtype or tuple(scale.shape) != want:
+        got = "nothing" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
+        raise ValueError(f"{fmt} slots need {name + scale_suffix!r} {scale_dtype} {want}, got {got}")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != k:
+        raise ValueError(f"x must be float32 [T, {k}], got {x.dtype} {tuple(x.shape)}")
+    for what, t in ((name + suffix, w), (name + scale_suffix, scale)):
+        if t.device != x.device:
+            raise ValueError(f"x is on {x.device} but slot tensor {what!r} is on {t.device}")
+    return num_slots, k, n
+
+
+def _block_scaled_format(slots: dict[str, torch.Tensor], name: str) -> str | None:
+    for fmt, (suffix, *_rest) in _BLOCK_SCALED.items():
+        if name + suffix in slots:
+            return fmt
+    return None
+
+
+def slot_matrix_f32(slots: dict[str, torch.Tensor], name: str, slot: int) -> torch.Tensor:
+    """Matrix ``name`` of one slot as float32 ``[K, N]`` on the slots' device (fp32 / bf16 / q8 / mxfp4 / int4)."""
+    fmt = _block_scaled_format(slots, name)
+    if fmt == "q8":
+        return dequantize_q8_slot(slots[name + ".qs"][slot], slots[name + ".d"][slot])
+    if fmt == "mxfp4":
+        return dequantize_mxfp4_slot(slots[name + ".fp4"][slot], slots[name + ".e8m0"][slot])
+    if name + ".q" in slots:
+        return dequantize_slot(slots[name + ".q"][slot], slots[name + ".scale"][slot], slots[name + ".min"][slot])
+    if name not in slots:
+        raise ValueError(f"slot storage has no matrix {name!r} (kinds: {sorted(slots)})")
+    return slots[name][slot].float()
+
+
+def _grouped_dense(x: torch.Tensor, slots: dict[str, torch.Tensor], name: str, n: int,
+                   slot_ids: Index, offsets: Index) -> torch.Tensor:
+    """``y [T, N]``: each expert's token rows times its slot's matrix, dequantised once per used slot."""
+    ids = slot_ids.tolist() if isinstance(slot_ids, torch.Tensor) else list(slot_ids)
+    offs = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
+    y = torch.zeros((x.shape[0], n), dtype=torch.float32, device=x.device)  # [T, N]
+    dense: dict[int, torch.Tensor] = {}
+    for e, s in enumerate(ids):
+        a, b = offs[e], offs[e + 1]
+        if b > a:
+            if s not in dense:
+                dense[s] = slot_matrix_f32(slots, name, s)  # [K, N] float32
+            y[a:b] = x[a:b] @ dense[s]
+    return y
+
+
 # --------------------------------------------------------------------------- any format
 
 
@@ -213,12 +306,19 @@ def grouped_matmul(
 
     int4 slots (``name.q``, ``name.scale``, ``name.min``) use the CUDA kernel on CUDA tensors
     (the torch twin elsewhere); fp32/bf16 slots (``name``) use ``torch.matmul`` per expert with
-    fp32 accumulation (bf16 weights are widened, matching the CPU path's arithmetic).
+    fp32 accumulation (bf16 weights are widened, matching the CPU path's arithmetic); q8
+    (``name.qs``, ``name.d``) and mxfp4 (``name.fp4``, ``name.e8m0``) slots are dequantised to
+    float32 with torch ops on their own device, once per slot used, then multiplied the same way.
     """
     if name + ".q" in slots:
         q, scale, mn = slots[name + ".q"], slots[name + ".scale"], slots[name + ".min"]
         fn = int4_grouped_matmul if x.device.type == "cuda" else int4_grouped_matmul_reference
         return fn(x, q, scale, mn, slot_ids, offsets)
+    fmt = _block_scaled_format(slots, name)
+    if fmt is not None:
+        num_slots, _, n = _check_block_scaled(x, slots, name, fmt)
+        _check_groups(x.shape[0], num_slots, slot_ids, offsets)
+        return _grouped_dense(x, slots, name, n, slot_ids, offsets)
     if name not in slots:
         raise ValueError(f"slot storage has no matrix {name!r} (kinds: {sorted(slots)})")
     w = slots[name]  # [S, K, N]
@@ -229,11 +329,4 @@ def grouped_matmul(
     if x.device != w.device:
         raise ValueError(f"x is on {x.device} but slot matrix {name!r} is on {w.device}")
     _check_groups(x.shape[0], w.shape[0], slot_ids, offsets)
-    ids = slot_ids.tolist() if isinstance(slot_ids, torch.Tensor) else list(slot_ids)
-    offs = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
-    y = torch.zeros((x.shape[0], w.shape[2]), dtype=torch.float32, device=x.device)  # [T, N]
-    for e, s in enumerate(ids):
-        a, b = offs[e], offs[e + 1]
-        if b > a:
-            y[a:b] = x[a:b] @ w[s].float()
-    return y
+    return _grouped_dense(x, slots, name, w.shape[2], slot_ids, offsets)

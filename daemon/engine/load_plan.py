@@ -19,7 +19,7 @@ from moed.engine.scheduler import SchedulerConfig
 from moed.errors import InsufficientMemoryError, InvalidRequestError, quoted
 from moed.models.moe_transformer import kv_cache_bytes
 from moed.service.memory_governor import available_host_bytes, format_bytes
-from moed.weights.model_loader import estimate_host_bytes, read_model_config
+from moed.weights.model_loader import WEIGHT_DTYPES, estimate_load, read_model_config
 
 
 MIN_EMULATED_B_P = 1e6  # bytes/s; slower emulated links make copies take hours (and timestamps overflow)
@@ -33,6 +33,10 @@ class LoadPlan:
     weight_bytes: int  # host RAM the weights and expert bank need at the load's peak
     kv_bytes: int  # the KV cache: max_batch sequences of context_length tokens
     kv_bytes_per_token: int
+    bank_dtype: str = ""  # the expert bank's dtype this load makes
+    bank_bytes: int = 0
+    # weight_bytes with the bank in another dtype (empty for FTW: its dtype was fixed at conversion)
+    weight_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -53,6 +57,8 @@ def plan_load(path: Path, options) -> LoadPlan:
     SchedulerConfig(options.max_batch, options.max_queue, DEFAULT_PREFILL_CHUNK, DEFAULT_MAX_STEP_TOKENS)
     if options.experts_dtype is not None and options.experts_dtype not in EXPERT_DTYPES:
         raise InvalidRequestError(f"experts_dtype {quoted(options.experts_dtype)}: choose one of {', '.join(EXPERT_DTYPES)}")
+    if options.weights_dtype not in WEIGHT_DTYPES:
+        raise InvalidRequestError(f"weights_dtype {quoted(options.weights_dtype)}: choose {' or '.join(WEIGHT_DTYPES)}")
     device = str(options.device or "auto").strip().lower()
     if device not in DEVICE_NAMES:
         raise InvalidRequestError(f"unknown device {quoted(options.device)}: choose one of {', '.join(DEVICE_NAMES)}")
@@ -61,8 +67,12 @@ def plan_load(path: Path, options) -> LoadPlan:
         raise InvalidRequestError(f"emulated_b_p {b_p!r} bytes/s is out of range: give a value between "
                                   f"{MIN_EMULATED_B_P:.0e} and {MAX_EMULATED_B_P:.0e}")
     per_token = kv_cache_bytes(config, 1, 1)
-    return LoadPlan(context_length=context, max_batch=options.max_batch, weight_bytes=estimate_host_bytes(path),
-                    kv_bytes=per_token * options.max_batch * context, kv_bytes_per_token=per_token)
+    est = estimate_load(path, options.experts_dtype, options.weights_dtype)
+    others = tuple((dtype, est.total - est.bank_bytes + nbytes) for dtype, nbytes in est.bank_bytes_by_dtype.items()
+                   if dtype != est.bank_dtype)
+    return LoadPlan(context_length=context, max_batch=options.max_batch, weight_bytes=est.total,
+                    kv_bytes=per_token * options.max_batch * context, kv_bytes_per_token=per_token,
+                    bank_dtype=est.bank_dtype, bank_bytes=est.bank_bytes, weight_bytes_by_dtype=others)
 
 
 def check_load_fits(plan: LoadPlan, *, available_bytes: int | None = None, what: str = "the model") -> None:
@@ -82,6 +92,17 @@ def check_load_fits(plan: LoadPlan, *, available_bytes: int | None = None, what:
                      f"with context {plan.context_length}")
     if tokens // plan.max_batch >= 2:
         hints.append(f"context {min(plan.context_length - 1, tokens // plan.max_batch)} with max_batch {plan.max_batch}")
+    # the largest expert dtype (fewest bits lost) that fits with the requested batch and context
+    smaller = sorted(((nbytes, dtype) for dtype, nbytes in plan.weight_bytes_by_dtype
+                      if nbytes < plan.weight_bytes and nbytes + plan.kv_bytes <= available), reverse=True)
+    if smaller:
+        hints.append(f"--experts-dtype {smaller[0][1]} ({format_bytes(smaller[0][0] + plan.kv_bytes)} in all)")
     if hints:
         raise InsufficientMemoryError(f"{need}; would fit: {' or '.join(hints)}")
-    raise InsufficientMemoryError(f"{need}; close other programs or use a smaller expert dtype (--experts-dtype int4)")
+    smallest = min(plan.weight_bytes_by_dtype, key=lambda item: item[1], default=None)
+    if smallest is not None and smallest[1] < plan.weight_bytes:
+        raise InsufficientMemoryError(f"{need}; even --experts-dtype {smallest[0]} needs "
+                                      f"{format_bytes(smallest[1] + plan.kv_bytes)}: close other programs "
+                                      "or use a machine with more RAM")
+    raise InsufficientMemoryError(f"{need}; close other programs or convert with a smaller expert dtype "
+                                  "(moed convert --experts-dtype int4)")

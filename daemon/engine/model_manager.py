@@ -62,6 +62,21 @@ def is_model_dir(path: Path) -> bool:
     return (path / "ftw.json").is_file() or (path / "config.json").is_file()
 
 
+def is_model_path(path: Path) -> bool:
+    """A model directory (FTW or Hugging Face) or a GGUF file."""
+    from moed.weights.gguf_file import is_gguf_file
+
+    try:
+        return is_model_dir(path) if path.is_dir() else is_gguf_file(path)
+    except OSError:
+        return False
+
+
+def model_name_of(path: Path) -> str:
+    """The name a model is listed under: its directory's name, or a GGUF file's name without .gguf."""
+    return path.name[:-5] if path.suffix.lower() == ".gguf" and not path.is_dir() else path.name
+
+
 def _is_dir(path: Path) -> bool:
     try:
         return path.is_dir()
@@ -69,7 +84,17 @@ def _is_dir(path: Path) -> bool:
         return False
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def dir_bytes(path: Path) -> int:
+    """Bytes on disk of a model directory's files, or of a GGUF file."""
+    if path.is_file():
+        return path.stat().st_size
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
@@ -92,23 +117,25 @@ class ModelManager:
         for root in self.search_dirs:
             if not root.is_dir():
                 continue
-            candidates = [root] + sorted(p for p in root.iterdir() if p.is_dir())
+            candidates = [root] + sorted(p for p in root.iterdir()
+                                         if p.is_dir() or p.suffix.lower() == ".gguf")
             for path in candidates:
-                if is_model_dir(path):
-                    found.setdefault(path.name, path)
+                if is_model_path(path):
+                    found.setdefault(model_name_of(path), path)
         return list(found.values())
 
     def resolve(self, model: str) -> Path:
         if not isinstance(model, str) or not model or "\x00" in model:
             raise InvalidRequestError(f"model {quoted(model)}: give a model directory or the name of one")
         path = Path(model).expanduser()
-        if _is_dir(path):
+        if _is_dir(path) or _is_file(path):
             return path.resolve()
         for candidate in self.discover():
-            if candidate.name == model:
+            if model_name_of(candidate) == model:
                 return candidate.resolve()
         where = ", ".join(str(d) for d in self.search_dirs) or "(none)"
-        raise InvalidRequestError(f"model {quoted(model)} not found: not a directory, and no model of that name in {where}")
+        raise InvalidRequestError(f"model {quoted(model)} not found: not a directory or GGUF file, and no model of "
+                                  f"that name in {where}")
 
     # -- load / unload ---------------------------------------------------------------------------
     @property
@@ -122,7 +149,8 @@ class ModelManager:
         path = self.resolve(model)
         given = Path(model).expanduser()
         # the name the user gave (a symlinked directory keeps its own name), else the directory's
-        name = name or (given.name if _is_dir(given) and given.name else path.name)
+        name = name or (model_name_of(given) if (_is_dir(given) or _is_file(given)) and given.name
+                        else model_name_of(path))
         if len(name) > MAX_NAME_CHARS or any(not c.isprintable() for c in name):
             raise InvalidRequestError(f"model name {quoted(name)} must be at most {MAX_NAME_CHARS} printable characters")
         plan = plan_load(path, options)  # reads config.json / the FTW index only

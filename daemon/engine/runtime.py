@@ -48,6 +48,13 @@ def compile_expert_kernels(bank) -> None:
         run_expert(bank, 0, torch.zeros(tokens, bank.hidden_size))
 
 
+def _tokenizer_of(loaded: LoadedModel) -> Tokenizer | None:
+    """A directory's tokenizer.json, or the one a GGUF file's metadata describes; None without either."""
+    if loaded.tokenizer_files is not None:
+        return Tokenizer.from_files(loaded.tokenizer_files, where=str(loaded.path))
+    return Tokenizer(loaded.path) if (Path(loaded.path) / "tokenizer.json").is_file() else None
+
+
 def open_runtime(path: str | Path, *, experts_dtype: str | None = None, verify: bool = False,
                  progress: Callable[[int, int], None] | None = None, engine: EngineConfig | None = None,
                  trace_out: str | Path | None = None, weights_dtype: str = "auto") -> ModelRuntime:
@@ -56,5 +63,5 @@ def open_runtime(path: str | Path, *, experts_dtype: str | None = None, verify: 
     compile_expert_kernels(loaded.bank)
     executor = build_executor(loaded.bank, engine or EngineConfig(device="cpu"), trace_out=trace_out)
     model = MoeTransformer(loaded.config, loaded.weights, executor, where=str(loaded.path))
-    tokenizer = Tokenizer(loaded.path) if (Path(loaded.path) / "tokenizer.json").is_file() else None
+    tokenizer = _tokenizer_of(loaded)
     return ModelRuntime(loaded, model, executor, tokenizer)

@@ -2,7 +2,7 @@
 
 Emulated device: slots are host memory, and the same CPU kernel runs on the slot's copy of the
 bytes, so results are bit-identical to the CPU branch. CUDA: torch matmuls on the slot tensors
-(fp32 / bf16) or the int4 RawKernel from native/.
+(fp32 / bf16; q8 / mxfp4 dequantised to float32 on the device first) or the int4 RawKernel from native/.
 """
 
 from __future__ import annotations
@@ -33,4 +33,6 @@ def _matmul(t: dict[str, torch.Tensor], name: str, slot: int, x: torch.Tensor, d
         from moed.devices.cuda_kernels import int4_matmul
 
         return int4_matmul(x, t[f"{name}.q"][slot], t[f"{name}.scale"][slot], t[f"{name}.min"][slot])
-    return x @ t[name][slot].float()
+    from moed.devices.cuda_kernels import slot_matrix_f32
+
+    return x @ slot_matrix_f32(t, name, slot)  # fp32 / bf16 widened; q8 / mxfp4 dequantised on the device

@@ -29,6 +29,8 @@ from moed.kernels.expert_matmul import (
     matmul_bf16_kernel,
     matmul_fp32_kernel,
     matmul_int4_kernel,
+    matmul_mxfp4_kernel,
+    matmul_q8_kernel,
     matrix_arrays,
     serial_njit,
 )
@@ -183,7 +185,64 @@ def _expert_int4(
     return y
 
 
-_FFN_KERNELS = {"fp32": _expert_fp32, "bf16": _expert_bf16, "int4": _expert_int4}
+@serial_njit
+def _expert_q8(
+    x: np.ndarray,
+    gqs: np.ndarray,
+    gd: np.ndarray,
+    gu_b: np.ndarray,
+    dqs: np.ndarray,
+    dd: np.ndarray,
+    dn_b: np.ndarray,
+    fid: int,
+    kind: int,
+    alpha: float,
+    limit: float,
+    nparts: int,
+) -> np.ndarray:
+    # as _expert_fp32 with each matrix as (qs int8 [N, K, Ncols], d uint16 fp16 bits [N, K/32, Ncols])
+    ntok = x.shape[0]
+    inter = dqs.shape[1]
+    h = np.empty((ntok, 2 * inter), np.float32)
+    matmul_q8_kernel(x, gqs[fid], gd[fid], nparts, h)
+    a = np.empty((ntok, inter), np.float32)
+    _activate(h[:, :inter], h[:, inter:], gu_b, fid, kind, alpha, limit, a)
+    y = np.empty((ntok, dqs.shape[2]), np.float32)
+    matmul_q8_kernel(a, dqs[fid], dd[fid], nparts, y)
+    _add_bias(y, dn_b, fid)
+    return y
+
+
+@serial_njit
+def _expert_mxfp4(
+    x: np.ndarray,
+    gfp4: np.ndarray,
+    ge: np.ndarray,
+    gu_b: np.ndarray,
+    dfp4: np.ndarray,
+    de: np.ndarray,
+    dn_b: np.ndarray,
+    fid: int,
+    kind: int,
+    alpha: float,
+    limit: float,
+    nparts: int,
+) -> np.ndarray:
+    # as _expert_fp32 with each matrix as (fp4 uint8 [N, K, Ncols/2], e8m0 uint8 [N, K/32, Ncols])
+    ntok = x.shape[0]
+    inter = dfp4.shape[1]
+    h = np.empty((ntok, 2 * inter), np.float32)
+    matmul_mxfp4_kernel(x, gfp4[fid], ge[fid], nparts, h)
+    a = np.empty((ntok, inter), np.float32)
+    _activate(h[:, :inter], h[:, inter:], gu_b, fid, kind, alpha, limit, a)
+    y = np.empty((ntok, de.shape[2]), np.float32)
+    matmul_mxfp4_kernel(a, dfp4[fid], de[fid], nparts, y)
+    _add_bias(y, dn_b, fid)
+    return y
+
+
+_FFN_KERNELS = {"fp32": _expert_fp32, "bf16": _expert_bf16, "int4": _expert_int4, "q8": _expert_q8,
+                "mxfp4": _expert_mxfp4}
 
 
 @dataclass

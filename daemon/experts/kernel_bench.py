@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from moed.cache.bank_builder import build_expert_bank
-from moed.cache.host_bank import ExpertActivation, ExpertBank
+from moed.cache.host_bank import EXPERT_DTYPES, ExpertActivation, ExpertBank
 from moed.experts.expert_ffn import run_expert
 from moed.kernels.bandwidth import read_sum_kernel
 from moed.kernels.expert_matmul import launch_guard, threading_layer
@@ -62,7 +62,7 @@ def _expert_pass(bank: ExpertBank, x: torch.Tensor) -> float:
 
 def bench_kernels(
     shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES,
-    dtypes: Sequence[str] = ("fp32", "bf16", "int4"),
+    dtypes: Sequence[str] = EXPERT_DTYPES,
     *,
     tokens: int = 1,
     bank_bytes: int = 512 * 2**20,

@@ -1,4 +1,4 @@
-"""CPU matmul ``y[T, N] = x[T, K] @ W[K, N]`` of one bank expert (fp32 / bf16 / int4), numba kernels plus torch reference.
+"""CPU matmul ``y[T, N] = x[T, K] @ W[K, N]`` of one bank expert (any bank dtype): numba kernels + torch reference.
 
 Decode (``T <= DIRECT_MAX_TOKENS``) runs numba kernels that read each weight byte once per
 call: the reduction dimension K is split into one contiguous block of rows per thread (each
@@ -6,29 +6,25 @@ thread streams its own part of the matrix front to back, into its own partial su
 group of four rows feeds one long contiguous loop over the output columns, which LLVM
 vectorises (AVX-512 here). bf16 is widened by a shift and a bitcast; int4 nibbles become the
 float ``1 + q/16`` by placing them in the mantissa (no int->float conversion), and scale/min
-are applied once per group of 32 rows. Prefill (more tokens) converts the matrix to float32
-and lets ``torch.matmul`` do a GEMM.
+are applied once per group of 32 rows. q8 and mxfp4 (block_scaled_matmul.py) work the same
+way with one scale per group. Prefill (more tokens) converts the matrix to float32 and lets
+``torch.matmul`` do a GEMM.
 
 Accuracy contract (checked by tests/kernels/test_expert_matmul.py): elementwise
 ``|y - y_ref| <= MATMUL_RTOL * (|x| @ A)`` with ``MATMUL_RTOL = 1e-5``, where ``y_ref`` is
 ``expert_matmul_reference`` (weights dequantized to float32, then ``torch.matmul``), ``A = |W|``
-for fp32/bf16 and ``A = (q + 16) * |scale| + |min|`` for int4. Only the float32 summation order
-differs (observed: < 1e-6 of the bound): the int4 kernel sums ``(1 + q/16) * x`` over each
-group of 32 and applies ``scale`` and ``min`` once per group, hence the ``16 * |scale|`` term.
+for fp32/bf16/q8/mxfp4 and ``A = (q + 16) * |scale| + |min|`` for int4. Only the float32
+summation order differs (observed: < 1e-6 of the bound): the int4 kernel sums ``(1 + q/16) * x``
+over each group of 32 and applies ``scale`` and ``min`` once per group, hence the
+``16 * |scale|`` term; q8 and mxfp4 sum the exact codes times ``x`` and apply the scale once,
+so their terms are the weights themselves.
 
-Threads: numba and torch use one thread per core by default (``configure_threads``). numba's
-``workqueue`` threading layer is not safe for parallel kernels launched from several Python
-threads at once; numba prefers ``tbb`` then ``omp`` when present, and only when it falls back
-to ``workqueue`` are the calls serialised with a lock. Kernels release the GIL.
+Threads and the launch guard: numba_runtime.py (re-exported here).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
-import warnings
-from typing import Any, Callable
+from typing import Any
 
 import numba
 import numpy as np
@@ -37,88 +33,28 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
 
+from moed.kernels.block_scaled_matmul import (
+    dequant_mxfp4_kernel,
+    dequant_q8_kernel,
+    matmul_mxfp4_kernel,
+    matmul_q8_kernel,
+)
 from moed.kernels.int4_format import INT4_GROUP_SIZE, dequantize_int4
+from moed.kernels.mxfp4_format import MXFP4_GROUP_SIZE, dequantize_mxfp4
+from moed.kernels.numba_runtime import (  # noqa: F401  (re-exported: the kernels' public setup)
+    configure_threads,
+    launch_guard,
+    parallel_njit,
+    reduce_parts,
+    serial_njit,
+    threading_layer,
+)
+from moed.kernels.q8_format import Q8_GROUP_SIZE, dequantize_q8
 
 MATMUL_RTOL = 1e-5
 DIRECT_MAX_TOKENS = 16  # above this, convert to float32 and use torch.matmul
 MATRIX_NAMES = ("gate_up", "down")
 _G = INT4_GROUP_SIZE
-
-
-# --------------------------------------------------------------------------- numba setup
-
-
-def _jit(fn: Callable[..., Any], parallel: bool) -> Any:
-    opts = dict(parallel=parallel, fastmath=True, nogil=True)
-    try:
-        return numba.njit(cache=True, **opts)(fn)
-    except RuntimeError:  # "cannot cache function ...: no locator available"
-        return numba.njit(cache=False, **opts)(fn)
-
-
-def parallel_njit(fn: Callable[..., Any]) -> Any:
-    """``njit(parallel, fastmath, nogil, cache)``; without a writable cache location, no cache."""
-    return _jit(fn, parallel=True)
-
-
-def serial_njit(fn: Callable[..., Any]) -> Any:
-    """As ``parallel_njit`` without ``parallel``: helpers and callers of the parallel kernels."""
-    return _jit(fn, parallel=False)
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-_layer_lock = threading.Lock()
-_launch_lock: contextlib.AbstractContextManager[Any] = threading.Lock()  # until the layer is known
-_layer: str | None = None
-
-
-def configure_threads(num_threads: int | None = None) -> None:
-    """Set numba (for the calling thread) and torch to ``num_threads``, default one per usable core.
-
-    Runs with no argument when this module is imported; an explicit ``NUMBA_NUM_THREADS`` /
-    ``OMP_NUM_THREADS`` in the environment then wins for that library.
-    """
-    n = num_threads or _cpu_count()
-    if num_threads is not None or "NUMBA_NUM_THREADS" not in os.environ:
-        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
-    if num_threads is not None or "OMP_NUM_THREADS" not in os.environ:
-        if torch.get_num_threads() != n:
-            torch.set_num_threads(n)
-
-
-def threading_layer() -> str:
-    """numba's threading layer, starting numba's thread pool if needed (tbb, then omp, then workqueue)."""
-    global _layer, _launch_lock
-    with _layer_lock:
-        if _layer is None:
-            layer = "unknown"
-            try:
-                from numba.np.ufunc.parallel import _launch_threads
-
-                _launch_threads()
-                layer = numba.threading_layer()
-            except Exception as exc:  # keep working, serialised
-                warnings.warn(f"could not determine numba's threading layer ({exc}); serialising kernels")
-            # Only tbb and omp take concurrent launches; workqueue aborts the process.
-            _launch_lock = contextlib.nullcontext() if layer in ("tbb", "omp") else threading.Lock()
-            _layer = layer
-        return _layer
-
-
-def launch_guard() -> contextlib.AbstractContextManager[Any]:
-    """Context for launching a parallel kernel: a lock only where the threading layer needs one."""
-    if _layer is None:
-        threading_layer()
-    return _launch_lock
-
-
-configure_threads()
 
 
 # --------------------------------------------------------------------------- scalar bit tricks
@@ -204,21 +140,6 @@ def _nib_hi_exact(typingctx: Any, b: types.Type) -> Any:
 # and its own partial sum ``part[p]`` [T, N], summed by ``reduce_parts``. Rows go four at a time
 # so every accumulator load/store serves four weights. Loops index 1-D slices with ``range``
 # indices, which LLVM can prove non-negative (no wraparound test), so they vectorise.
-
-
-@serial_njit
-def reduce_parts(part: np.ndarray, out: np.ndarray) -> None:
-    # part [P, T, N] -> out [T, N]
-    nparts, ntok, n = part.shape
-    for t in range(ntok):
-        o = out[t]
-        p0 = part[0, t]
-        for j in range(n):
-            o[j] = p0[j]
-        for p in range(1, nparts):
-            pt = part[p, t]
-            for j in range(n):
-                o[j] += pt[j]
 
 
 @serial_njit
@@ -418,8 +339,27 @@ def _dequant_int4(q: np.ndarray, scale: np.ndarray, mn: np.ndarray, out: np.ndar
 
 
 def bf16_bits(t: torch.Tensor) -> np.ndarray:
-    """A bf16 tensor as a uint16 numpy view (numba has no bf16 or fp16 arrays)."""
+    """A bf16 (or fp16) tensor as a uint16 numpy view (numba has no bf16 or fp16 arrays)."""
     return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def _kernel_view(t: torch.Tensor) -> np.ndarray:
+    """A bank tensor as the kernels take it: 16-bit floats as uint16 bits, the rest as they are."""
+    return bf16_bits(t) if t.dtype in (torch.bfloat16, torch.float16) else t.numpy()
+
+
+# Packed formats: main tensor suffix and dtype, whether two columns share a byte, and the
+# per-group tensors (suffix, dtype) in the order the kernels and dequantisers take them.
+_PACKED: dict[str, tuple[str, torch.dtype, bool, tuple[tuple[str, torch.dtype], ...]]] = {
+    "int4": (".q", torch.uint8, True, ((".scale", torch.bfloat16), (".min", torch.bfloat16))),
+    "q8": (".qs", torch.int8, False, ((".d", torch.float16),)),
+    "mxfp4": (".fp4", torch.uint8, True, ((".e8m0", torch.uint8),)),
+}
+_GROUP = {"int4": _G, "q8": Q8_GROUP_SIZE, "mxfp4": MXFP4_GROUP_SIZE}
+_MATMUL_KERNELS = {"fp32": matmul_fp32_kernel, "bf16": matmul_bf16_kernel, "int4": matmul_int4_kernel,
+                   "q8": matmul_q8_kernel, "mxfp4": matmul_mxfp4_kernel}
+_DEQUANT_KERNELS = {"int4": _dequant_int4, "q8": dequant_q8_kernel, "mxfp4": dequant_mxfp4_kernel}
+_DEQUANT_REFERENCE = {"int4": dequantize_int4, "q8": dequantize_q8, "mxfp4": dequantize_mxfp4}
 
 
 def _expect(t: torch.Tensor, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -434,7 +374,7 @@ def _expect(t: torch.Tensor, what: str, dtype: torch.dtype, shape: tuple[int, ..
 
 
 def _matrix(bank_tensors: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tensor]:
-    """Which format ``name`` is stored in, and its main tensor (``W`` or ``W.q``)."""
+    """Which format ``name`` is stored in, and its main tensor (``W``, ``W.q``, ``W.qs`` or ``W.fp4``)."""
     if name not in MATRIX_NAMES:
         raise ValueError(f"matrix name {name!r} is not one of {MATRIX_NAMES}")
     if name in bank_tensors:
@@ -444,9 +384,17 @@ def _matrix(bank_tensors: dict[str, torch.Tensor], name: str) -> tuple[str, torc
         if w.dtype == torch.bfloat16:
             return "bf16", w
         raise ValueError(f"bank tensor {name!r} has dtype {w.dtype}; expected float32 or bfloat16")
-    if name + ".q" in bank_tensors:
-        return "int4", bank_tensors[name + ".q"]
-    raise ValueError(f"bank has no {name!r} nor {name + '.q'!r} (keys: {sorted(bank_tensors)})")
+    for fmt, (suffix, _, _, _) in _PACKED.items():
+        if name + suffix in bank_tensors:
+            return fmt, bank_tensors[name + suffix]
+    keys = ", ".join(repr(name + s) for s in ("", *(p[0] for p in _PACKED.values())))
+    raise ValueError(f"bank has none of {keys} (keys: {sorted(bank_tensors)})")
+
+
+def _packed_tensors(bank_tensors: dict[str, torch.Tensor], fmt: str, name: str) -> list[torch.Tensor]:
+    """Main tensor then per-group tensors of a packed matrix, in kernel argument order."""
+    suffix, _, _, groups = _PACKED[fmt]
+    return [bank_tensors[name + suffix], *(bank_tensors[name + g] for g, _ in groups)]
 
 
 def check_matrix(bank_tensors: dict[str, torch.Tensor], name: str) -> tuple[str, int, int, int]:
@@ -455,19 +403,21 @@ def check_matrix(bank_tensors: dict[str, torch.Tensor], name: str) -> tuple[str,
     if w.dim() != 3:
         raise ValueError(f"bank tensor for {name!r} must be 3-D [experts, K, N], got {tuple(w.shape)}")
     experts, k_dim = w.shape[0], w.shape[1]
-    n = w.shape[2] * (2 if fmt == "int4" else 1)
-    if fmt == "int4":
-        _expect(w, f"{name}.q", torch.uint8, tuple(w.shape))
-        if k_dim % _G:
-            raise ValueError(f"{name}.q: K={k_dim} is not a multiple of {_G}")
-        gshape = (experts, k_dim // _G, n)
-        for part in ("scale", "min"):
-            key = f"{name}.{part}"
-            if key not in bank_tensors:
-                raise ValueError(f"int4 bank lacks {key!r}")
-            _expect(bank_tensors[key], key, torch.bfloat16, gshape)
-    else:
+    if fmt not in _PACKED:
         _expect(w, name, w.dtype, tuple(w.shape))
+        return fmt, experts, k_dim, w.shape[2]
+    suffix, main_dtype, two_per_byte, groups = _PACKED[fmt]
+    n = w.shape[2] * (2 if two_per_byte else 1)
+    _expect(w, name + suffix, main_dtype, tuple(w.shape))
+    size = _GROUP[fmt]
+    if k_dim % size:
+        raise ValueError(f"{name}{suffix}: K={k_dim} is not a multiple of the {fmt} group size {size}")
+    gshape = (experts, k_dim // size, n)
+    for part, dtype in groups:
+        key = name + part
+        if key not in bank_tensors:
+            raise ValueError(f"{fmt} bank lacks {key!r}")
+        _expect(bank_tensors[key], key, dtype, gshape)
     return fmt, experts, k_dim, n
 
 
@@ -481,18 +431,13 @@ def check_x(x: torch.Tensor, k_dim: int, what: str) -> None:
 def matrix_arrays(bank_tensors: dict[str, torch.Tensor], name: str) -> tuple[np.ndarray, ...]:
     """Whole-bank numpy views of matrix ``name`` as the kernels take them (checked by ``check_matrix``).
 
-    fp32: ``(w,)`` float32; bf16: ``(w,)`` uint16 bits; int4: ``(q, scale, min)`` with uint16 bits.
+    fp32: ``(w,)`` float32; bf16: ``(w,)`` uint16 bits; int4: ``(q, scale, min)`` with uint16
+    bits; q8: ``(qs, d)`` int8 and uint16 (fp16) bits; mxfp4: ``(fp4, e8m0)`` uint8.
     """
-    fmt, _ = _matrix(bank_tensors, name)
-    if fmt == "fp32":
-        return (bank_tensors[name].numpy(),)
-    if fmt == "bf16":
-        return (bf16_bits(bank_tensors[name]),)
-    return (
-        bank_tensors[name + ".q"].numpy(),
-        bf16_bits(bank_tensors[name + ".scale"]),
-        bf16_bits(bank_tensors[name + ".min"]),
-    )
+    fmt, w = _matrix(bank_tensors, name)
+    if fmt not in _PACKED:
+        return (_kernel_view(w),)
+    return tuple(_kernel_view(t) for t in _packed_tensors(bank_tensors, fmt, name))
 
 
 def _check_call(
@@ -506,21 +451,23 @@ def _check_call(
     return fmt, k_dim, n
 
 
-def _dense_f32(bank_tensors: dict[str, torch.Tensor], fmt: str, name: str, flat_id: int) -> torch.Tensor:
+def _expert_arrays(bank_tensors: dict[str, torch.Tensor], fmt: str, name: str, flat_id: int) -> list[np.ndarray]:
+    """One expert's numpy views of matrix ``name``, in kernel argument order."""
+    if fmt not in _PACKED:
+        return [_kernel_view(bank_tensors[name][flat_id])]
+    return [_kernel_view(t[flat_id]) for t in _packed_tensors(bank_tensors, fmt, name)]
+
+
+def _dense_f32(bank_tensors: dict[str, torch.Tensor], fmt: str, name: str, flat_id: int, n: int) -> torch.Tensor:
     """One expert's matrix as float32 ``[K, N]`` (prefill path)."""
     if fmt == "fp32":
         return bank_tensors[name][flat_id]
     if fmt == "bf16":
         return bank_tensors[name][flat_id].float()
-    q = bank_tensors[name + ".q"][flat_id]
-    out = torch.empty(q.shape[0], q.shape[1] * 2, dtype=torch.float32)
+    arrays = _expert_arrays(bank_tensors, fmt, name, flat_id)
+    out = torch.empty(arrays[0].shape[0], n, dtype=torch.float32)
     with launch_guard():
-        _dequant_int4(
-            q.numpy(),
-            bf16_bits(bank_tensors[name + ".scale"][flat_id]),
-            bf16_bits(bank_tensors[name + ".min"][flat_id]),
-            out.numpy(),
-        )
+        _DEQUANT_KERNELS[fmt](*arrays, out.numpy())
     return out
 
 
@@ -529,38 +476,21 @@ def expert_matmul(bank_tensors: dict[str, torch.Tensor], name: str, flat_id: int
     fmt, k_dim, n = _check_call(bank_tensors, name, flat_id, x)
     ntok = x.shape[0]
     if ntok > DIRECT_MAX_TOKENS:
-        return torch.matmul(x, _dense_f32(bank_tensors, fmt, name, flat_id))
+        return torch.matmul(x, _dense_f32(bank_tensors, fmt, name, flat_id, n))
     out = torch.empty(ntok, n, dtype=torch.float32)
     if ntok == 0:
         return out
-    xn, on = x.numpy(), out.numpy()
+    arrays = _expert_arrays(bank_tensors, fmt, name, flat_id)
     with launch_guard():
-        nparts = numba.get_num_threads()
-        if fmt == "fp32":
-            matmul_fp32_kernel(xn, bank_tensors[name][flat_id].numpy(), nparts, on)
-        elif fmt == "bf16":
-            matmul_bf16_kernel(xn, bf16_bits(bank_tensors[name][flat_id]), nparts, on)
-        else:
-            matmul_int4_kernel(
-                xn,
-                bank_tensors[name + ".q"][flat_id].numpy(),
-                bf16_bits(bank_tensors[name + ".scale"][flat_id]),
-                bf16_bits(bank_tensors[name + ".min"][flat_id]),
-                nparts,
-                on,
-            )
+        _MATMUL_KERNELS[fmt](x.numpy(), *arrays, numba.get_num_threads(), out.numpy())
     return out
 
 
 def expert_weight_reference(bank_tensors: dict[str, torch.Tensor], name: str, flat_id: int) -> torch.Tensor:
     """Expert ``flat_id``'s matrix ``name`` as float32 ``[K, N]``, in plain torch."""
     fmt, _ = _matrix(bank_tensors, name)
-    if fmt == "int4":
-        return dequantize_int4(
-            bank_tensors[name + ".q"][flat_id],
-            bank_tensors[name + ".scale"][flat_id],
-            bank_tensors[name + ".min"][flat_id],
-        )
+    if fmt in _PACKED:
+        return _DEQUANT_REFERENCE[fmt](*(t[flat_id] for t in _packed_tensors(bank_tensors, fmt, name)))
     return bank_tensors[name][flat_id].float()
 
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("model", "name", "device", "policy", "cache_fraction", "context_length", "experts_dtype", "verify", "max_batch", "max_queue", "emulated_b_p")
+    __slots__ = ("model", "name", "device", "policy", "cache_fraction", "context_length", "experts_dtype", "verify", "max_batch", "max_queue", "emulated_b_p", "weights_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class LoadModelRequest(_message.Message):
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     EMULATED_B_P_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     name: str
     device: str
@@ -30,7 +31,8 @@ class LoadModelRequest(_message.Message):
     max_batch: int
     max_queue: int
     emulated_b_p: float
-    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ..., cache_fraction: _Optional[float] = ..., context_length: _Optional[int] = ..., experts_dtype: _Optional[str] = ..., verify: _Optional[bool] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., emulated_b_p: _Optional[float] = ...) -> None: ...
+    weights_dtype: str
+    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ..., cache_fraction: _Optional[float] = ..., context_length: _Optional[int] = ..., experts_dtype: _Optional[str] = ..., verify: _Optional[bool] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., emulated_b_p: _Optional[float] = ..., weights_dtype: _Optional[str] = ...) -> None: ...
 
 class LoadModelProgress(_message.Message):
     __slots__ = ("stage", "done_bytes", "total_bytes", "model")

@@ -15,7 +15,9 @@ from moed.errors import ModelFormatError, UnsupportedModelError, quoted
 
 SCALE_SUFFIX = "_scale_inv"  # "x.weight" -> "x.weight_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-SUPPORTED = "fp8 (block-scaled float8_e4m3fn, as DeepSeek-V3 / Qwen3-FP8 ship)"
+SUPPORTED = ("fp8 (block-scaled float8_e4m3fn, as DeepSeek-V3 / Qwen3-FP8 ship), "
+             "mxfp4 (gpt-oss's MXFP4 experts)")
+MXFP4_METHOD = "mxfp4"  # handled by hf_checkpoint (experts only): not an FP8 layout
 
 
 @dataclass(frozen=True)
@@ -24,11 +26,13 @@ class Fp8Config:
 
 
 def fp8_config_of(raw_config: dict, where: str) -> Fp8Config | None:
-    """None for an unquantized checkpoint; the FP8 layout when config.json says fp8; else an error."""
+    """None for an unquantized (or MXFP4) checkpoint; the FP8 layout when config.json says fp8; else an error."""
     q = raw_config.get("quantization_config")
     if q is None:
         return None
     method = q.get("quant_method") if isinstance(q, dict) else None
+    if method == MXFP4_METHOD:
+        return None
     if method != "fp8":
         raise UnsupportedModelError(f"{where}: quantization_config.quant_method {quoted(method)} is not supported "
                                     f"(supported: {SUPPORTED}); use an unquantized (bf16) checkpoint")

@@ -17,23 +17,20 @@ from moed.models.model_config import ModelConfig
 from moed.weights.ftw_reader import load_ftw, read_ftw_index
 from moed.weights.file_checks import require_regular_file
 from moed.weights.expert_chunk import bank_rows
-from moed.weights.hf_checkpoint import HfCheckpoint
+from moed.weights.checkpoint import (FTW_INDEX, Checkpoint, LoadBytes, checkpoint_load_bytes, is_ftw_dir,
+                                     open_checkpoint, source_kind)
 
-FTW_INDEX = "ftw.json"
 BANK_PREFIX = "experts."
 
 
 @dataclass
 class LoadedModel:
     path: Path
-    format: str  # "hf" | "ftw"
+    format: str  # "hf" | "ftw" | "gguf"
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     bank: ExpertBank
-
-
-def is_ftw_dir(path: Path) -> bool:
-    return (path / FTW_INDEX).is_file()
+    tokenizer_files: dict[str, str] | None = None  # GGUF: tokenizer.json etc. built from its metadata
 
 
 WEIGHT_DTYPES = ("auto", "fp32")  # auto: the checkpoint's own (float32, bf16 or fp16)
@@ -41,7 +38,8 @@ WEIGHT_DTYPES = ("auto", "fp32")  # auto: the checkpoint's own (float32, bf16 or
 
 def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bool = False,
                progress: Callable[[int, int], None] | None = None, weights_dtype: str = "auto") -> LoadedModel:
-    """``experts_dtype`` applies to HF directories (default fp32); FTW banks load as they were written.
+    """``experts_dtype`` applies to HF directories and GGUF files (default: the checkpoint's
+    ``default_bank_dtype``, lossless or closest); FTW banks load as they were written.
     ``weights_dtype`` is the non-expert weights' dtype at run time: "auto" keeps what the files hold,
     "fp32" widens them (exact float32 arithmetic, twice the memory of bf16)."""
     if weights_dtype not in WEIGHT_DTYPES:
@@ -53,9 +51,8 @@ def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bo
 
 
 def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights_dtype: str) -> LoadedModel:
-    if not path.is_dir():
-        raise ModelFormatError(f"{path}: model directory not found")
-    if is_ftw_dir(path):
+    kind = source_kind(path)
+    if kind == "ftw":
         if experts_dtype is not None:
             index = read_ftw_index(path)
             stored = index.metadata.get("bank", {}).get("dtype")
@@ -64,32 +61,26 @@ def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights
                     f"{path} stores {stored} experts; re-run `moed convert --experts-dtype {experts_dtype}` "
                     "to change the expert format")
         return _load_ftw_model(path, verify, progress)
-    if not (path / "config.json").exists():
-        raise ModelFormatError(
-            f"{path}: neither {FTW_INDEX} (moed FTW) nor config.json (Hugging Face) found; "
-            "point --model at a model directory")
-    checkpoint = HfCheckpoint(path)
-    bank = stream_expert_bank(checkpoint, experts_dtype or "fp32")
+    checkpoint = open_checkpoint(path)
+    bank = stream_expert_bank(checkpoint, experts_dtype or checkpoint.default_bank_dtype())
     wanted = torch.float32 if weights_dtype == "fp32" else None
     weights = {name: checkpoint.read_weight(name, wanted) for name in checkpoint.weight_keys}
-    return LoadedModel(path, "hf", checkpoint.config, weights, bank)
+    tokenizer_files = checkpoint.tokenizer_files() if kind == "gguf" else None
+    return LoadedModel(path, kind, checkpoint.config, weights, bank, tokenizer_files)
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
-    """The model's config from config.json or the FTW index alone, without reading any weights."""
+    """The model's config from config.json, the FTW index or the GGUF header, without reading any weights."""
     path = Path(path)
-    if not path.is_dir():
-        raise ModelFormatError(f"{path}: model directory not found")
-    if is_ftw_dir(path):
+    kind = source_kind(path)
+    if kind == "ftw":
         where = str(path / FTW_INDEX)
         config = read_ftw_index(path).metadata.get("config")
         if not isinstance(config, dict):
             raise ModelFormatError(f"{where}: metadata lacks the model config; re-run `moed convert`")
         return parse_model_config(config, where=where)
-    if not (path / "config.json").exists():
-        raise ModelFormatError(
-            f"{path}: neither {FTW_INDEX} (moed FTW) nor config.json (Hugging Face) found; "
-            "point --model at a model directory")
+    if kind == "gguf":
+        return open_checkpoint(path).config
     from moed.weights.hf_checkpoint import read_config_json
 
     return parse_model_config(read_config_json(path), where=str(path / "config.json"))
@@ -104,14 +95,14 @@ def check_bank_dtype(config: ModelConfig, dtype: str) -> None:
     """Refuse a bank dtype the model cannot be stored in, before anything is read."""
     if dtype not in EXPERT_DTYPES:
         raise InvalidRequestError(f"experts dtype {dtype!r} is not one of {', '.join(EXPERT_DTYPES)}")
-    if dtype == "int4":
+    if dtype not in ("fp32", "bf16"):  # int4, q8, mxfp4: groups of 32 along K
         for what, k in (("hidden size", config.hidden_size), ("expert intermediate size", config.moe.intermediate_size)):
             if k % INT4_GROUP_SIZE:
-                raise InvalidRequestError(f"cannot store experts as int4: the {what} {k} is not a multiple of "
+                raise InvalidRequestError(f"cannot store experts as {dtype}: the {what} {k} is not a multiple of "
                                           f"{INT4_GROUP_SIZE}; use --experts-dtype bf16 or fp32")
 
 
-def stream_expert_bank(checkpoint: HfCheckpoint, dtype: str) -> ExpertBank:
+def stream_expert_bank(checkpoint: Checkpoint, dtype: str) -> ExpertBank:
     """The bank, filled a chunk of experts at a time into tensors allocated once at their final size
     (peak: the bank plus one chunk in float32, never the whole pool in float32)."""
     config = checkpoint.config
@@ -120,7 +111,7 @@ def stream_expert_bank(checkpoint: HfCheckpoint, dtype: str) -> ExpertBank:
     specs = bank_tensor_specs(dtype, checkpoint.num_bank_rows, config.hidden_size, moe.intermediate_size,
                               moe.has_expert_bias)
     tensors = {name: torch.empty(shape, dtype=tdtype) for name, (shape, tdtype) in specs.items()}
-    for chunk in checkpoint.expert_chunks():
+    for chunk in checkpoint.expert_chunks(bank_dtype=dtype):
         rows = bank_rows(chunk, dtype)
         for name, t in rows.items():
             tensors[name][chunk.start : chunk.start + t.shape[0]] = t
@@ -168,10 +159,21 @@ def _load_ftw_model(path: Path, verify: bool, progress) -> LoadedModel:
 
 def _check_bank_shapes(bank: ExpertBank, where: str) -> None:
     n, d, i = bank.num_slots, bank.hidden_size, bank.intermediate_size
-    if bank.dtype in ("fp32", "bf16"):
-        expected = {"gate_up": (n, d, 2 * i), "down": (n, i, d)}
-    else:
-        expected = {"gate_up.q": (n, d, i), "down.q": (n, i, d // 2)}
+    g = INT4_GROUP_SIZE
+    groups = {"gate_up": (n, d // g, 2 * i), "down": (n, i // g, d)}  # per-group tensors of packed dtypes
+    by_dtype = {
+        "fp32": {"gate_up": (n, d, 2 * i), "down": (n, i, d)},
+        "bf16": {"gate_up": (n, d, 2 * i), "down": (n, i, d)},
+        "int4": {"gate_up.q": (n, d, i), "down.q": (n, i, d // 2),
+                 **{f"{m}.{p}": shape for m, shape in groups.items() for p in ("scale", "min")}},
+        "q8": {"gate_up.qs": (n, d, 2 * i), "down.qs": (n, i, d), **{f"{m}.d": shape for m, shape in groups.items()}},
+        "mxfp4": {"gate_up.fp4": (n, d, i), "down.fp4": (n, i, d // 2),
+                  **{f"{m}.e8m0": shape for m, shape in groups.items()}},
+    }
+    expected = by_dtype.get(bank.dtype)
+    if expected is None:
+        raise ModelFormatError(f"{where}: expert bank dtype {bank.dtype!r} is not one of {', '.join(EXPERT_DTYPES)}; "
+                               "re-run `moed convert` with this version")
     for name, shape in expected.items():
         tensor = bank.tensors.get(name)
         if tensor is None or tuple(tensor.shape) != shape:
@@ -186,30 +188,26 @@ def read_json(path: Path) -> dict:
         raise ModelFormatError(f"{path}: cannot read JSON ({exc})") from None
 
 
-def estimate_host_bytes(path: str | Path) -> int:
+def estimate_load(path: str | Path, experts_dtype: str | None = None, weights_dtype: str = "auto") -> LoadBytes:
     """Host RAM a load will need at its peak, from file headers only (checked before loading).
 
-    FTW: the tensors as stored. Hugging Face: every tensor as float32 (how non-expert weights are
-    kept and the largest a bank can be), plus an eighth for the chunk of experts being converted.
-    """
-    import struct
-
+    FTW: the tensors as stored (non-expert weights widened when ``weights_dtype`` is fp32).
+    Hugging Face / GGUF: non-expert weights in their run-time dtype, the bank in the dtype it will
+    have, and the working set of one chunk of experts being converted."""
     path = Path(path)
-    if is_ftw_dir(path):
-        return read_ftw_index(path).nbytes()
-    total = 0
-    for file in sorted(path.glob("*.safetensors")):
-        require_regular_file(file)  # never open a FIFO: the open would block until a writer comes
-        try:
-            with open(file, "rb") as fh:
-                (length,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(min(length, 100 << 20)))
-        except (OSError, ValueError, struct.error):
-            continue  # the loader reports a corrupt file properly
-        for name, meta in header.items():
-            if name != "__metadata__" and isinstance(meta, dict):
-                numel = 1
-                for dim in meta.get("shape", []):
-                    numel *= int(dim)
-                total += 4 * numel
-    return total + total // 8
+    if source_kind(path) != "ftw":
+        return checkpoint_load_bytes(open_checkpoint(path), experts_dtype, weights_dtype)
+    index = read_ftw_index(path)
+    weights = bank = 0
+    for t in index.tensors.values():
+        if t.name.startswith(BANK_PREFIX):
+            bank += t.size
+        else:
+            widen = 4 // t.torch_dtype.itemsize if weights_dtype == "fp32" and t.torch_dtype.is_floating_point else 1
+            weights += t.size * max(1, widen)
+    dtype = index.metadata.get("bank", {}).get("dtype", "?")
+    return LoadBytes(weights, bank, 0, dtype, {dtype: bank})
+
+
+def estimate_host_bytes(path: str | Path, experts_dtype: str | None = None, weights_dtype: str = "auto") -> int:
+    return estimate_load(path, experts_dtype, weights_dtype).total

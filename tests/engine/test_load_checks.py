@@ -66,10 +66,37 @@ def test_a_kv_cache_that_does_not_fit_is_refused_before_reading_and_says_what_wo
     assert no_weight_reads == [] and manager.loaded() == [] and not manager.is_loading
 
 
-def test_weights_alone_too_big_keeps_the_old_advice(models, no_weight_reads):
+def test_weights_too_big_in_every_dtype_say_what_the_smallest_needs(models, no_weight_reads):
     manager = ModelManager([models], host_ram_available=lambda: 1000)
-    with pytest.raises(InsufficientMemoryError, match="--experts-dtype int4"):
+    with pytest.raises(InsufficientMemoryError, match="even --experts-dtype mxfp4 needs .*more RAM"):
         manager.load("tiny", LoadOptions(device="cpu"))
+
+
+def test_the_estimate_is_what_the_load_really_allocates(models):
+    from moed.weights.model_loader import estimate_load
+
+    for dtype in (None, "bf16", "int4", "q8", "mxfp4"):
+        est = estimate_load(models / "tiny", dtype)
+        runtime = open_runtime(models / "tiny", experts_dtype=dtype)
+        try:
+            assert est.bank_dtype == runtime.loaded.bank.dtype == (dtype or "fp32")  # fp32 source: fp32 bank
+            assert est.bank_bytes == runtime.loaded.bank.nbytes() == est.bank_bytes_by_dtype[est.bank_dtype]
+            assert est.weight_bytes == sum(t.numel() * t.element_size() for t in runtime.loaded.weights.values())
+            assert est.working_bytes > 0
+        finally:
+            runtime.close()
+
+
+def test_a_model_that_fits_only_in_a_smaller_expert_dtype_is_told_which(models, no_weight_reads):
+    plan = plan_load(models / "tiny", LoadOptions(max_batch=1, context_length=16))
+    sizes = dict(plan.weight_bytes_by_dtype)
+    assert plan.bank_dtype == "fp32" and sizes["bf16"] < plan.weight_bytes and sizes["int4"] < sizes["q8"] < sizes["bf16"]
+    # room for q8 (and smaller) experts, not for bf16 ones: q8 is the best that fits
+    available = (sizes["q8"] + sizes["bf16"]) // 2 + plan.kv_bytes
+    manager = ModelManager([models], host_ram_available=lambda: available)
+    with pytest.raises(InsufficientMemoryError, match=r"would fit: --experts-dtype q8 \(") as info:
+        manager.load("tiny", LoadOptions(device="cpu", max_batch=1, context_length=16))
+    assert "\n" not in str(info.value) and no_weight_reads == []
 
 
 @pytest.mark.parametrize("options,words", [
@@ -79,6 +106,7 @@ def test_weights_alone_too_big_keeps_the_old_advice(models, no_weight_reads):
     (dict(max_batch=1000), "max_step_tokens"),
     (dict(max_queue=-1), "max_queue"),
     (dict(experts_dtype="fp4"), "experts_dtype"),
+    (dict(weights_dtype="fp16"), "weights_dtype"),
     (dict(device="tpu"), "unknown device"),
     (dict(device="emulated", emulated_b_p=float("inf")), "emulated_b_p"),
     (dict(device="emulated", emulated_b_p=5e-324), "emulated_b_p"),

@@ -34,7 +34,7 @@ def _bank(dtype: str, kind: str, bias: bool, seed: int = 0) -> ExpertBank:
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 40])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int4"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int4", "q8", "mxfp4"])
 @pytest.mark.parametrize("kind,bias", [("silu", False), ("gpt_oss", True), ("silu", True)])
 def test_matches_reference(dtype: str, kind: str, bias: bool, tokens: int) -> None:
     bank = _bank(dtype, kind, bias)
@@ -44,6 +44,45 @@ def test_matches_reference(dtype: str, kind: str, bias: bool, tokens: int) -> No
         ref = run_expert_reference(bank, fid, x)
         assert y.shape == (tokens, D) and y.dtype == torch.float32
         torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 20])
+def test_mxfp4_from_gpt_oss_blocks_matches_transformers_expert(tokens: int) -> None:
+    """A gpt-oss MXFP4 checkpoint's expert, repacked into an mxfp4 bank, against transformers' own
+    GptOssExperts arithmetic on transformers' dequantisation of the same blocks (gate/up interleaved)."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    from transformers import GptOssConfig
+
+    from moed.kernels.mxfp4_format import from_gpt_oss_blocks, to_gpt_oss_blocks
+
+    gen = torch.Generator().manual_seed(5)
+    e = 2
+    gu_blocks, gu_scales = to_gpt_oss_blocks(torch.randn(e, 2 * I, D, generator=gen) / D**0.5 * 4)  # rows 2I, K = D
+    dn_blocks, dn_scales = to_gpt_oss_blocks(torch.randn(e, D, I, generator=gen) / I**0.5)  # rows D, K = I
+    gu_bias, dn_bias = torch.randn(e, 2 * I, generator=gen), torch.randn(e, D, generator=gen)
+    config = GptOssConfig(hidden_size=D, intermediate_size=I, num_local_experts=e)
+    experts = gpt_oss.GptOssExperts(config)
+    w_gu = mxfp4.convert_moe_packed_tensors(gu_blocks, gu_scales, dtype=torch.float32)  # [E, D, 2I]
+    w_dn = mxfp4.convert_moe_packed_tensors(dn_blocks, dn_scales, dtype=torch.float32)  # [E, I, D]
+
+    order = torch.cat([torch.arange(0, 2 * I, 2), torch.arange(1, 2 * I, 2)])  # gate rows, then up rows
+    gu_fp4, gu_e8 = from_gpt_oss_blocks(gu_blocks[:, order].contiguous(), gu_scales[:, order].contiguous())
+    dn_fp4, dn_e8 = from_gpt_oss_blocks(dn_blocks, dn_scales)
+    bank = ExpertBank(
+        num_moe_layers=1, num_experts=e, hidden_size=D, intermediate_size=I, dtype="mxfp4",
+        activation=ExpertActivation("gpt_oss", alpha=experts.alpha, limit=experts.limit),
+        tensors={"gate_up.fp4": gu_fp4, "gate_up.e8m0": gu_e8, "down.fp4": dn_fp4, "down.e8m0": dn_e8,
+                 "gate_up_bias": gu_bias[:, order].contiguous(), "down_bias": dn_bias},
+    )
+    x = torch.randn(tokens, D, generator=gen)
+    for fid in range(e):
+        with torch.no_grad():
+            want = experts._apply_gate(x @ w_gu[fid] + gu_bias[fid]) @ w_dn[fid] + dn_bias[fid]
+        assert float((x @ w_gu[fid] + gu_bias[fid]).abs().max()) > experts.limit  # clamps are exercised
+        torch.testing.assert_close(run_expert(bank, fid, x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        torch.testing.assert_close(run_expert_reference(bank, fid, x), want, rtol=1e-5,
+                                   atol=1e-5 * float(want.abs().max()))
 
 
 def test_gpt_oss_clamps_are_exercised() -> None:

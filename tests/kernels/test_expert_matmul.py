@@ -1,22 +1,28 @@
-"""expert_matmul (numba) against expert_matmul_reference (torch), for fp32, bf16 and int4 banks."""
+"""expert_matmul (numba) against expert_matmul_reference (torch), for fp32, bf16, int4, q8 and mxfp4 banks."""
 
 from __future__ import annotations
 
 import threading
 
 import numba
+import numpy as np
 import pytest
 import torch
 
+from moed.kernels.block_scaled_matmul import matmul_mxfp4_kernel, matmul_q8_kernel
 from moed.kernels.expert_matmul import (
     MATMUL_RTOL,
+    bf16_bits,
     expert_matmul,
     expert_matmul_reference,
+    expert_weight_reference,
     threading_layer,
 )
 from moed.kernels.int4_format import quantize_int4, unpack_int4
+from moed.kernels.mxfp4_format import quantize_mxfp4
+from moed.kernels.q8_format import quantize_q8
 
-FMTS = ("fp32", "bf16", "int4")
+FMTS = ("fp32", "bf16", "int4", "q8", "mxfp4")
 
 
 def _bank(fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -25,6 +31,12 @@ def _bank(fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"down": w.contiguous()}
     if fmt == "bf16":
         return {"down": w.to(torch.bfloat16)}
+    if fmt == "q8":
+        qs, d = quantize_q8(w)
+        return {"down.qs": qs, "down.d": d}
+    if fmt == "mxfp4":
+        fp4, e8m0 = quantize_mxfp4(w)
+        return {"down.fp4": fp4, "down.e8m0": e8m0}
     q, scale, mn = quantize_int4(w)
     return {"down.q": q, "down.scale": scale, "down.min": mn}
 
@@ -35,8 +47,8 @@ def _bound(bank: dict[str, torch.Tensor], fid: int, x: torch.Tensor) -> torch.Te
         s = bank["down.scale"][fid].float().repeat_interleave(32, dim=0)
         m = bank["down.min"][fid].float().repeat_interleave(32, dim=0)
         a = (unpack_int4(bank["down.q"][fid]).float() + 16) * s.abs() + m.abs()
-    else:
-        a = bank["down"][fid].float().abs()
+    else:  # fp32, bf16, q8, mxfp4: A = |W|
+        a = expert_weight_reference(bank, "down", fid).abs()
     return MATMUL_RTOL * (x.abs() @ a) + 1e-30
 
 
@@ -66,6 +78,60 @@ def test_int4_kernel(k: int, n: int, tokens: int) -> None:
     _check("int4", k, n, tokens)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 7, 16, 40])
+@pytest.mark.parametrize("fmt", ["q8", "mxfp4"])
+@pytest.mark.parametrize("k,n", [(32, 2), (64, 10), (96, 34), (576, 3072), (1536, 576)])
+def test_block_scaled_kernels(fmt: str, k: int, n: int, tokens: int) -> None:
+    _check(fmt, k, n, tokens)
+
+
+@pytest.mark.parametrize("fmt", ["q8", "mxfp4"])
+def test_block_scaled_kernels_on_random_shapes(fmt: str) -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(12):
+        k = 32 * int(rng.integers(1, 17))
+        n = 2 * int(rng.integers(1, 160))
+        _check(fmt, k, n, int(rng.integers(1, 17)), experts=2)
+
+
+@pytest.mark.parametrize("nparts", [1, 3, 5, 7, 40])
+@pytest.mark.parametrize("fmt", ["q8", "mxfp4"])
+def test_block_scaled_kernels_with_odd_part_counts(fmt: str, nparts: int) -> None:
+    """K split into 1..40 blocks (more blocks than groups leaves some empty) gives the same result."""
+    gen = torch.Generator().manual_seed(nparts)
+    k, n, tokens = 160, 66, 3
+    bank = _bank(fmt, torch.randn(1, k, n, generator=gen))
+    x = torch.randn(tokens, k, generator=gen)
+    out = np.empty((tokens, n), np.float32)
+    if fmt == "q8":
+        matmul_q8_kernel(x.numpy(), bank["down.qs"][0].numpy(), bf16_bits(bank["down.d"][0]), nparts, out)
+    else:
+        matmul_mxfp4_kernel(x.numpy(), bank["down.fp4"][0].numpy(), bank["down.e8m0"][0].numpy(), nparts, out)
+    ref = expert_matmul_reference(bank, "down", 0, x)
+    assert float(((torch.from_numpy(out) - ref).abs() - _bound(bank, 0, x)).max()) <= 0.0
+
+
+@pytest.mark.parametrize("fmt", ["q8", "mxfp4"])
+def test_block_scaled_kernels_apply_every_groups_scale(fmt: str) -> None:
+    """Groups whose scales differ by up to 2**12: a kernel that ignored (or misplaced) them fails."""
+    gen = torch.Generator().manual_seed(9)
+    k, n = 256, 40
+    spread = torch.exp2(torch.randint(-6, 7, (1, k // 32, 1, n), generator=gen).float())
+    w = (torch.randn(1, k // 32, 32, n, generator=gen) * spread).reshape(1, k, n)
+    bank = _bank(fmt, w)
+    x = torch.randn(2, k, generator=gen)
+    y = expert_matmul(bank, "down", 0, x)
+    ref = expert_matmul_reference(bank, "down", 0, x)
+    bound = _bound(bank, 0, x)
+    assert float(((y - ref).abs() - bound).max()) <= 0.0
+    # the check has teeth: the same codes with one common scale give a result far outside the bound
+    flat = dict(bank)
+    key = "down.d" if fmt == "q8" else "down.e8m0"
+    flat[key] = bank[key][:, :1].expand_as(bank[key]).contiguous()
+    outside = (expert_matmul(flat, "down", 0, x) - ref).abs() > 100 * bound
+    assert float(outside.float().mean()) > 0.9
+
+
 def test_int4_tolerance_is_tight_in_practice() -> None:
     """The bound is loose on purpose; the kernel is far inside it."""
     gen = torch.Generator().manual_seed(7)
@@ -75,8 +141,18 @@ def test_int4_tolerance_is_tight_in_practice() -> None:
     assert float((err / _bound(bank, 0, x)).max()) < 0.1
 
 
-def test_zero_tokens() -> None:
-    bank = _bank("int4", torch.randn(1, 32, 4))
+@pytest.mark.parametrize("fmt", ["q8", "mxfp4"])
+def test_block_scaled_tolerance_is_tight_in_practice(fmt: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    bank = _bank(fmt, torch.randn(1, 512, 256, generator=gen))
+    x = torch.randn(2, 512, generator=gen)
+    err = (expert_matmul(bank, "down", 0, x) - expert_matmul_reference(bank, "down", 0, x)).abs()
+    assert float((err / _bound(bank, 0, x)).max()) < 0.1
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_zero_tokens(fmt: str) -> None:
+    bank = _bank(fmt, torch.randn(1, 32, 4))
     assert expert_matmul(bank, "down", 0, torch.empty(0, 32)).shape == (0, 4)
 
 
@@ -104,6 +180,21 @@ def test_bad_inputs_raise() -> None:
     int4 = dict(banks["int4"], **{"down.scale": banks["int4"]["down.scale"].float()})
     with pytest.raises(ValueError, match="bfloat16"):
         expert_matmul(int4, "down", 0, x)
+    q8 = dict(banks["q8"], **{"down.d": banks["q8"]["down.d"].to(torch.bfloat16)})
+    with pytest.raises(ValueError, match="float16"):
+        expert_matmul(q8, "down", 0, x)
+    q8 = {"down.qs": banks["q8"]["down.qs"]}
+    with pytest.raises(ValueError, match="down.d"):
+        expert_matmul(q8, "down", 0, x)
+    mx = dict(banks["mxfp4"], **{"down.e8m0": banks["mxfp4"]["down.e8m0"][:, :1]})
+    with pytest.raises(ValueError, match="shape"):
+        expert_matmul(mx, "down", 0, x)
+    mx = dict(banks["mxfp4"], **{"down.fp4": banks["mxfp4"]["down.fp4"].to(torch.int8)})
+    with pytest.raises(ValueError, match="uint8"):
+        expert_matmul(mx, "down", 0, x)
+    with pytest.raises(ValueError, match="multiple of"):
+        expert_matmul({"down.qs": torch.zeros(1, 48, 4, dtype=torch.int8),
+                       "down.d": torch.zeros(1, 1, 4, dtype=torch.float16)}, "down", 0, torch.randn(1, 48))
     with pytest.raises(ValueError, match="dtype"):
         expert_matmul({"down": w.half()}, "down", 0, x)
     with pytest.raises(ValueError, match="contiguous"):

@@ -52,7 +52,7 @@ def fp8_model(request, tmp_path_factory):
 
 def test_fp8_checkpoint_matches_transformers_on_the_dequantised_weights(fp8_model):
     family, path, reference = fp8_model
-    runtime = open_runtime(path, weights_dtype="fp32")
+    runtime = open_runtime(path, weights_dtype="fp32", experts_dtype="fp32")
     try:
         p = torch.randint(3, 500, (9,), generator=torch.Generator().manual_seed(2)).tolist()
         logits = runtime.model.forward(ForwardBatch.from_token_lists([p], [0], [0]), runtime.model.new_cache(1, 64),
@@ -66,10 +66,11 @@ def test_fp8_checkpoint_matches_transformers_on_the_dequantised_weights(fp8_mode
         assert done.token_ids == expected
     finally:
         runtime.close()
-    native = open_runtime(path)  # by default FP8 non-expert weights become bf16
+    native = open_runtime(path)  # by default FP8 weights become bf16, the experts a bf16 bank
     try:
         mats = [t for n, t in native.loaded.weights.items() if t.dim() == 2 and "self_attn" in n]
         assert mats and all(t.dtype == torch.bfloat16 for t in mats)
+        assert native.loaded.bank.dtype == "bf16"
     finally:
         native.close()
 
@@ -95,7 +96,7 @@ def test_fp8_checkpoint_converts_to_ftw_with_the_same_weights(fp8_model, tmp_pat
     from moed.weights.converter import convert_model
 
     _, path, _ = fp8_model
-    dst = convert_model(path, tmp_path / "ftw", experts_dtype="fp32")
+    dst = convert_model(path, tmp_path / "ftw")  # both sides take the default (bf16) bank
     hf, ftw = open_runtime(path), open_runtime(dst)
     try:
         assert sorted(hf.loaded.weights) == sorted(ftw.loaded.weights)

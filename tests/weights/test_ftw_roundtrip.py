@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from moed.errors import ModelFormatError
 from moed.weights.ftw_format import crc32_combine, source_fingerprint_of
 from moed.weights.ftw_reader import extra_file_path, load_ftw, read_ftw_index
 from moed.weights.ftw_writer import write_ftw
@@ -104,6 +105,35 @@ def test_names_subset(tmp_path: Path) -> None:
     assert len(index.tensors) == len(tensors)
     for name in out:
         _assert_same(out[name], tensors[name][1])
+
+
+@pytest.mark.parametrize("dtype", ["q8", "mxfp4"])
+def test_block_scaled_banks_round_trip(tmp_path: Path, dtype: str) -> None:
+    """q8 (int8 + fp16) and mxfp4 (uint8 + uint8) banks, with gpt-oss's biases, come back bit-exactly and run."""
+    from moed.cache.bank_builder import build_expert_bank
+    from moed.cache.host_bank import ExpertActivation, ExpertBank
+    from moed.experts.expert_ffn import run_expert
+    from moed.weights.model_loader import BANK_PREFIX, _check_bank_shapes
+
+    g = torch.Generator().manual_seed(1)
+    n, d, i = 6, 64, 32
+    bank = build_expert_bank(torch.randn(n, d, 2 * i, generator=g), torch.randn(n, i, d, generator=g),
+                             num_moe_layers=2, num_experts=3, dtype=dtype, activation=ExpertActivation("gpt_oss"),
+                             gate_up_bias=torch.randn(n, 2 * i, generator=g), down_bias=torch.randn(n, d, generator=g))
+    tensors = {BANK_PREFIX + k: ("expert_bank", t) for k, t in bank.tensors.items()}
+    dst = write_ftw(tmp_path / "m", tensors, metadata={}, source_fingerprint="x", shard_size=8192)
+    _, out = load_ftw(dst, verify=True)
+    for name, (_, want) in tensors.items():
+        _assert_same(out[name], want)
+    loaded = ExpertBank(num_moe_layers=2, num_experts=3, hidden_size=d, intermediate_size=i, dtype=dtype,
+                        activation=bank.activation, tensors={k[len(BANK_PREFIX):]: t for k, t in out.items()})
+    _check_bank_shapes(loaded, "test")  # what loading an FTW model checks
+    x = torch.randn(2, d, generator=g)
+    assert torch.equal(run_expert(loaded, 4, x), run_expert(bank, 4, x))
+    main = "gate_up.qs" if dtype == "q8" else "gate_up.fp4"
+    short = ExpertBank(**{**loaded.__dict__, "tensors": {**loaded.tensors, main: loaded.tensors[main][:, :32]}})
+    with pytest.raises(ModelFormatError, match=main):
+        _check_bank_shapes(short, "test")
 
 
 def test_writer_progress_and_overwrite(tmp_path: Path) -> None:

@@ -1,0 +1,6 @@
+"""The names of the host expert bank's storage dtypes (torch-free: the CLI offers them without importing torch)."""
+
+from __future__ import annotations
+
+EXPERT_DTYPES = ("fp32", "bf16", "int4", "q8", "mxfp4")  # layouts: cache/host_bank.py
+PACKED_DTYPES = ("int4", "q8", "mxfp4")  # grouped along K by 32: D and I must be multiples of 32
