@@ -1,4 +1,4 @@
-"""`moed convert SRC DST`: write an FTW model (atomically) from a Hugging Face directory."""
+"""`moed convert SRC DST`: write an FTW model (atomically) from a Hugging Face directory or a GGUF file."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ def run_convert(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     dst = convert_model(args.src, args.dst, experts_dtype=args.experts_dtype, overwrite=args.force,
                         progress=ProgressBar("writing"), on_stale_removed=report_stale)
-    print(f"wrote {dst} ({args.experts_dtype} experts) in {time.perf_counter() - started:.1f} s")
+    from moed.weights.ftw_reader import read_ftw_index
+
+    dtype = read_ftw_index(dst).metadata.get("bank", {}).get("dtype", "?")
+    print(f"wrote {dst} ({dtype} experts) in {time.perf_counter() - started:.1f} s")
     return 0
 
 

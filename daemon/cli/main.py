@@ -29,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--context", type=int, help="context length in tokens (default: min(4096, model max))")
     gen.add_argument("--experts-dtype", choices=EXPERT_DTYPES,
-                     help="expert format when loading a Hugging Face directory (default fp32)")
+                     help="expert format when loading a Hugging Face directory or GGUF file (default: the "
+                          "checkpoint's own precision: bf16 for bf16, mxfp4 for MXFP4, q8 for Q8_0, int4 for Q4_*; "
+                          "fp32 for fp16/fp32)")
     gen.add_argument("--verify", action="store_true", help="verify FTW checksums while loading")
     gen.add_argument("--dtype", choices=("auto", "fp32"), default="auto",
                      help="non-expert weights at run time: auto keeps the checkpoint's (bf16/fp16/fp32), "
@@ -55,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "until the old one is deleted). A killed conversion leaves its temp directory behind: "
                     "the next convert to the same dst removes those whose process is gone, one line each "
                     "on stderr, and never one of a conversion still running.")
-    conv.add_argument("src", help="Hugging Face model directory")
+    conv.add_argument("src", help="Hugging Face model directory or GGUF file")
     conv.add_argument("dst", help="FTW output directory (written atomically)")
-    conv.add_argument("--experts-dtype", choices=EXPERT_DTYPES, default="fp32")
+    conv.add_argument("--experts-dtype", choices=EXPERT_DTYPES, default=None,
+                      help="bank dtype of the routed experts (default: the checkpoint's own precision, as for generate)")
     conv.add_argument("--force", action="store_true", help="replace dst if it exists")
 
     from moed.cli.service_cmd import add_service_command

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     return data
 
 
-def _token_string(value: Any, key: str, path: Path) -> str | None:
+def _token_string(value: Any, key: str, path: Path | str) -> str | None:
     # tokenizer_config.json stores special tokens either as plain strings or as serialized AddedToken dicts.
     if value is None:
         return None
@@ -55,7 +55,7 @@ def _token_string(value: Any, key: str, path: Path) -> str | None:
     )
 
 
-def _token_ids(value: Any, key: str, path: Path) -> list[int]:
+def _token_ids(value: Any, key: str, path: Path | str) -> list[int]:
     if value is None:
         return []
     values = value if isinstance(value, list) else [value]
@@ -67,7 +67,7 @@ def _token_ids(value: Any, key: str, path: Path) -> list[int]:
     return list(values)
 
 
-def _chat_templates(value: Any, path: Path) -> dict[str, str]:
+def _chat_templates(value: Any, path: Path | str) -> dict[str, str]:
     # Either one template string, or a list of {"name", "template"} (named variants such as "tool_use").
     if value is None:
         return {}
@@ -96,12 +96,40 @@ def _load_chat_templates(model_dir: Path, cfg: dict[str, Any], cfg_path: Path) -
     return templates, CHAT_TEMPLATE_FILE
 
 
+def _parse_json_text(text: str, where: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelFormatError(f"{where}: not valid JSON ({exc}).") from exc
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{where}: expected a JSON object at top level, got {type(data).__name__}.")
+    return data
+
+
+def _eos_ids_of(data: dict[str, Any], path: Path | str) -> list[int]:
+    ids = _token_ids(data.get("eos_token_id"), "eos_token_id", path)
+    text_cfg = data.get("text_config")
+    if isinstance(text_cfg, dict):  # multimodal configs nest the language model's ids
+        ids += _token_ids(text_cfg.get("eos_token_id"), "text_config.eos_token_id", path)
+    return ids
+
+
+def _config_eos_ids(model_dir: Path) -> list[int]:
+    """eos ids from generation_config.json and config.json (either may be absent)."""
+    ids: list[int] = []
+    for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
+        path = model_dir / name
+        data = _read_json(path, required=False)
+        if data is not None:
+            ids += _eos_ids_of(data, path)
+    return ids
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus the special tokens and chat template that go with it."""
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
-        self.model_dir = model_dir
         tok_path = model_dir / TOKENIZER_FILE
         cfg_path = model_dir / TOKENIZER_CONFIG_FILE
         if not tok_path.is_file():
@@ -113,11 +141,57 @@ class Tokenizer:
                 f"{tok_path}: cannot be loaded by the tokenizers library ({exc}); "
                 "the file is corrupt, truncated or from an unsupported tokenizer format; download it again."
             ) from exc
+        cfg = _read_json(cfg_path, required=True) or {}
+        self.model_dir: Path | None = model_dir
+        self._setup(backend, cfg, cfg_path, lambda: _load_chat_templates(model_dir, cfg, cfg_path),
+                    lambda: _config_eos_ids(model_dir))
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, str], *, where: str) -> Tokenizer:
+        """A tokenizer from file contents instead of a directory: ``files`` maps names
+        (``tokenizer.json``, ``tokenizer_config.json``, optionally ``generation_config.json``,
+        ``config.json``, ``chat_template.jinja``) to their text, e.g. what
+        ``moed.text.gguf_vocab.gguf_tokenizer_files`` builds from a GGUF file; ``where`` (that
+        file's path) is named in errors."""
+        for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+            if name not in files:
+                raise ModelFormatError(f"{where}: no {name} given to build the tokenizer from.")
+        try:
+            backend = tokenizers.Tokenizer.from_str(files[TOKENIZER_FILE])
+        except Exception as exc:  # the Rust side raises a bare Exception for every parse problem
+            raise ModelFormatError(f"{where}: its {TOKENIZER_FILE} cannot be loaded by the tokenizers library "
+                                   f"({exc}); the tokenizer metadata is corrupt or unsupported.") from exc
+        label = f"{where} ({TOKENIZER_CONFIG_FILE})"
+        cfg = _parse_json_text(files[TOKENIZER_CONFIG_FILE], label)
+
+        def templates() -> tuple[dict[str, str], str]:
+            named = _chat_templates(cfg.get("chat_template"), label)
+            if CHAT_TEMPLATE_FILE in files:
+                named["default"] = files[CHAT_TEMPLATE_FILE]
+                return named, CHAT_TEMPLATE_FILE
+            return named, TOKENIZER_CONFIG_FILE
+
+        def eos_ids() -> list[int]:
+            ids: list[int] = []
+            for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
+                if name in files:
+                    ids += _eos_ids_of(_parse_json_text(files[name], f"{where} ({name})"), f"{where} ({name})")
+            return ids
+
+        tokenizer = cls.__new__(cls)
+        tokenizer.model_dir = None
+        tokenizer._setup(backend, cfg, label, templates, eos_ids)
+        return tokenizer
+
+    def _setup(self, backend: tokenizers.Tokenizer, cfg: dict[str, Any], cfg_path: Path | str,
+               load_templates: Callable[[], tuple[dict[str, str], str]],
+               load_config_eos_ids: Callable[[], list[int]]) -> None:
+        """Everything both constructors share; the two loaders run where the checks reach them
+        (templates, then the configs' eos ids), so errors come in the same order for both."""
         # Truncation/padding stored in tokenizer.json would silently cut prompts; length checks happen elsewhere.
         backend.no_truncation()
         backend.no_padding()
         self._backend = backend
-        cfg = _read_json(cfg_path, required=True) or {}
 
         self.bos_token = _token_string(cfg.get("bos_token"), "bos_token", cfg_path)
         self.eos_token = _token_string(cfg.get("eos_token"), "eos_token", cfg_path)
@@ -145,11 +219,13 @@ class Tokenizer:
             int(max_len) if max_len is not None and 0 < max_len < _NO_MAX_LENGTH_ABOVE else None
         )
 
-        templates, self.chat_template_source = _load_chat_templates(model_dir, cfg, cfg_path)
+        templates, self.chat_template_source = load_templates()
         self.chat_templates: dict[str, str] = templates
         self.chat_template: str | None = templates.get("default")
 
-        self.eos_token_ids: frozenset[int] = frozenset(self._all_eos_ids(model_dir))
+        # A model may stop on several tokens (e.g. Llama 3: <|end_of_text|>, <|eot_id|>); union every source.
+        eos_ids = ([] if self.eos_token_id is None else [self.eos_token_id]) + load_config_eos_ids()
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
         self.special_token_ids: frozenset[int] = frozenset(
             i for i, t in backend.get_added_tokens_decoder().items() if t.special
         )
@@ -160,7 +236,7 @@ class Tokenizer:
     def _optional_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
-    def _required_id(self, token: str | None, key: str, path: Path) -> int | None:
+    def _required_id(self, token: str | None, key: str, path: Path | str) -> int | None:
         if token is None:
             return None
         token_id = self._backend.token_to_id(token)
@@ -170,20 +246,6 @@ class Tokenizer:
                 "the two files come from different models, download both again."
             )
         return token_id
-
-    def _all_eos_ids(self, model_dir: Path) -> list[int]:
-        # A model may stop on several tokens (e.g. Llama 3: <|end_of_text|>, <|eot_id|>); union every source.
-        ids = [] if self.eos_token_id is None else [self.eos_token_id]
-        for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
-            path = model_dir / name
-            data = _read_json(path, required=False)
-            if data is None:
-                continue
-            ids += _token_ids(data.get("eos_token_id"), "eos_token_id", path)
-            text_cfg = data.get("text_config")
-            if isinstance(text_cfg, dict):  # multimodal configs nest the language model's ids
-                ids += _token_ids(text_cfg.get("eos_token_id"), "text_config.eos_token_id", path)
-        return ids
 
     @property
     def vocab_size(self) -> int:

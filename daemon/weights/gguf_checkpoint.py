@@ -1,0 +1,408 @@
+"""Read a GGUF file (llama.cpp's format) in moed's canonical form, a piece at a time, as HfCheckpoint does a HF directory.
+
+The config is synthesised from the GGUF metadata into the config.json a Hugging Face checkpoint
+of the same model has (``raw_config``: what ``parse_model_config`` takes and an FTW conversion
+stores), for the llama.cpp architectures below. Tensor names are llama.cpp's
+(convert_hf_to_gguf.py + gguf-py's tensor_mapping.py): ``blk.{i}.attn_q`` ... map onto moed's
+canonical names (models/weight_spec.py). llama.cpp permutes Q/K rows only for its "llama"
+architecture; qwen2moe, qwen3moe and gpt-oss use NEOX rotary and are stored unpermuted, exactly
+as the Hugging Face weights.
+
+Non-expert weights are read one at a time and dequantised (F32/F16/BF16 stay as stored, quantised
+types become bf16). Routed experts (``ffn_{gate,up,down}_exps``: numpy ``[E, I, D]``, ``[E, I, D]``,
+``[E, D, I]``) are read a chunk of experts at a time with pread and either repacked without
+dequantising into the bank layout the stored type matches (Q8_0 -> q8, MXFP4 -> mxfp4,
+Q4_0/Q4_1/Q4_K -> int4) or dequantised to float32 k-major rows; one chunk is all that is ever
+held, whatever the file's size.
+
+Per architecture (beyond the common keys: block_count, embedding_length, attention.head_count(_kv),
+attention.key_length, context_length, attention.layer_norm_rms_epsilon, rope.freq_base and
+rope.scaling.*, expert_count, expert_used_count):
+
+- qwen3moe -> qwen3_moe: expert_feed_forward_length; q/k norms; ``norm_topk_prob`` is always true
+  (llama.cpp's qwen3moe graph normalises the top-k weights and stores no key for it).
+- qwen2moe -> qwen2_moe: the shared expert (``*_shexp``, expert_shared_feed_forward_length) and its
+  sigmoid gate ``ffn_gate_inp_shexp``; ``norm_topk_prob`` is always false (llama.cpp never
+  normalises here). llama.cpp's qwen2moe has an MoE in every layer: a model with dense layers
+  (``mlp_only_layers``) cannot be written to GGUF and is refused.
+- gpt-oss -> gpt_oss: router and expert biases, attention sinks, ``post_attention_norm``; sliding
+  window from attention.sliding_window and the layer pattern attention.sliding_window_pattern
+  (llama.cpp's default 2: even layers slide); yarn rope with gpt-oss's ``truncate: false``; the
+  clamped SwiGLU's alpha 1.702 and limit 7.0 (llama.cpp hard-codes them too).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moed.errors import ModelFormatError, UnsupportedModelError, quoted
+from moed.kernels.int4_format import quantize_int4
+from moed.kernels.mxfp4_format import quantize_mxfp4
+from moed.kernels.q8_format import quantize_q8
+from moed.models.families import Family, family_of, parse_model_config
+from moed.models.model_config import ModelConfig
+from moed.models.weight_spec import expected_weight_shapes
+from moed.text.gguf_vocab import gguf_tokenizer_files
+from moed.weights import gguf_quants as q
+from moed.weights.expert_chunk import ExpertChunk
+from moed.weights.gguf_file import GgufFile, GgufTensor
+from moed.weights.hf_checkpoint import CHUNK_EXPERTS
+
+# llama.cpp architecture -> (moed family, Hugging Face class, what it is)
+ARCHITECTURES = {
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen1.5/Qwen2-MoE"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM", "gpt-oss"),
+}
+NATIVE_DTYPES = {q.F32: torch.float32, q.F16: torch.float16, q.BF16: torch.bfloat16}
+# stored expert type -> the bank dtype its blocks repack into without dequantising
+REPACKED_BANK = {q.Q8_0: "q8", q.MXFP4: "mxfp4", q.Q4_0: "int4", q.Q4_1: "int4", q.Q4_K: "int4"}
+# stored expert type -> the bank dtype that keeps it best (see default_bank_dtype)
+DEFAULT_BANK = {q.F32: "fp32", q.F16: "fp32", q.BF16: "bf16", **REPACKED_BANK, q.Q5_K: "q8", q.Q6_K: "q8"}
+_REPACKERS = {"q8": q.to_q8_bank, "mxfp4": q.to_mxfp4_bank, "int4": q.to_int4_bank}
+_QUANTISERS = {"q8": quantize_q8, "mxfp4": quantize_mxfp4, "int4": quantize_int4}
+# bank tensor suffixes, in the order the repackers and quantisers return them (cache/host_bank.py)
+_PACKED_PARTS = {"q8": ("qs", "d"), "mxfp4": ("fp4", "e8m0"), "int4": ("q", "scale", "min")}
+REQUANTISE = "re-quantise the model with llama.cpp's llama-quantize to one moed reads (e.g. Q4_K_M or Q8_0)"
+
+# canonical name (after "model.layers.{i}.") -> llama.cpp name (after "blk.{i}.")
+_LAYER_TENSORS = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.sinks": "attn_sinks.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+    "mlp.shared.gate_proj.weight": "ffn_gate_shexp.weight", "mlp.shared.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared.down_proj.weight": "ffn_down_shexp.weight", "mlp.shared_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+_GLOBAL_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}
+
+
+class GgufCheckpoint:
+    """One GGUF file: config synthesised, tensor names mapped; data read on demand."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.file = GgufFile(self.path)
+        arch = self.file.architecture
+        if arch not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{self.path}: GGUF architecture {quoted(arch)} is not supported; moed reads "
+                + ", ".join(f"{a} ({what})" for a, (_, _, what) in ARCHITECTURES.items())
+                + " GGUF files (or a Hugging Face directory of a supported family)")
+        self.arch = arch
+        self.raw_config = _Metadata(self.file, arch).config()
+        where = str(self.path)
+        self.family: Family = family_of(self.raw_config, where=where)
+        self.config: ModelConfig = parse_model_config(self.raw_config, where=where)
+        self._shapes = expected_weight_shapes(self.config)
+        self.weight_keys = {name: self._gguf_name(name) for name in self._shapes}  # canonical -> GGUF
+        self._experts = {layer: self._expert_tensors(layer) for layer in range(self.config.num_layers)}
+        self._check_weights()
+
+    # ---- the interface HfCheckpoint offers the loader and the converter -------------------------
+
+    @property
+    def num_bank_rows(self) -> int:
+        return self.config.num_moe_layers * self.config.moe.num_experts
+
+    def source_files(self) -> list[Path]:
+        """The file, or every part of a split GGUF."""
+        return list(self.file.files)
+
+    def tokenizer_files(self) -> dict[str, str]:
+        """tokenizer.json, tokenizer_config.json and generation_config.json (contents), rebuilt
+        from the file's tokenizer metadata (text/gguf_vocab.py)."""
+        return gguf_tokenizer_files(self.file.metadata, where=str(self.path))
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+    def weight_dtype(self, name: str) -> torch.dtype:
+        """F32, F16 and BF16 weights keep their dtype; quantised ones are dequantised to bf16."""
+        return NATIVE_DTYPES.get(self.file.tensor(self.weight_keys[name]).ggml_type, torch.bfloat16)
+
+    def read_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One non-expert weight in its canonical shape, in ``dtype`` (default: ``weight_dtype(name)``)."""
+        info = self.file.tensor(self.weight_keys[name])
+        raw = self.file.read(info.name)
+        native = NATIVE_DTYPES.get(info.ggml_type)
+        tensor = raw.view(native) if native is not None else q.dequantize(raw, info.ggml_type, info.shape)
+        return tensor.reshape(self._shapes[name]).to(dtype or self.weight_dtype(name)).contiguous()
+
+    def default_bank_dtype(self) -> str:
+        """The runnable bank dtype that keeps the routed experts' stored precision (or the closest).
+
+        F32/F16 -> fp32 (both exact); BF16 -> bf16; Q8_0 -> q8 and MXFP4 -> mxfp4 (the same blocks,
+        bit for bit); Q4_0/Q4_1/Q4_K -> int4 (the 4-bit codes kept, only the per-32 scale and min
+        rounded to bf16); Q5_K/Q6_K -> q8: no bank holds 5 or 6 bits, and q8's 255 levels per 32
+        weights re-quantise them with an error well under their own step, where int4's 16 levels
+        would lose more than the file's quantisation did. The type holding most expert weights
+        decides (a Q4_K_M file keeps some ffn_down_exps in Q6_K: those are re-quantised to int4).
+        """
+        counts: dict[int, int] = {}
+        for names in self._experts.values():
+            for name in names[:3] if names else ():
+                info = self.file.tensor(name)
+                counts[info.ggml_type] = counts.get(info.ggml_type, 0) + math.prod(info.shape)
+        if not counts:
+            return "fp32"
+        ranked = sorted(counts, key=lambda t: (counts[t], q.block_size(t)[1] / q.block_size(t)[0]))
+        return DEFAULT_BANK[ranked[-1]]
+
+    def expert_chunks(self, chunk_experts: int = CHUNK_EXPERTS, bank_dtype: str | None = None) -> Iterator[ExpertChunk]:
+        """Every routed expert, in flat-id order, ``chunk_experts`` at a time (never across layers).
+
+        Where the stored type repacks into ``bank_dtype`` (default: ``default_bank_dtype()``), the
+        rows come packed in that layout; otherwise as float32 ``gate_up [n, D, 2I]`` (gate columns,
+        then up) and ``down [n, I, D]``. When only one of the two matrices repacks (a Q4_K gate/up
+        with a Q6_K down), the other is quantised to ``bank_dtype`` here, so the chunk is packed.
+        """
+        target = bank_dtype or self.default_bank_dtype()
+        config, moe = self.config, self.config.moe
+        for layer in range(config.num_layers):
+            names = self._experts[layer]
+            if names is None:
+                continue
+            gate, up, down, gate_b, up_b, down_b = names
+            base = config.moe_layer_index(layer) * moe.num_experts
+            gub = db = None
+            if moe.has_expert_bias:
+                gub = torch.cat([self._dequantized(gate_b), self._dequantized(up_b)], dim=-1)  # [E, 2I]
+                db = self._dequantized(down_b)  # [E, D]
+            for e0 in range(0, moe.num_experts, chunk_experts):
+                e1 = min(moe.num_experts, e0 + chunk_experts)
+                gate_up = self._matrix("gate_up", (gate, up), e0, e1, target)
+                down_rows = self._matrix("down", (down,), e0, e1, target)
+                biases = dict(gate_up_bias=None if gub is None else gub[e0:e1],
+                              down_bias=None if db is None else db[e0:e1])
+                if isinstance(gate_up, torch.Tensor) and isinstance(down_rows, torch.Tensor):
+                    yield ExpertChunk(base + e0, gate_up, down_rows, **biases)
+                    continue
+                packed = {**_packed(gate_up, "gate_up", target), **_packed(down_rows, "down", target)}
+                yield ExpertChunk(base + e0, packed=packed, packed_dtype=target, **biases)
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _matrix(self, kind: str, parts: tuple[str, ...], e0: int, e1: int,
+                target: str) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Experts ``e0 .. e1`` of one matrix kind, the GGUF tensors ``parts`` stacked along their
+        rows (gate then up): bank tensors when the stored type repacks into ``target``, else float32
+        k-major ``[n, K, rows]``."""
+        infos = [self.file.tensor(p) for p in parts]
+        n, k = e1 - e0, infos[0].shape[2]
+        rows = sum(i.shape[1] for i in infos)
+        types = {i.ggml_type for i in infos}
+        if len(types) == 1 and REPACKED_BANK.get(infos[0].ggml_type) == target:
+            # Repack the stacked [n, gate + up rows, K] source as one matrix: packing puts columns j and
+            # j + Ncols/2 in one byte, so two separately packed halves would pair the wrong columns.
+            raw = torch.cat([self.file.read(p, (e0, e1)).view(n, -1) for p in parts], dim=1).reshape(-1)
+            tensors = _REPACKERS[target](raw, infos[0].ggml_type, (n, rows, k))
+            return {f"{kind}.{suffix}": t for suffix, t in zip(_PACKED_PARTS[target], tensors)}
+        stacked = torch.cat([self._dequantized(p, (e0, e1)) for p in parts], dim=1)  # [n, rows, K]
+        return stacked.transpose(1, 2).contiguous()  # [n, K, rows]
+
+    def _dequantized(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        info = self.file.tensor(name)
+        shape = info.shape if rows is None else (rows[1] - rows[0], *info.shape[1:])
+        return q.dequantize(self.file.read(name, rows), info.ggml_type, shape)
+
+    def _gguf_name(self, name: str) -> str:
+        if name in _GLOBAL_TENSORS:
+            return _GLOBAL_TENSORS[name]
+        prefix, _, rest = name.partition(".layers.")
+        layer, _, rel = rest.partition(".")
+        if rel == "post_attention_layernorm.weight":
+            return f"blk.{layer}." + ("post_attention_norm.weight" if self.arch == "gpt-oss" else "ffn_norm.weight")
+        if prefix != "model" or rel not in _LAYER_TENSORS:
+            raise ModelFormatError(f"{self.path}: moed has no GGUF name for weight {quoted(name)} of a {self.arch} "
+                                   "model (this architecture's mapping is incomplete)")
+        return f"blk.{layer}.{_LAYER_TENSORS[rel]}"
+
+    def _expert_tensors(self, layer: int) -> tuple[str, ...] | None:
+        """GGUF names of one MoE layer's routed experts: gate, up, down (+ their biases), or None."""
+        if not self.config.moe_layers[layer]:
+            return None
+        b = f"blk.{layer}."
+        names = (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight", b + "ffn_down_exps.weight")
+        biases = (b + "ffn_gate_exps.bias", b + "ffn_up_exps.bias", b + "ffn_down_exps.bias")
+        return names + (biases if self.config.moe.has_expert_bias else (None, None, None))
+
+    def _check_weights(self) -> None:
+        """Every tensor moed will read exists, has the shape the config implies and a type moed
+        reads: a bad file fails here, before gigabytes are read."""
+        for name, shape in self._shapes.items():
+            info = self._require(self.weight_keys[name])
+            if math.prod(info.shape) != math.prod(shape) or (len(info.shape) == len(shape) and info.shape != shape):
+                raise ModelFormatError(f"{self.path}: tensor {quoted(info.name)} has shape {list(info.shape)} but the "
+                                       f"metadata implies {list(shape)}; the file is corrupt or not a {self.arch} model")
+        moe, d = self.config.moe, self.config.hidden_size
+        inter = moe.intermediate_size
+        for layer, names in self._experts.items():
+            if names is None:
+                continue
+            expected = [(moe.num_experts, inter, d), (moe.num_experts, inter, d), (moe.num_experts, d, inter)]
+            if moe.has_expert_bias:
+                expected += [(moe.num_experts, inter), (moe.num_experts, inter), (moe.num_experts, d)]
+            for name, shape in zip(names, expected):
+                info = self._require(name)
+                if info.shape != shape:
+                    raise ModelFormatError(f"{self.path}: expert tensor {quoted(name)} has shape {list(info.shape)} but "
+                                           f"the metadata implies {list(shape)}; the file is corrupt or not a "
+                                           f"{self.arch} model")
+
+    def _require(self, name: str) -> GgufTensor:
+        if name not in self.file:
+            raise ModelFormatError(f"{self.path}: tensor {quoted(name)} is missing; the file is incomplete or was not "
+                                   f"written by llama.cpp's converter for {self.arch}")
+        info = self.file.tensor(name)
+        if info.ggml_type not in q.SUPPORTED_TYPES:
+            raise ModelFormatError(
+                f"{self.path}: tensor {quoted(name)} is stored as {info.type_name}, which moed does not read "
+                f"(it reads {', '.join(q.type_name(t) for t in q.SUPPORTED_TYPES)}); {REQUANTISE}")
+        return info
+
+
+def _packed(rows: torch.Tensor | dict[str, torch.Tensor], kind: str, target: str) -> dict[str, torch.Tensor]:
+    """Bank tensors of one matrix kind: repacked already, or float32 ``[n, K, N]`` quantised to ``target``."""
+    if isinstance(rows, dict):
+        return rows
+    return {f"{kind}.{suffix}": t for suffix, t in zip(_PACKED_PARTS[target], _QUANTISERS[target](rows))}
+
+
+class _Metadata:
+    """The GGUF metadata of one architecture, read into a Hugging Face config.json dict."""
+
+    def __init__(self, file: GgufFile, arch: str) -> None:
+        self.file, self.arch, self.meta = file, arch, file.metadata
+
+    def config(self) -> dict[str, Any]:
+        family, hf_class, _ = ARCHITECTURES[self.arch]
+        file = self.file
+        hidden, heads = self.int("embedding_length"), self.int("attention.head_count")
+        head_dim = self.int("attention.key_length", default=hidden // heads)
+        if self.int("attention.value_length", default=head_dim) != head_dim:
+            raise UnsupportedModelError(f"{file.path}: attention.key_length and value_length differ; moed's attention "
+                                        "needs one head size")
+        cfg: dict[str, Any] = {
+            "model_type": family, "architectures": [hf_class],
+            "vocab_size": self._rows("token_embd.weight"),
+            "hidden_size": hidden,
+            "num_hidden_layers": self.int("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.int("attention.head_count_kv", default=heads),
+            "head_dim": head_dim,
+            "max_position_embeddings": self.int("context_length"),
+            "rms_norm_eps": self.float("attention.layer_norm_rms_epsilon"),
+            "rope_parameters": self.rope(head_dim),
+            "tie_word_embeddings": "output.weight" not in file,
+            "hidden_act": "silu",
+            "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.meta.get("tokenizer.ggml.eos_token_id"),
+        }
+        if (pad := self.meta.get("tokenizer.ggml.padding_token_id")) is not None:
+            cfg["pad_token_id"] = pad
+        if (dense := self.int("feed_forward_length", default=0)):
+            cfg["intermediate_size"] = dense
+        num_experts, top_k = self.int("expert_count"), self.int("expert_used_count")
+        has_q_bias = "blk.0.attn_q.bias" in file
+        if self.arch == "gpt-oss":
+            cfg.update(num_local_experts=num_experts, num_experts_per_tok=top_k,
+                       intermediate_size=self.int("expert_feed_forward_length"), attention_bias=True,
+                       sliding_window=self.int("attention.sliding_window"),
+                       layer_types=self.layer_types(cfg["num_hidden_layers"]), swiglu_alpha=1.702, swiglu_limit=7.0)
+            return cfg
+        self.require_moe_layers(cfg["num_hidden_layers"])
+        cfg.update(num_experts=num_experts, num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
+                   use_sliding_window=False,
+                   moe_intermediate_size=self.int("expert_feed_forward_length",
+                                                  default=self._rows("blk.0.ffn_gate_exps.weight", dim=1)))
+        if self.arch == "qwen3moe":
+            cfg.update(norm_topk_prob=True, attention_bias=has_q_bias)
+        else:
+            cfg.update(norm_topk_prob=False, qkv_bias=has_q_bias, shared_expert_intermediate_size=self.int(
+                "expert_shared_feed_forward_length", default=self._rows("blk.0.ffn_gate_shexp.weight")))
+        return cfg
+
+    def rope(self, head_dim: int) -> dict[str, Any]:
+        params: dict[str, Any] = {"rope_theta": self.float("rope.freq_base", default=10000.0)}
+        dims = self.int("rope.dimension_count", default=head_dim)
+        if dims != head_dim:
+            params["partial_rotary_factor"] = dims / head_dim
+        kind = self.meta.get(f"{self.arch}.rope.scaling.type", "none")
+        if kind == "none":
+            params["rope_type"] = "default"
+        elif kind == "linear":
+            params.update(rope_type="linear", factor=self.float("rope.scaling.factor"))
+        elif kind == "yarn":
+            params.update(rope_type="yarn", factor=self.float("rope.scaling.factor"),
+                          original_max_position_embeddings=self.int("rope.scaling.original_context_length"))
+            for key, hf_key in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow"),
+                                ("rope.scaling.yarn_attn_factor", "attention_factor")):
+                if f"{self.arch}.{key}" in self.meta:
+                    params[hf_key] = self.float(key)
+            if self.arch == "gpt-oss":
+                params["truncate"] = False  # gpt-oss's reference yarn keeps the correction range unrounded
+        else:
+            raise UnsupportedModelError(f"{self.file.path}: rope scaling {quoted(kind)} is not supported "
+                                        "(moed runs none, linear and yarn)")
+        return params
+
+    def layer_types(self, num_layers: int) -> list[str]:
+        """gpt-oss's sliding/full layers from attention.sliding_window_pattern (llama.cpp's default 2:
+        layer i slides when i % n < n - 1), or a per-layer list of booleans."""
+        pattern = self.meta.get(f"{self.arch}.attention.sliding_window_pattern", 2)
+        if isinstance(pattern, list):
+            if len(pattern) != num_layers or not all(isinstance(p, bool) for p in pattern):
+                raise ModelFormatError(f"{self.file.path}: attention.sliding_window_pattern should hold one boolean per "
+                                       f"layer ({num_layers}), got {quoted(pattern)}")
+            sliding = pattern
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
+        else:
+            raise ModelFormatError(f"{self.file.path}: attention.sliding_window_pattern {quoted(pattern)} is not a "
+                                   "layer count or a list of booleans")
+        return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+    def require_moe_layers(self, num_layers: int) -> None:
+        for layer in range(num_layers):
+            if f"blk.{layer}.ffn_gate_inp.weight" not in self.file:
+                raise UnsupportedModelError(
+                    f"{self.file.path}: layer {layer} has no router (blk.{layer}.ffn_gate_inp.weight); llama.cpp's "
+                    f"{self.arch} has an MoE in every layer, and moed reads only what llama.cpp does")
+
+    def int(self, key: str, *, default: int | None = None) -> int:
+        value = self.meta.get(f"{self.arch}.{key}", default)
+        if isinstance(value, list) and value and all(v == value[0] for v in value):
+            value = value[0]  # a per-layer array with one value
+        if value is None:
+            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} is missing; the file is incomplete "
+                                   "or was not written by llama.cpp's convert_hf_to_gguf.py")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} should be one non-negative integer, "
+                                   f"got {quoted(value)} (per-layer values are not supported)")
+        return value
+
+    def float(self, key: str, *, default: float | None = None) -> float:
+        value = self.meta.get(f"{self.arch}.{key}", default)
+        if value is None:
+            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} is missing; the file is incomplete "
+                                   "or was not written by llama.cpp's convert_hf_to_gguf.py")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} should be a number, got {quoted(value)}")
+        return float(value)
+
+    def _rows(self, name: str, dim: int = 0) -> int:
+        if name not in self.file:
+            raise ModelFormatError(f"{self.file.path}: tensor {quoted(name)} is missing; the file is incomplete or was "
+                                   f"not written by llama.cpp's converter for {self.arch}")
+        return self.file.tensor(name).shape[dim]

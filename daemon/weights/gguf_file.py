@@ -1,0 +1,274 @@
+"""One GGUF file (llama.cpp's single-file model format): metadata as plain Python values, tensor bytes read with pread.
+
+The container is parsed by ``gguf.GGUFReader`` (llama.cpp's own gguf-py) for the metadata and the
+tensor infos only. That reader memory-maps the file; nothing here touches tensor data through the
+map (it is dropped once the header is parsed). Tensor bytes are read with ``os.preadv`` into
+buffers of their own, as safetensors_files.py does, so a 60 GB file's pages stay in the page cache
+and never count in our RSS; an expert tensor can be read a slice of experts at a time.
+
+Layout: ``GGUF`` magic, version (u32), tensor count and metadata count (u64), the metadata
+key/values, the tensor infos (name, dims ``ne`` innermost first, ggml type, offset), padding to
+``general.alignment`` (default 32), then the tensor data. Shapes here are in numpy order
+(``ne`` reversed): a GGUF ``[n_embd, n_ff, n_expert]`` expert tensor is ``(E, I, D)``.
+
+A model split by llama.cpp's gguf-split (``name-00001-of-00003.gguf`` ..., ``split.count`` in
+each part's metadata, the model's metadata in the first) is opened from its first part as one
+file: the tensors of every part, each read from the part that holds it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from moed.errors import ModelFormatError, quoted
+from moed.weights.file_checks import require_regular_file
+from moed.weights.gguf_quants import UnsupportedGgufType, nbytes, type_name
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DOWNLOAD_AGAIN = "the file is corrupt or truncated; download it again"
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's llama_split_path
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """Where one tensor's data lies in the file."""
+
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # numpy order (GGUF ne reversed)
+    offset: int  # absolute byte offset in ``file``
+    nbytes: int
+    file: Path  # the file (the part of a split model) that holds it
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.ggml_type)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """A regular file (or a symlink to one) that starts with the GGUF magic; never opens a FIFO."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+class GgufFile:
+    """A GGUF file's header (every part's, for a split model), parsed up front; tensor data read on demand."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.version, self.metadata, self.tensors = _read_part(self.path)
+        self.files = [self.path]
+        count, number = self.metadata.get("split.count", 1), self.metadata.get("split.no", 0)
+        if isinstance(count, int) and isinstance(number, int) and count > 1:
+            self._add_split_parts(count, number)
+
+    def _add_split_parts(self, count: int, number: int) -> None:
+        match = SPLIT_NAME.match(self.path.name)
+        if number != 0 or match is None or int(match["count"]) != count:
+            first = f"{match['prefix']}-00001-of-{count:05d}.gguf" if match else f"*-00001-of-{count:05d}.gguf"
+            raise ModelFormatError(f"{self.path}: part {number + 1} of a GGUF split into {count} files; point --model at "
+                                   f"the first part ({first}), with every part in the same directory")
+        for index in range(1, count):
+            part = self.path.with_name(f"{match['prefix']}-{index + 1:05d}-of-{count:05d}.gguf")
+            if not part.exists():
+                raise ModelFormatError(f"{part}: part {index + 1} of {count} of {self.path.name} is missing; download "
+                                       "every part into the same directory")
+            _, metadata, tensors = _read_part(part)
+            if metadata.get("split.no") != index or metadata.get("split.count") != count:
+                raise ModelFormatError(f"{part}: not part {index + 1} of {count} of {self.path.name} (its split metadata "
+                                       "says otherwise); download the parts of one model again")
+            for name, info in tensors.items():
+                if name in self.tensors:
+                    raise ModelFormatError(f"{part}: tensor {quoted(name)} is also in {self.tensors[name].file.name}; "
+                                           "the parts belong to different models")
+                self.tensors[name] = info
+            self.files.append(part)
+        expected = self.metadata.get("split.tensors.count")
+        if isinstance(expected, int) and expected != len(self.tensors):
+            raise ModelFormatError(f"{self.path}: the {count} parts hold {len(self.tensors)} tensors but the first says "
+                                   f"{expected}; download the parts again")
+
+    @property
+    def architecture(self) -> str | None:
+        value = self.metadata.get("general.architecture")
+        return value if isinstance(value, str) else None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def tensor(self, name: str) -> GgufTensor:
+        info = self.tensors.get(name)
+        if info is None:
+            raise ModelFormatError(f"{self.path}: tensor {quoted(name)} is missing; the file is incomplete or "
+                                   "not a model moed can read")
+        return info
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor's raw bytes, ``uint8 [nbytes]``, read now into memory of its own.
+
+        ``rows=(r0, r1)`` reads only entries ``r0 .. r1`` of the leading (slowest) dimension, e.g.
+        experts ``e0 .. e1`` of an expert tensor, without touching the rest of the file.
+        """
+        info = self.tensor(name)
+        offset, size = info.offset, info.nbytes
+        if rows is not None:
+            r0, r1 = rows
+            lead = info.shape[0] if info.shape else 1
+            if not 0 <= r0 <= r1 <= lead:
+                raise ValueError(f"{self.path}: rows {rows} out of range for tensor {name!r} of shape {info.shape}")
+            per_row = info.nbytes // lead
+            offset, size = info.offset + r0 * per_row, (r1 - r0) * per_row
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        buf = bytearray(size)
+        try:
+            with open(info.file, "rb", buffering=0) as f:
+                got = os.preadv(f.fileno(), [buf], offset)
+        except OSError as exc:
+            raise ModelFormatError(f"{info.file}: cannot read tensor {quoted(name)} ({exc.strerror}); "
+                                   f"{DOWNLOAD_AGAIN}") from None
+        if got != size:
+            raise ModelFormatError(f"{info.file}: tensor {quoted(name)} is cut short ({got} of {size} bytes); "
+                                   f"{DOWNLOAD_AGAIN}")
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _read_part(path: Path) -> tuple[int, dict[str, Any], dict[str, GgufTensor]]:
+    """One file's version, metadata and tensor infos (extents checked against its size)."""
+    require_regular_file(path)
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb", buffering=0) as f:
+            head = os.pread(f.fileno(), 8, 0)
+    except OSError as exc:
+        raise ModelFormatError(f"{path}: cannot read ({exc.strerror})") from None
+    version = _check_head(path, head)
+    reader = _parse_header(path)
+    try:
+        metadata = {name: _field_value(path, name, field) for name, field in reader.fields.items()
+                    if not name.startswith("GGUF.")}
+        tensors = _tensor_infos(path, reader)
+    finally:
+        del reader  # the memory map goes with it (fields are converted to Python values above)
+    _check_extents(path, tensors, size)
+    return version, metadata, tensors
+
+
+def _check_head(path: Path, head: bytes) -> int:
+    if len(head) < 8 or head[:4] != GGUF_MAGIC:
+        raise ModelFormatError(f"{path}: not a GGUF file (it does not start with the GGUF magic bytes); "
+                               "point --model at a .gguf file, a Hugging Face directory or an FTW directory")
+    version = int.from_bytes(head[4:8], "little")
+    if version not in SUPPORTED_VERSIONS and int.from_bytes(head[4:8], "big") in SUPPORTED_VERSIONS:
+        raise ModelFormatError(f"{path}: a big-endian GGUF file; moed reads little-endian GGUF only (the usual "
+                               "kind); download the little-endian file")
+    if version not in SUPPORTED_VERSIONS:
+        raise ModelFormatError(f"{path}: GGUF version {version} is not supported (moed reads versions "
+                               f"{', '.join(map(str, SUPPORTED_VERSIONS))}); re-convert it with a current llama.cpp")
+    return version
+
+
+class _HeaderReader(gguf.GGUFReader):
+    """GGUFReader stopped at the tensor infos: the stock reader also builds a numpy view of every
+    tensor's data, and fails with a bare reshape error when a truncated file cuts one short; here
+    the infos are kept and the extents checked by ``_check_extents``, which names the tensor."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        self.tensor_data_start = start_offs
+        self.tensor_fields = fields
+
+
+def _parse_header(path: Path) -> _HeaderReader:
+    try:
+        return _HeaderReader(path, "r")
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError, OSError) as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelFormatError(f"{path}: the GGUF header (metadata and tensor list) is cut short or corrupt; "
+                               f"download it again (gguf reader: {quoted(detail, 120)})") from None
+
+
+def _field_value(path: Path, name: str, field: Any) -> Any:
+    """One metadata value as plain Python: str, int, float, bool, or a list of those."""
+    types = [gguf.GGUFValueType(t) for t in field.types]
+    try:
+        if types[0] == gguf.GGUFValueType.ARRAY:
+            if len(types) > 2:
+                return None  # nested arrays: no key moed reads uses them
+            return [_scalar(types[1], field.parts[i]) for i in field.data]
+        return _scalar(types[0], field.parts[field.data[0]])
+    except UnicodeDecodeError:
+        raise ModelFormatError(f"{path}: metadata {quoted(name)} holds a string that is not UTF-8; "
+                               f"{DOWNLOAD_AGAIN}") from None
+
+
+def _scalar(kind: Any, part: np.ndarray) -> Any:
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    value = part[0]
+    if kind == gguf.GGUFValueType.BOOL:
+        return bool(value)
+    if kind == gguf.GGUFValueType.FLOAT32:
+        # the shortest decimal that is this float32: 1e-06 stays 1e-06, not 9.999999974752427e-07,
+        # so a config written from a Hugging Face config.json compares equal to it
+        return float(str(np.float32(value)))
+    if kind == gguf.GGUFValueType.FLOAT64:
+        return float(value)
+    return int(value)
+
+
+def _tensor_infos(path: Path, reader: _HeaderReader) -> dict[str, GgufTensor]:
+    fields = getattr(reader, "tensor_fields", None)
+    if fields is None:  # a gguf release that no longer calls _build_tensors: its own tensor list
+        return {t.name: _tensor_info(path, t.name, int(t.tensor_type), t.shape.tolist(), int(t.data_offset), 0)
+                for t in reader.tensors}
+    tensors: dict[str, GgufTensor] = {}
+    for field in fields:
+        _name_len, name_data, _n_dims, dims, raw_type, offset = field.parts
+        try:
+            name = bytes(name_data).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ModelFormatError(f"{path}: a tensor name is not UTF-8; {DOWNLOAD_AGAIN}") from None
+        if name in tensors:
+            raise ModelFormatError(f"{path}: tensor {quoted(name)} is listed twice; {DOWNLOAD_AGAIN}")
+        tensors[name] = _tensor_info(path, name, int(raw_type[0]), dims.tolist(), int(offset[0]),
+                                     int(reader.tensor_data_start))
+    return tensors
+
+
+def _tensor_info(path: Path, name: str, ggml_type: int, ne: list[int], offset: int, base: int) -> GgufTensor:
+    shape = tuple(int(d) for d in reversed(ne))
+    try:
+        size = nbytes(ggml_type, shape)
+    except UnsupportedGgufType:
+        raise ModelFormatError(f"{path}: tensor {quoted(name)} has GGML type id {ggml_type}, which ggml does not "
+                               "define; the file is corrupt, or newer than this moed (update moed)") from None
+    except ValueError as exc:
+        raise ModelFormatError(f"{path}: tensor {quoted(name)}: {exc}; {DOWNLOAD_AGAIN}") from None
+    return GgufTensor(name, ggml_type, shape, base + offset, size, path)
+
+
+def _check_extents(path: Path, tensors: dict[str, GgufTensor], file_size: int) -> None:
+    """A download cut short leaves the header whole and the data short: name the first tensor past the end."""
+    for info in sorted(tensors.values(), key=lambda t: t.offset):
+        if info.end > file_size:
+            raise ModelFormatError(f"{path} is truncated: tensor {quoted(info.name)} ends at byte {info.end} but the "
+                                   f"file has {file_size}; download it again")
