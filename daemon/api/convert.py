@@ -38,8 +38,9 @@ def messages_from_proto(chat: inference_pb2.ChatMessages) -> list[dict]:
 
 def model_info(entry=None, *, path=None, disk_bytes: int = 0) -> control_pb2.ModelInfo:
     if entry is None:
-        return control_pb2.ModelInfo(name=path.name, path=str(path), loaded=False, disk_bytes=disk_bytes,
-                                     format="ftw" if (path / "ftw.json").is_file() else "hf")
+        fmt = "gguf" if path.is_file() else "ftw" if (path / "ftw.json").is_file() else "hf"
+        name = path.name[:-5] if fmt == "gguf" and path.name.lower().endswith(".gguf") else path.name
+        return control_pb2.ModelInfo(name=name, path=str(path), loaded=False, disk_bytes=disk_bytes, format=fmt)
     stats = entry.stats
     return control_pb2.ModelInfo(
         name=entry.name, path=str(entry.path), format=entry.runtime.loaded.format,
