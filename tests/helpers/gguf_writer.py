@@ -19,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from tokenizers import Tokenizer
 
-from helpers.tiny_models import tiny_config
+from helpers.tiny_models import build_tiny_model, tiny_config
 from helpers.tiny_tokenizer import EOS_TOKEN, write_tiny_tokenizer
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "gpt_oss": "gpt-oss"}
@@ -33,9 +33,6 @@ def build_gguf_ready_model(family: str, dst: Path, *, seed: int = 0, scale: floa
     tokenizer's (llama.cpp's converter takes eos from the tokenizer). ``overrides`` set config
     fields (e.g. ``hidden_size=256`` so rows hold whole 256-weight K-quant blocks). Saved with the
     tokenizer as a Hugging Face directory at ``dst``; returns the transformers model."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
     config = tiny_config(family)
     if family == "qwen2_moe":
         config.mlp_only_layers = []
@@ -43,17 +40,7 @@ def build_gguf_ready_model(family: str, dst: Path, *, seed: int = 0, scale: floa
         setattr(config, key, value)
     tokenizer_dir = write_tiny_tokenizer(dst)
     config.eos_token_id = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(EOS_TOKEN)
-    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():  # the same init as tiny_models.build_tiny_model
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.mul_(scale)
-            elif "bias" in name or "sinks" in name:
-                param.normal_(0, 0.5)
-            elif "norm" in name:
-                param.uniform_(0.8, 1.2)
-    model.save_pretrained(dst)
-    return model
+    return build_tiny_model(family, dst, seed=seed, scale=scale, config=config)
 
 
 def gguf_tensors(model, family: str) -> dict[str, np.ndarray]:

@@ -47,12 +47,13 @@ def tiny_config(family: str):
     raise ValueError(family)
 
 
-def build_tiny_model(family: str, dst: Path, *, seed: int = 0, scale: float = 4.0):
-    """Save a tiny ``family`` model (config.json + model.safetensors) to dst; return the transformers model."""
+def build_tiny_model(family: str, dst: Path, *, seed: int = 0, scale: float = 4.0, config=None):
+    """Save a tiny ``family`` model (config.json + model.safetensors) to dst; return the transformers model.
+    ``config`` replaces ``tiny_config(family)`` (e.g. one with some fields changed)."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    config = tiny_config(family)
+    config = config if config is not None else tiny_config(family)
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
