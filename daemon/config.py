@@ -77,6 +77,16 @@ def gpu_memory_file() -> Path | None:
     return Path(value) if value else None
 
 
+def xdg_config_home() -> Path:
+    """$XDG_CONFIG_HOME, else ~/.config: where OpenCode keeps opencode.json (`moed launch opencode`)."""
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+
+
+def codex_home() -> Path:
+    """$CODEX_HOME, else ~/.codex: where Codex CLI keeps config.toml (`moed launch codex`)."""
+    return Path(os.environ.get("CODEX_HOME") or Path.home() / ".codex")
+
+
 def socket_override() -> str | None:
     """$MOED_SOCKET: the daemon address clients use (and `moed serve` listens on) instead of the default."""
     return os.environ.get("MOED_SOCKET") or None

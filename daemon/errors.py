@@ -38,6 +38,14 @@ class QueueFullError(MoedError):
     """The engine's waiting queue is full; the request was not accepted (retry later)."""
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """A request names a model that is not loaded (HTTP 404; the message lists the loaded ones)."""
+
+
+class ServiceUnavailableError(MoedError):
+    """The daemon cannot serve this now (paused, a model still loading, shutting down); retry later."""
+
+
 MAX_QUOTED_CHARS = 200
 
 

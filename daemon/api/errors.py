@@ -16,6 +16,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, getattr(errors, "ModelNotFoundError", ())):
         return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, errors.ServiceUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, getattr(errors, "InsufficientMemoryError", ())):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, errors.ModelExistsError):

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     from moed.cli.service_cmd import add_service_command
 
     add_service_command(sub)
+    from moed.cli.launch_cmd import add_launch_command
+
+    add_launch_command(sub, add_address)
 
     bench = sub.add_parser("bench", help="benchmarks of this machine")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
@@ -143,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from moed.cli.bench_cmd import run_bench
             return run_bench(args)
+        if args.command == "launch":
+            from moed.cli.launch_cmd import run_launch
+
+            return run_launch(args, daemon_address(args))
         if args.command == "service":
             from moed.cli.service_cmd import run_service
             return run_service(args)

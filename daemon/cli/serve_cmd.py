@@ -19,6 +19,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="load this model at start (directory or name)")
     parser.add_argument("--tcp", help="also listen on HOST:PORT (non-loopback needs a token: --token-file, "
                         "--token or $MOED_TOKEN)")
+    parser.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI- and Anthropic-compatible HTTP "
+                        "API on HOST:PORT (off by default; e.g. 127.0.0.1:8080; non-loopback needs a token, the "
+                        "same one as gRPC's)")
     tokens = parser.add_mutually_exclusive_group()
     tokens.add_argument("--token", help="require this token as call metadata (default $MOED_TOKEN, else the "
                         "file $MOED_TOKEN_FILE); other local users can see it in the process list: prefer "
@@ -65,6 +68,7 @@ def _serve(args: argparse.Namespace, socket_path: str, shutdown: threading.Event
     lock = InstanceLock(socket.with_name(socket.name + ".lock")).acquire()
     governor = None
     server = None
+    http = None
     ctx = None
     try:
         governor = MemoryGovernor(default_memory_source(gpu_memory_file=config.gpu_memory_file()), GovernorConfig())
@@ -72,17 +76,23 @@ def _serve(args: argparse.Namespace, socket_path: str, shutdown: threading.Event
         if cap or fraction:
             governor.set_user_cap(cap or None, fraction=fraction)
         ctx = DaemonContext(manager=ModelManager(paths.model_dirs()), governor=governor, shutdown_requested=shutdown)
-        server = DaemonServer(ctx, ServerConfig(socket_path=socket, tcp=args.tcp,
-                                                token=config.daemon_token(args.token, args.token_file)))
+        token = config.daemon_token(args.token, args.token_file)
+        server = DaemonServer(ctx, ServerConfig(socket_path=socket, tcp=args.tcp, token=token))
+        if args.http:
+            from moed.api.http.server import HttpServer
+
+            http = HttpServer(ctx, args.http, token)  # checks the address (and the token rule) before binding
         if shutdown.is_set():  # asked to stop while starting: never open the socket
             log.info("shutdown requested during start-up")
         else:
-            _run_until_shutdown(ctx, server, lock, args, log_file)
+            _run_until_shutdown(ctx, server, http, lock, args, log_file)
     finally:
         if ctx is not None:
             log.info("shutting down (cancel in-flight: %s)", ctx.shutdown_cancel_inflight)
             ctx.stopping = True
             ctx.manager.close(cancel_inflight=ctx.shutdown_cancel_inflight)
+        if http is not None:
+            http.stop()
         if server is not None:
             server.stop()
         if governor is not None:
@@ -96,7 +106,7 @@ def _stopped() -> int:
     return 0
 
 
-def _run_until_shutdown(ctx, server, lock, args: argparse.Namespace, log_file: Path) -> None:
+def _run_until_shutdown(ctx, server, http, lock, args: argparse.Namespace, log_file: Path) -> None:
     def on_budget(budget: int | None) -> None:
         # called on the governor thread: each model's loop applies its resize at its next safe point
         if ctx.manager.apply_cache_budget(budget):
@@ -108,6 +118,9 @@ def _run_until_shutdown(ctx, server, lock, args: argparse.Namespace, log_file: P
     # health says SERVING only when the daemon can serve: not before an initial --model load
     addresses = server.start(serving=not args.model)
     lock.update_address(addresses[0])
+    if http is not None:
+        http.start()
+        addresses.append(http.url)
     log.info("moed daemon pid %s, logs in %s", os.getpid(), log_file)
     print(f"moed daemon listening on {', '.join(addresses)} (logs: {log_file})", flush=True)
     if args.model:

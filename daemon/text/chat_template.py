@@ -189,3 +189,29 @@ def render_chat(
             "The template is broken or needs inputs moed does not provide; fix the template "
             "or use plain prompt mode (omit --chat)."
         ) from exc
+
+
+_PROBE_TOOL_NAME = "moed_probe_tool_5c1e"
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": _PROBE_TOOL_NAME, "description": "Checks whether the chat template renders tools.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}]
+
+
+@functools.lru_cache(maxsize=32)
+def template_renders_tools(template: str | None) -> bool:
+    """Whether the template puts the ``tools`` it is given into the prompt.
+
+    Renders a short conversation with a probe tool (with and without a system message, since some
+    templates insist on one) and looks for the probe's name; a template that fails to render
+    with tools, or ignores them, cannot offer tools to the model.
+    """
+    if not template:
+        return False
+    for messages in ([{"role": "user", "content": "Hi"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]):
+        try:
+            prompt = render_chat(template, messages, tools=_PROBE_TOOLS, bos_token="", eos_token="")
+        except MoedError:
+            continue
+        return _PROBE_TOOL_NAME in prompt
+    return False

@@ -287,6 +287,11 @@ class Tokenizer:
                  "unk_token": self.unk_token}
         return {k: v for k, v in named.items() if v is not None}
 
+    @property
+    def tool_chat_template(self) -> str | None:
+        """The template that renders a request with tools: the "tool_use" one when the model has it."""
+        return self.chat_templates.get("tool_use") or self.chat_template
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],

@@ -1,0 +1,378 @@
+"""EngineBridge: the one place HTTP code talks to the engine (model lookup, prompts, streamed generation).
+
+The HTTP endpoints (OpenAI and Anthropic alike) only translate their wire formats; every engine
+call they need goes through here, the same calls the gRPC ``InferenceServicer`` makes:
+``ModelManager.get`` to pick a model, the model's own chat template and tokenizer to build the
+prompt, ``EngineLoop.submit`` to queue it, ``RequestHandle.events`` / ``cancel`` to stream it.
+
+Model names: a request's ``model`` must be the name a loaded model is listed under (``GET
+/v1/models``, ``moed ps``). When exactly one model is loaded, an empty name or ``"default"`` also
+means that model. Any other name is a 404 listing the loaded names: a typo never silently runs a
+different model than the one asked for.
+
+Streams: the engine thread pushes ``StreamEvent``s into a thread-safe queue; a small pump thread
+per request moves them onto the asyncio loop, so the event loop never blocks on the engine. When
+the consumer stops iterating (client gone, generator closed, an error), the request is cancelled
+and its KV slot freed at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from moed.api.daemon_context import DaemonContext
+from moed.engine.model_manager import LoadedEntry
+from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent
+from moed.engine.sampling import SamplingParams
+from moed.errors import InvalidRequestError, ModelNotFoundError, ServiceUnavailableError, quoted
+from moed.text.output_parser import OutputParser, output_parser_for, prompt_opens_reasoning, supports_tools
+from moed.text.stop_strings import StopMatcher
+from moed.text.stream_decoder import StreamDecoder
+from moed.text.tokenizer import Tokenizer
+
+DEFAULT_MODEL_ALIASES = ("", "default")  # mean "the one loaded model" when exactly one is loaded
+PROMPT_TAIL_TOKENS = 16  # enough of the prompt's end to see whether it opened a reasoning block
+PUMP_POLL_S = 1.0  # the pump thread re-checks whether its consumer left this often
+DISCONNECT_CHECK_S = 0.25  # how often a non-streamed request checks that its client is still there
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the HTTP APIs list about one loaded model."""
+
+    name: str
+    family: str  # config.json model_type: "qwen3_moe", "gpt_oss", "deepseek_v3", "mixtral", ...
+    context_length: int  # prompt + generated tokens the model's engine loop serves
+    created: int  # unix time the model was loaded
+
+
+class GenerationStream:
+    """One submitted request: iterate ``events()`` on the asyncio loop; ``cancel()`` from anywhere.
+
+    Made by ``EngineBridge.open_stream`` (which submits at once, so a full queue or a bad prompt
+    raises before any HTTP response has started). The events are the engine's ``StreamEvent``s;
+    in raw mode their ``text`` is the output decoded with special tokens kept (see ``open_stream``).
+    """
+
+    def __init__(self, handle: RequestHandle, *, raw_decoder: StreamDecoder | None = None, eos_ids: frozenset[int] = frozenset(),
+                 stop: tuple[str, ...] = ()) -> None:
+        self.handle = handle
+        self.request_id = handle.request_id
+        self.finish_reason = ""  # the done event's reason, once seen
+        self._raw = raw_decoder
+        self._eos_ids = eos_ids
+        self._stop = StopMatcher(stop) if raw_decoder is not None else None
+        self._stopped_by_raw_stop = False
+        self._left = threading.Event()  # the consumer is gone: the pump may end
+        self._started = False
+        self._done = False
+
+    def cancel(self) -> bool:
+        """Ask the engine to stop this request (idempotent; False when it had already finished)."""
+        return self.handle.cancel()
+
+    async def events(self, *, heartbeat_s: float | None = None,
+                     is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+                     ) -> AsyncIterator[StreamEvent | None]:
+        """Yield the request's events, ending after the done event (``done=True``, finish reason, usage).
+
+        ``heartbeat_s``: when no event came for that long, yield ``None`` (a chance to send an SSE
+        ping or comment while the model is silent, e.g. during a long prefill).
+        ``is_disconnected`` (e.g. starlette's ``request.is_disconnected``; for non-streamed answers,
+        where nothing else watches the connection) is checked every DISCONNECT_CHECK_S: a client
+        that left cancels the request and ends the iteration. Leaving the loop early in any way
+        (break, exception, ``aclose``, task cancellation) cancels the request.
+        """
+        if self._started:
+            raise RuntimeError(f"request {self.request_id!r}: events() can be iterated only once")
+        self._started = True
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
+        threading.Thread(target=self._pump, args=(loop, queue), name=f"moed-http-{self.request_id[:16]}",
+                         daemon=True).start()
+        now = loop.time()
+        silent_until = now + heartbeat_s if heartbeat_s is not None else None
+        check_at = now + DISCONNECT_CHECK_S if is_disconnected is not None else None
+        try:
+            while True:
+                due = [t for t in (silent_until, check_at) if t is not None]
+                try:
+                    if due:  # Queue.get is cancel-safe: a timed-out get loses nothing
+                        item = await asyncio.wait_for(queue.get(), max(0.0, min(due) - loop.time()))
+                    else:
+                        item = await queue.get()
+                except asyncio.TimeoutError:
+                    item = None
+                now = loop.time()
+                if check_at is not None and now >= check_at:
+                    check_at = now + DISCONNECT_CHECK_S
+                    if await is_disconnected():
+                        return
+                if item is None:
+                    if silent_until is not None and now >= silent_until:
+                        silent_until = now + heartbeat_s
+                        yield None
+                    continue
+                if silent_until is not None:
+                    silent_until = now + heartbeat_s
+                if isinstance(item, BaseException):
+                    raise item
+                if item.done:
+                    self._done = True
+                    self.finish_reason = item.finish_reason
+                yield item
+                if item.done:
+                    return
+        finally:
+            self._left.set()
+            if not self._done:
+                self.handle.cancel()
+
+    # ---- the pump thread ----
+
+    def _pump(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        """Move events from the engine's handle onto the asyncio queue (raw-decoding them on the way)."""
+
+        def put(item: StreamEvent | BaseException) -> bool:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+                return True
+            except RuntimeError:  # the event loop closed (server stopping): nobody is listening any more
+                return False
+
+        try:
+            while not self._left.is_set():
+                try:
+                    for event in self.handle.events(timeout=PUMP_POLL_S):
+                        if self._raw is not None:
+                            event = self._raw_event(event)
+                        if not put(event) or event.done:
+                            return
+                    return
+                except TimeoutError:
+                    continue  # nothing yet: check whether the consumer is still there
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it (and cancels)
+            put(exc)
+
+    def _raw_event(self, event: StreamEvent) -> StreamEvent:
+        """The event with its text decoded from its token ids, special tokens kept (EOS excluded)."""
+        if event.done:
+            text = "" if self._stop.stopped else self._stop.push(self._raw.flush())[0] + self._stop.flush()
+            reason = event.finish_reason
+            if self._stopped_by_raw_stop and reason in ("cancelled", "eos", "length", "context", "deadline"):
+                reason = "stop"  # what ended the text here was the stop string, whatever the engine saw next
+            return dataclasses.replace(event, text=text, finish_reason=reason)
+        if self._stop.stopped:
+            return dataclasses.replace(event, text="")
+        ids = [t for t in event.token_ids if t not in self._eos_ids]
+        text, hit = self._stop.push(self._raw.add_many(ids) if ids else "")
+        if hit:
+            # the engine matches stop strings on text without special tokens; here they were kept, so the
+            # stop may show up first in this text: end the request here all the same
+            self._stopped_by_raw_stop = True
+            self.handle.cancel()
+        return dataclasses.replace(event, text=text)
+
+
+class EngineBridge:
+    """Engine access for the HTTP endpoints; methods raise ``MoedError``s with messages for people."""
+
+    def __init__(self, ctx: DaemonContext) -> None:
+        self.ctx = ctx
+
+    # ---- models ----
+
+    def resolve(self, model: str | None) -> LoadedEntry:
+        """The loaded model a request names (see the module docstring for the rules).
+
+        Raises ServiceUnavailableError (paused, loading, stopping), ModelNotFoundError (not loaded)
+        or InvalidRequestError (several loaded and none named).
+        """
+        if self.ctx.stopping:
+            raise ServiceUnavailableError("the daemon is shutting down")
+        if self.ctx.paused:
+            raise ServiceUnavailableError("serving is paused; resume it from the tray")
+        name = model or ""
+        if not isinstance(name, str):
+            raise InvalidRequestError(f"model must be a string, got {quoted(model)}")
+        loaded = {e.name: e for e in self.ctx.manager.loaded()}
+        if name in loaded:
+            return self.ctx.manager.get(name)
+        if not loaded:
+            if self.ctx.manager.is_loading:
+                raise ServiceUnavailableError("a model is still loading; retry when `GET /health` says ok")
+            raise ModelNotFoundError(f"model {quoted(name)}: no model is loaded; load one with `moed load MODEL` "
+                                     "or start the daemon with `moed serve --model MODEL`")
+        if name in DEFAULT_MODEL_ALIASES:
+            if len(loaded) == 1:
+                return self.ctx.manager.get(next(iter(loaded)))
+            raise InvalidRequestError(f"several models are loaded ({', '.join(sorted(loaded))}); "
+                                      "name one in the request's 'model' field")
+        raise ModelNotFoundError(f"model {quoted(name)} is not loaded (loaded: {', '.join(sorted(loaded))}); "
+                                 "use one of these names (GET /v1/models lists them) or load it with `moed load`")
+
+    def models(self) -> list[ModelInfo]:
+        """Every loaded model, sorted by name."""
+        return [self.model_info(e) for e in sorted(self.ctx.manager.loaded(), key=lambda e: e.name)]
+
+    @staticmethod
+    def model_info(entry: LoadedEntry) -> ModelInfo:
+        return ModelInfo(name=entry.name, family=EngineBridge.family(entry),
+                         context_length=entry.loop.context_length, created=int(entry.loaded_at))
+
+    @staticmethod
+    def family(entry: LoadedEntry) -> str:
+        """The model's family (config.json model_type), which picks its tool-call / reasoning parser."""
+        return entry.runtime.model.config.family
+
+    @staticmethod
+    def tokenizer(entry: LoadedEntry) -> Tokenizer:
+        tokenizer = entry.runtime.tokenizer
+        if tokenizer is None:  # the manager refuses such loads; a guard for hand-made entries
+            raise InvalidRequestError(f"model {quoted(entry.name)} has no tokenizer; it cannot serve text")
+        return tokenizer
+
+    # ---- prompts ----
+
+    def render_chat(self, entry: LoadedEntry, messages: list[dict[str, Any]], *,
+                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                    **template_variables: Any) -> list[int]:
+        """Prompt ids for chat messages (and tools) rendered by the model's own chat template.
+
+        ``messages`` are HF-style dicts: ``{"role", "content"}``, assistant ``tool_calls``
+        (``[{"id", "type": "function", "function": {"name", "arguments": dict}}]``), tool results
+        ``{"role": "tool", "tool_call_id", "content"}``. ``tools`` are OpenAI-style
+        ``{"type": "function", "function": {"name", "description", "parameters"}}`` objects, passed
+        as the template's ``tools`` variable (None or [] = none rendered). Extra keyword arguments
+        become template variables (e.g. ``enable_thinking=False``, ``reasoning_effort="low"``).
+        """
+        return self.tokenizer(entry).encode(
+            self.render_chat_text(entry, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                  **template_variables),
+            add_special_tokens=False)  # the template wrote any BOS it wants
+
+    def render_chat_text(self, entry: LoadedEntry, messages: list[dict[str, Any]], *,
+                         tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                         **template_variables: Any) -> str:
+        """The rendered prompt text (what ``render_chat`` encodes)."""
+        return self.tokenizer(entry).apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                         tools=tools or None, **template_variables)
+
+    def encode(self, entry: LoadedEntry, text: str) -> list[int]:
+        """Prompt ids for a plain (completion) prompt, with the tokenizer's own BOS handling."""
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError("the prompt is empty; give at least one character of text")
+        return self.tokenizer(entry).encode(text)
+
+    def count_tokens(self, entry: LoadedEntry, messages: list[dict[str, Any]], *,
+                     tools: list[dict[str, Any]] | None = None, **template_variables: Any) -> int:
+        """How many prompt tokens these messages (and tools) take, generation prompt included."""
+        return len(self.render_chat(entry, messages, tools=tools, **template_variables))
+
+    def check_max_tokens(self, entry: LoadedEntry, max_tokens: int | None, *, field: str = "max_tokens") -> None:
+        """InvalidRequestError when ``max_tokens`` alone exceeds the model's context.
+
+        A smaller value that does not fit after a long prompt is not an error: generation ends when
+        the context is full, with finish reason "context" (agents send generous limits by default).
+        """
+        if max_tokens is not None and max_tokens > entry.loop.context_length:
+            raise InvalidRequestError(
+                f"{field}={max_tokens} is more than model {quoted(entry.name)}'s context of "
+                f"{entry.loop.context_length} tokens (prompt and output together); ask for fewer, or load the model "
+                "with a larger context (`moed load MODEL --context N`)")
+
+    def default_max_tokens(self, entry: LoadedEntry, prompt_ids: list[int]) -> int:
+        """The output budget when a request gives none: the rest of the context (at least 1)."""
+        return max(1, entry.loop.context_length - len(prompt_ids))
+
+    # ---- tools and output parsing ----
+
+    def supports_tools(self, entry: LoadedEntry) -> bool:
+        """Whether the model's family has a tool-call parser and its chat template renders tools."""
+        return supports_tools(self.family(entry), self.tokenizer(entry).tool_chat_template)
+
+    def require_tools(self, entry: LoadedEntry) -> None:
+        """InvalidRequestError (400) when the request has tools the model cannot use."""
+        if not self.supports_tools(entry):
+            family = self.family(entry) or "unknown"
+            raise InvalidRequestError(
+                f"model {quoted(entry.name)} (family {family}) does not support tool calls: its chat template "
+                "does not render tools or moed has no tool-call parser for its family; send the request without "
+                "tools, or use a model with tool support (Qwen3-MoE, gpt-oss, DeepSeek-V3, Mixtral with a tools "
+                "template)")
+
+    def output_parser(self, entry: LoadedEntry, *, tools: bool | Sequence[dict[str, Any]],
+                      prompt_ids: Sequence[int] | None = None) -> OutputParser:
+        """A fresh streaming parser for one answer of this model: ``feed(text) -> [OutputEvent]``, ``finish()``.
+
+        OutputEvent.kind is "text", "reasoning" or "tool_call" (``tool_index``, ``tool_id``,
+        ``name`` on a call's first event, then ``arguments_delta`` JSON pieces); see
+        ``moed.text.output_parser``. ``tools``: the request's tools (OpenAI-style dicts, or
+        Anthropic-style ``{"name", ...}``; a call to a name not among them stays text) or just
+        whether there are any. ``prompt_ids``: the prompt, so that an answer that starts inside a
+        reasoning block the template opened (``...<think>\n``) is parsed as reasoning. Feed it
+        the text of a stream opened with ``raw=True``: parsers read special tokens.
+        """
+        names = None
+        if not isinstance(tools, bool):
+            names = [t.get("function", t).get("name") for t in tools]
+            names = [n for n in names if isinstance(n, str)]
+        opens = False
+        if prompt_ids:
+            tail = self.tokenizer(entry).decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
+            opens = prompt_opens_reasoning(self.family(entry), tail)
+        return output_parser_for(self.family(entry), tools=bool(tools), starts_in_reasoning=opens, tool_names=names)
+
+    @staticmethod
+    def parser_wants_raw(parser: OutputParser) -> bool:
+        """Open a parser's stream with ``raw=`` this: True, since every family's parser reads the text
+        with special tokens kept (gpt-oss's ``<|channel|>``, Mistral's ``[TOOL_CALLS]`` are special
+        tokens) and drops end-of-turn tokens itself."""
+        return True
+
+    # ---- generation ----
+
+    def open_stream(self, entry: LoadedEntry, prompt_ids: list[int], params: SamplingParams, *,
+                    request_id: str | None = None, deadline: float | None = None,
+                    raw: bool = False) -> GenerationStream:
+        """Submit a request now (raises InvalidRequestError / QueueFullError / ServiceUnavailableError
+        before anything is queued) and return its stream; iterate ``stream.events()`` on the loop.
+
+        ``raw=True``: event texts are decoded from the token ids with special tokens kept (the
+        engine's own text skips them, but tool/reasoning markers of some families, e.g. gpt-oss's
+        ``<|channel|>``, are special tokens); EOS tokens are left out, and stop strings are matched
+        on this text too. ``deadline`` is a ``time.monotonic()`` instant.
+        """
+        if self.ctx.stopping:
+            raise ServiceUnavailableError("the daemon is shutting down")
+        if self.ctx.paused:
+            raise ServiceUnavailableError("serving is paused; resume it from the tray")
+        request_id = request_id or uuid.uuid4().hex
+        handle = entry.loop.submit(GenerationRequest(request_id, list(prompt_ids), params, deadline))
+        if not raw:
+            return GenerationStream(handle)
+        tokenizer = self.tokenizer(entry)
+        eos = frozenset() if params.ignore_eos else frozenset(
+            set(entry.runtime.model.config.eos_token_ids) | set(tokenizer.eos_token_ids))
+        return GenerationStream(handle, raw_decoder=tokenizer.stream_decoder(prompt_ids, skip_special_tokens=False),
+                                eos_ids=eos, stop=params.stop)
+
+    async def stream(self, entry: LoadedEntry, prompt_ids: list[int], params: SamplingParams, *,
+                     request_id: str | None = None, deadline: float | None = None, raw: bool = False,
+                     heartbeat_s: float | None = None,
+                     is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+                     ) -> AsyncIterator[StreamEvent | None]:
+        """``open_stream`` + ``events()`` in one: submits on the first iteration, so errors surface there."""
+        stream = self.open_stream(entry, prompt_ids, params, request_id=request_id, deadline=deadline, raw=raw)
+        events = stream.events(heartbeat_s=heartbeat_s, is_disconnected=is_disconnected)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+

@@ -1,0 +1,186 @@
+"""POST /v1/chat/completions: OpenAI chat messages -> the model's chat template -> the engine, and back.
+
+tool_choice: "auto" (or absent) renders the request's tools and parses tool calls; "none" renders
+no tools and parses none; a named function renders only that tool; "required" renders the tools
+as "auto" does. Neither of the last two is enforced by constrained decoding: the model is asked,
+not forced, and an answer without a call ends with finish_reason "stop".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from moed.api.http.bridge import EngineBridge
+from moed.api.http.error_status import ParamError, failure_of
+from moed.api.http.openai_protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                           ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage,
+                                           ToolCallDelta, ToolCallDeltaFunction, ToolCallFunction, ToolCallOut)
+from moed.api.http.openai_shared import (HEARTBEAT_S, SSE_DONE, SSE_KEEPALIVE, error_body, finish_reason, new_id,
+                                         now, raise_if_failed, refuse_unsupported, sampling_params, sse, stop_strings,
+                                         usage_of)
+from moed.api.http.output_stream import Finished, OutputCollector, parsed_events
+from moed.api.http.sse_response import SseResponse
+from moed.text.chat_template import validate_messages
+
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+
+
+def content_text(content: str | list[dict[str, Any]] | None, where: str) -> str | None:
+    """A message's content as one string (text parts joined by newlines); None stays None."""
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.get("type", "text") not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
+            raise ParamError(f"{where}.content[{j}] is a {part.get('type', 'untyped')!r} part; moed serves text "
+                             "models, so only {'type': 'text', 'text': '...'} parts are accepted",
+                             f"{where}.content")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def arguments_value(arguments: str | dict[str, Any]) -> Any:
+    """Tool-call arguments as the chat template expects them: a JSON object when they parse as one."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        return arguments  # templates that print arguments as a string still work
+    return value if isinstance(value, dict) else arguments
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages -> the HF-style dicts chat templates read; tool results must answer a tool call."""
+    out: list[dict[str, Any]] = []
+    call_names: dict[str, str] = {}  # tool_call id -> function name, from earlier assistant messages
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+        content = content_text(m.content, where)
+        if content is not None:
+            msg["content"] = content
+        if m.role == "assistant":
+            if m.tool_calls:
+                msg["tool_calls"] = []
+                for call in m.tool_calls:
+                    call_names[call.id] = call.function.name
+                    msg["tool_calls"].append({"id": call.id, "type": "function", "function": {
+                        "name": call.function.name, "arguments": arguments_value(call.function.arguments)}})
+            elif content is None:
+                msg["content"] = ""
+            if m.reasoning_content:
+                msg["reasoning_content"] = m.reasoning_content
+        elif m.role == "tool":
+            if not m.tool_call_id:
+                raise ParamError(f"{where} (tool) has no 'tool_call_id'; give the id of the assistant tool call it "
+                                 "answers", f"{where}.tool_call_id")
+            if m.tool_call_id not in call_names:
+                raise ParamError(f"{where} (tool) answers tool call {m.tool_call_id!r}, but no earlier assistant "
+                                 "message has a tool call with that id", f"{where}.tool_call_id")
+            msg["tool_call_id"] = m.tool_call_id
+            msg["name"] = m.name or call_names[m.tool_call_id]
+            msg.setdefault("content", "")
+        elif content is None:
+            raise ParamError(f"{where} ({m.role}) has no 'content'; give a string (it may be empty)",
+                             f"{where}.content")
+        out.append(msg)
+    return validate_messages(out)
+
+
+def request_tools(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The tools to render, after tool_choice: [] for "none" (or no tools), only the named one if named."""
+    if not body.tools or body.tool_choice == "none":
+        return []
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    choice = body.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        named = [t for t in tools if t["function"]["name"] == choice.function.name]
+        if not named:
+            names = ", ".join(t["function"]["name"] for t in tools)
+            raise ParamError(f"tool_choice names function {choice.function.name!r}, which is not among the "
+                             f"request's tools ({names})", "tool_choice")
+        return named
+    return tools
+
+
+async def create_chat_completion(bridge: EngineBridge, body: ChatCompletionRequest, request: Request):
+    refuse_unsupported(body)
+    entry = bridge.resolve(body.model)
+    messages = template_messages(body.messages)
+    tools = request_tools(body)
+    if tools:
+        bridge.require_tools(entry)
+    variables = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        variables.setdefault("reasoning_effort", body.reasoning_effort)
+    prompt_ids = bridge.render_chat(entry, messages, tools=tools, **variables)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    bridge.check_max_tokens(entry, max_tokens, field="max_completion_tokens" if body.max_completion_tokens
+                            else "max_tokens")
+    params = sampling_params(body, max_tokens=max_tokens or bridge.default_max_tokens(entry, prompt_ids),
+                             stop=stop_strings(body.stop))
+    parser = bridge.output_parser(entry, tools=tools, prompt_ids=prompt_ids)
+    stream = bridge.open_stream(entry, prompt_ids, params, raw=True)
+    chat_id, created = new_id("chatcmpl-"), now()
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return SseResponse(_chunks(stream, parser, chat_id, created, entry.name, include_usage), stream.cancel)
+    collected = OutputCollector()
+    async for event in parsed_events(stream, parser, is_disconnected=request.is_disconnected):
+        collected.add(event)
+    finished = collected.finished
+    if finished is None:  # the client left; nobody reads this
+        return JSONResponse({}, status_code=499)
+    raise_if_failed(finished.reason, finished.error)
+    calls = [ToolCallOut(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
+             for c in collected.tool_calls]
+    message = AssistantMessage(content=collected.text if collected.text or not calls else None,
+                               reasoning_content=collected.reasoning or None, tool_calls=calls or None)
+    answer = ChatCompletion(id=chat_id, created=created, model=entry.name, usage=usage_of(finished.usage), choices=[
+        ChatChoice(message=message, finish_reason=finish_reason(finished.reason, has_tool_calls=bool(calls)))])
+    return JSONResponse(answer.model_dump(exclude_none=True))
+
+
+async def _chunks(stream, parser, chat_id: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
+    def chunk(delta: ChatDelta, reason: str | None = None) -> str:
+        return sse(ChatCompletionChunk(id=chat_id, created=created, model=model,
+                                       choices=[ChatChunkChoice(delta=delta, finish_reason=reason)]))
+
+    yield chunk(ChatDelta(role="assistant", content=""))
+    started: set[int] = set()
+    async for event in parsed_events(stream, parser, heartbeat_s=HEARTBEAT_S):
+        if event is None:
+            yield SSE_KEEPALIVE
+        elif isinstance(event, Finished):
+            try:
+                raise_if_failed(event.reason, event.error)
+            except Exception as exc:  # the status line is long gone: report it in the stream
+                yield sse(error_body(failure_of(exc)))
+                yield SSE_DONE
+                return
+            yield chunk(ChatDelta(), finish_reason(event.reason, has_tool_calls=event.has_tool_calls))
+            if include_usage:
+                yield sse(ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[],
+                                              usage=usage_of(event.usage)))
+            yield SSE_DONE
+        elif event.kind == "text" and event.text:
+            yield chunk(ChatDelta(content=event.text))
+        elif event.kind == "reasoning" and event.text:
+            yield chunk(ChatDelta(reasoning_content=event.text))
+        elif event.kind == "tool_call":
+            args = event.arguments_delta
+            if event.tool_index not in started:
+                started.add(event.tool_index)
+                delta = ToolCallDelta(index=event.tool_index, id=event.tool_id, type="function",
+                                      function=ToolCallDeltaFunction(name=event.name, arguments=args))
+            elif args:
+                delta = ToolCallDelta(index=event.tool_index, function=ToolCallDeltaFunction(arguments=args))
+            else:
+                continue
+            yield chunk(ChatDelta(tool_calls=[delta]))

@@ -1,0 +1,82 @@
+"""POST /v1/completions: a plain prompt (no chat template) -> the engine -> text, streamed or whole."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from moed.api.http.bridge import EngineBridge
+from moed.api.http.error_status import ParamError, failure_of
+from moed.api.http.openai_protocol import Completion, CompletionChoice, CompletionRequest
+from moed.api.http.openai_shared import (HEARTBEAT_S, SSE_DONE, SSE_KEEPALIVE, error_body, finish_reason, new_id,
+                                         now, raise_if_failed, refuse_unsupported, sampling_params, sse, stop_strings,
+                                         usage_of)
+from moed.api.http.sse_response import SseResponse
+
+
+def prompt_ids_of(bridge: EngineBridge, entry, prompt: str | list[str] | list[int]) -> list[int]:
+    """One prompt: a string, a list holding one string, or token ids."""
+    if isinstance(prompt, str):
+        return bridge.encode(entry, prompt)
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return list(prompt)  # token ids; the engine checks them against the vocabulary
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return bridge.encode(entry, prompt[0])
+    raise ParamError(f"prompt is a list of {len(prompt)} prompts; moed completes one prompt per request: send a "
+                     "string (or a list of token ids)", "prompt")
+
+
+async def create_completion(bridge: EngineBridge, body: CompletionRequest, request: Request):
+    refuse_unsupported(body)
+    if body.echo:
+        raise ParamError("echo is not supported; leave it out (the prompt is yours already)", "echo")
+    if body.suffix:
+        raise ParamError("suffix (fill-in-the-middle) is not supported; leave it out", "suffix")
+    entry = bridge.resolve(body.model)
+    prompt_ids = prompt_ids_of(bridge, entry, body.prompt)
+    bridge.check_max_tokens(entry, body.max_tokens)
+    # OpenAI's documented default for completions is 16 tokens
+    params = sampling_params(body, max_tokens=body.max_tokens or 16, stop=stop_strings(body.stop))
+    stream = bridge.open_stream(entry, prompt_ids, params)
+    cmpl_id, created = new_id("cmpl-"), now()
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return SseResponse(_chunks(stream, cmpl_id, created, entry.name, include_usage), stream.cancel)
+    text, done = [], None
+    async for event in stream.events(is_disconnected=request.is_disconnected):
+        if event is not None:
+            text.append(event.text)
+            done = event if event.done else None
+    if done is None:
+        return JSONResponse({}, status_code=499)  # the client left
+    raise_if_failed(done.finish_reason, done.error)
+    answer = Completion(id=cmpl_id, created=created, model=entry.name, usage=usage_of(done.usage), choices=[
+        CompletionChoice(text="".join(text), finish_reason=finish_reason(done.finish_reason, has_tool_calls=False))])
+    return JSONResponse(answer.model_dump(exclude_none=True))
+
+
+async def _chunks(stream, cmpl_id: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
+    def chunk(text: str, reason: str | None = None) -> str:
+        return sse(Completion(id=cmpl_id, created=created, model=model,
+                              choices=[CompletionChoice(text=text, finish_reason=reason)]))
+
+    async for event in stream.events(heartbeat_s=HEARTBEAT_S):
+        if event is None:
+            yield SSE_KEEPALIVE
+        elif not event.done:
+            if event.text:
+                yield chunk(event.text)
+        else:
+            try:
+                raise_if_failed(event.finish_reason, event.error)
+            except Exception as exc:
+                yield sse(error_body(failure_of(exc)))
+                yield SSE_DONE
+                return
+            yield chunk(event.text, finish_reason(event.finish_reason, has_tool_calls=False))
+            if include_usage:
+                yield sse(Completion(id=cmpl_id, created=created, model=model, choices=[],
+                                     usage=usage_of(event.usage)))
+            yield SSE_DONE

@@ -1,0 +1,326 @@
+"""POST /v1/responses: OpenAI's Responses API (what Codex CLI speaks) over the same chat path.
+
+``input`` items (messages, ``function_call``, ``function_call_output``, ``reasoning``) become chat
+messages for the model's template; the parsed output becomes ``reasoning``, ``message`` and
+``function_call`` output items, streamed with the Responses event sequence (response.created,
+response.in_progress, response.output_item.added, response.content_part.added,
+response.output_text.delta / response.reasoning_text.delta / response.function_call_arguments.delta,
+the matching .done events, response.output_item.done, and response.completed, or
+response.incomplete when the token limit cut the answer). Nothing is stored: ``previous_response_id``
+is refused; send the whole conversation in ``input`` (Codex does). Tools of other types than
+"function" (hosted tools such as web_search) are left out of the prompt; tool_choice is handled
+as in chat completions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from moed.api.http.bridge import EngineBridge
+from moed.api.http.error_status import ParamError, failure_of
+from moed.api.http.openai_chat import arguments_value
+from moed.api.http.openai_protocol import (ErrorDetail, FunctionCallItem, IncompleteDetails, OutputMessageItem,
+                                           OutputText, ReasoningItem, ReasoningText, ResponseObject,
+                                           ResponsesRequest, ResponsesUsage)
+from moed.api.http.openai_shared import (ERROR_CODES, HEARTBEAT_S, SSE_KEEPALIVE, new_id, now, raise_if_failed,
+                                         sampling_params)
+from moed.api.http.output_stream import Finished, parsed_events
+from moed.api.http.sse_response import SseResponse
+from moed.text.chat_template import validate_messages
+
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ParamError(f"{where}.content must be a string or a list of input_text parts", f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ParamError(f"{where}.content[{j}] is a {kind!r} part; moed serves text models, so only "
+                             "input_text / output_text parts are accepted", f"{where}.content")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """``instructions`` + ``input`` items -> HF-style chat messages (leading system texts merged into one)."""
+    system: list[str] = [body.instructions] if body.instructions else []
+    out: list[dict[str, Any]] = []
+    items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    if not items:
+        raise ParamError("input is empty; give a string or at least one message item", "input")
+    call_names: dict[str, str] = {}
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
+
+    def assistant() -> dict[str, Any]:
+        nonlocal reasoning
+        if out and out[-1]["role"] == "assistant" and not out[-1].get("_closed"):
+            msg = out[-1]
+        else:
+            msg = {"role": "assistant", "content": ""}
+            out.append(msg)
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+            reasoning = ""
+        return msg
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ParamError(f"{where}.role is {role!r}; use user, system, developer or assistant",
+                                 f"{where}.role")
+            text = _text_of(item.get("content", ""), where)
+            if role in ("system", "developer"):
+                if not out:
+                    system.append(text)
+                else:
+                    out.append({"role": "system", "content": text})
+            elif role == "assistant":
+                msg = assistant()
+                msg["content"] = (msg["content"] + "\n" + text) if msg["content"] else text
+            else:
+                out.append({"role": "user", "content": text})
+        elif kind == "function_call":
+            call_id, name = item.get("call_id"), item.get("name")
+            if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
+                raise ParamError(f"{where} (function_call) needs a 'call_id' and a 'name'", where)
+            call_names[call_id] = name
+            msg = assistant()
+            msg.setdefault("tool_calls", []).append({"id": call_id, "type": "function", "function": {
+                "name": name, "arguments": arguments_value(item.get("arguments") or "")}})
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if call_id not in call_names:
+                raise ParamError(f"{where} (function_call_output) answers call_id {call_id!r}, but no earlier "
+                                 "function_call item has that call_id", f"{where}.call_id")
+            if out and out[-1]["role"] == "assistant":
+                out[-1]["_closed"] = True
+            output = item.get("output", "")
+            out.append({"role": "tool", "tool_call_id": call_id, "name": call_names[call_id],
+                        "content": output if isinstance(output, str) else _text_of(output, where)})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            reasoning = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+        else:
+            raise ParamError(f"{where} is a {kind!r} item; moed accepts message, function_call, "
+                             "function_call_output and reasoning items", f"{where}.type")
+    for msg in out:
+        msg.pop("_closed", None)
+    if system:
+        out.insert(0, {"role": "system", "content": "\n\n".join(system)})
+    return validate_messages(out)
+
+
+def request_tools(body: ResponsesRequest) -> list[dict[str, Any]]:
+    if not body.tools or body.tool_choice == "none":
+        return []
+    tools = [{"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
+                                                                 ("parameters", t.parameters)) if v is not None}}
+             for t in body.tools if t.type == "function" and t.name]
+    choice = body.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        tools = [t for t in tools if t["function"]["name"] == choice.name]
+        if not tools:
+            raise ParamError(f"tool_choice names function {choice.name!r}, which is not among the request's "
+                             "function tools", "tool_choice")
+    return tools
+
+
+class ResponseBuilder:
+    """Parsed output events -> output items, and the Responses stream events that build them."""
+
+    def __init__(self, body: ResponsesRequest, model: str) -> None:
+        self.response = ResponseObject(
+            id=new_id("resp_"), created_at=now(), status="in_progress", model=model, instructions=body.instructions,
+            tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
+            tool_choice=body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
+            else body.tool_choice.model_dump(), temperature=body.temperature, top_p=body.top_p,
+            max_output_tokens=body.max_output_tokens,
+            parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls)
+        if self.response.tool_choice is None:
+            self.response.tool_choice = "auto"
+        self._seq = 0
+        self._open: Any = None  # the item being written, with _kind and _tool_index
+        self._open_kind = ""
+        self._open_tool_index: int | None = None
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    def _snapshot(self) -> dict[str, Any]:
+        return self.response.model_dump(exclude_none=True)
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._event("response.created", response=self._snapshot()),
+                self._event("response.in_progress", response=self._snapshot())]
+
+    def _index(self) -> int:
+        return len(self.response.output) - 1
+
+    def _begin(self, kind: str, event: Any) -> list[dict[str, Any]]:
+        if kind == "message":
+            item: Any = OutputMessageItem(id=new_id("msg_"), status="in_progress", content=[])
+            part: dict[str, Any] | None = OutputText(text="").model_dump()
+        elif kind == "reasoning":
+            item = ReasoningItem(id=new_id("rs_"), status="in_progress", content=[])
+            part = ReasoningText(text="").model_dump()
+        else:
+            item = FunctionCallItem(id=new_id("fc_"), call_id=event.tool_id, name=event.name,
+                                    arguments="", status="in_progress")
+            part = None
+        self.response.output.append(item)
+        self._open, self._open_kind = item, kind
+        self._open_tool_index = event.tool_index if kind == "function_call" else None
+        out = [self._event("response.output_item.added", output_index=self._index(),
+                           item=item.model_dump(exclude_none=True))]
+        if part is not None:
+            out.append(self._event("response.content_part.added", item_id=item.id, output_index=self._index(),
+                                   content_index=0, part=part))
+        return out
+
+    def _close(self) -> list[dict[str, Any]]:
+        item, kind, i = self._open, self._open_kind, self._index()
+        if item is None:
+            return []
+        self._open, self._open_kind, self._open_tool_index = None, "", None
+        item.status = "completed"
+        out = []
+        if kind == "message":
+            text = item.content[0].text if item.content else ""
+            if not item.content:
+                item.content = [OutputText(text="")]
+            out += [self._event("response.output_text.done", item_id=item.id, output_index=i, content_index=0,
+                                text=text, logprobs=[]),
+                    self._event("response.content_part.done", item_id=item.id, output_index=i, content_index=0,
+                                part=item.content[0].model_dump())]
+        elif kind == "reasoning":
+            if not item.content:
+                item.content = [ReasoningText(text="")]
+            out += [self._event("response.reasoning_text.done", item_id=item.id, output_index=i, content_index=0,
+                                text=item.content[0].text),
+                    self._event("response.content_part.done", item_id=item.id, output_index=i, content_index=0,
+                                part=item.content[0].model_dump())]
+        else:
+            out.append(self._event("response.function_call_arguments.done", item_id=item.id, output_index=i,
+                                   name=item.name, arguments=item.arguments))
+        out.append(self._event("response.output_item.done", output_index=i, item=item.model_dump(exclude_none=True)))
+        return out
+
+    def add(self, event: Any) -> list[dict[str, Any]]:
+        """The stream events for one parsed output event."""
+        kind = {"text": "message", "reasoning": "reasoning", "tool_call": "function_call"}.get(event.kind)
+        if kind is None:
+            return []
+        if kind != "function_call" and not event.text:
+            return []
+        out: list[dict[str, Any]] = []
+        if self._open_kind != kind or (kind == "function_call" and self._open_tool_index != event.tool_index):
+            out += self._close() + self._begin(kind, event)
+        item, i = self._open, self._index()
+        if kind == "message":
+            if not item.content:
+                item.content = [OutputText(text="")]
+            item.content[0].text += event.text
+            out.append(self._event("response.output_text.delta", item_id=item.id, output_index=i, content_index=0,
+                                   delta=event.text, logprobs=[]))
+        elif kind == "reasoning":
+            if not item.content:
+                item.content = [ReasoningText(text="")]
+            item.content[0].text += event.text
+            out.append(self._event("response.reasoning_text.delta", item_id=item.id, output_index=i,
+                                   content_index=0, delta=event.text))
+        else:
+            item.name = event.name or item.name
+            delta = event.arguments_delta
+            if delta:
+                item.arguments += delta
+                out.append(self._event("response.function_call_arguments.delta", item_id=item.id, output_index=i,
+                                       delta=delta))
+        return out
+
+    def finish(self, finished: Finished) -> list[dict[str, Any]]:
+        """Close the open item; the final event (response.completed / response.incomplete / response.failed)."""
+        out = self._close()
+        u = finished.usage
+        prompt, completion = (u.prompt_tokens, u.completion_tokens) if u is not None else (0, 0)
+        reasoning_tokens = 0  # not counted separately: the parser splits text, not tokens
+        self.response.usage = ResponsesUsage(input_tokens=prompt, output_tokens=completion,
+                                             total_tokens=prompt + completion,
+                                             output_tokens_details={"reasoning_tokens": reasoning_tokens})
+        try:
+            raise_if_failed(finished.reason, finished.error)
+        except Exception as exc:
+            failure = failure_of(exc)
+            self.response.status = "failed"
+            self.response.error = ErrorDetail(message=failure.message, type="server_error",
+                                              code=ERROR_CODES.get(failure.kind, "server_error"))
+            return out + [self._event("response.failed", response=self._snapshot())]
+        if finished.reason in ("length", "context", "deadline"):
+            self.response.status = "incomplete"
+            self.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+            if self.response.output:
+                self.response.output[-1].status = "incomplete"  # the item the limit cut
+            return out + [self._event("response.incomplete", response=self._snapshot())]
+        self.response.status = "completed"
+        return out + [self._event("response.completed", response=self._snapshot())]
+
+
+async def create_response(bridge: EngineBridge, body: ResponsesRequest, request: Request):
+    if body.previous_response_id:
+        raise ParamError("previous_response_id is not supported: moed stores no responses; send the whole "
+                         "conversation in 'input'", "previous_response_id")
+    entry = bridge.resolve(body.model)
+    messages = template_messages(body)
+    tools = request_tools(body)
+    if tools:
+        bridge.require_tools(entry)
+    variables = {"reasoning_effort": body.reasoning.effort} if body.reasoning and body.reasoning.effort else {}
+    prompt_ids = bridge.render_chat(entry, messages, tools=tools, **variables)
+    bridge.check_max_tokens(entry, body.max_output_tokens, field="max_output_tokens")
+    params = sampling_params(body, max_tokens=body.max_output_tokens or bridge.default_max_tokens(entry, prompt_ids))
+    parser = bridge.output_parser(entry, tools=tools, prompt_ids=prompt_ids)
+    stream = bridge.open_stream(entry, prompt_ids, params, raw=True)
+    builder = ResponseBuilder(body, entry.name)
+    if body.stream:
+        return SseResponse(_events(stream, parser, builder), stream.cancel)
+    finished = None
+    async for event in parsed_events(stream, parser, is_disconnected=request.is_disconnected):
+        if isinstance(event, Finished):
+            finished = event
+        elif event is not None:
+            builder.add(event)
+    if finished is None:
+        return JSONResponse({}, status_code=499)  # the client left
+    raise_if_failed(finished.reason, finished.error)
+    builder.finish(finished)
+    return JSONResponse(builder.response.model_dump(exclude_none=True))
+
+
+def _sse(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _events(stream, parser, builder: ResponseBuilder) -> AsyncIterator[str]:
+    for event in builder.start():
+        yield _sse(event)
+    async for parsed in parsed_events(stream, parser, heartbeat_s=HEARTBEAT_S):
+        if parsed is None:
+            yield SSE_KEEPALIVE
+            continue
+        events = builder.finish(parsed) if isinstance(parsed, Finished) else builder.add(parsed)
+        for event in events:
+            yield _sse(event)

@@ -1,0 +1,112 @@
+"""What the OpenAI serving modules share: sampling parameters, finish reasons, SSE lines, error JSON, ids."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from moed.api.http.error_status import HttpFailure, ParamError
+from moed.api.http.openai_protocol import ErrorDetail, ErrorResponse, Usage
+from moed.engine.request import Usage as EngineUsage
+from moed.engine.sampling import SamplingParams
+from moed.errors import ServiceUnavailableError
+
+# moed's engine finish reasons -> OpenAI's ("context": the prompt and output filled the context)
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "deadline": "length"}
+# OpenAI's default when a request omits temperature (the daemon's gRPC default is greedy)
+DEFAULT_TEMPERATURE = 1.0
+ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "invalid_request_error",
+               "authentication": "authentication_error", "rate_limit": "rate_limit_error",
+               "unavailable": "server_error", "internal": "server_error"}
+ERROR_CODES = {"not_found": "model_not_found", "authentication": "invalid_api_key", "rate_limit": "queue_full",
+               "unavailable": "service_unavailable", "internal": "internal_error"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(failure: HttpFailure) -> dict[str, Any]:
+    detail = ErrorDetail(message=failure.message, type=ERROR_TYPES.get(failure.kind, "server_error"),
+                         param=failure.param, code=ERROR_CODES.get(failure.kind))
+    return ErrorResponse(error=detail).model_dump()
+
+
+def error_response(failure: HttpFailure) -> JSONResponse:
+    headers = {"Retry-After": "1"} if failure.status in (429, 503) else None
+    if failure.status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    return JSONResponse(error_body(failure), status_code=failure.status, headers=headers)
+
+
+def finish_reason(engine_reason: str, *, has_tool_calls: bool) -> str:
+    reason = FINISH_REASONS.get(engine_reason, "stop")
+    return "tool_calls" if has_tool_calls and reason == "stop" else reason
+
+
+def raise_if_failed(engine_reason: str, error: str = "") -> None:
+    """A generation that ended in an engine error (-> 500) or was cancelled by the daemon (-> 503)."""
+    if engine_reason == "error":
+        raise RuntimeError(f"generation failed: {error}")
+    if engine_reason == "cancelled":
+        raise ServiceUnavailableError("the request was cancelled before it finished (the daemon is stopping or "
+                                      "the model was unloaded)")
+
+
+def usage_of(usage: EngineUsage | None) -> Usage:
+    prompt, completion = (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (0, 0)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def sampling_params(body: Any, *, max_tokens: int, stop: tuple[str, ...] = ()) -> SamplingParams:
+    """SamplingParams from a request's OpenAI fields (range errors become 400s naming the field)."""
+    temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    return SamplingParams(
+        temperature=temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=getattr(body, "top_k", None) or 0,
+        min_p=getattr(body, "min_p", None) or 0.0,
+        repetition_penalty=getattr(body, "repetition_penalty", None) or 1.0,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        stop=stop,
+    )
+
+
+def refuse_unsupported(body: Any) -> None:
+    """400 for fields that would change the output in a way moed cannot honour."""
+    n = getattr(body, "n", None)
+    if n not in (None, 1):
+        raise ParamError(f"n={n}: moed generates one choice per request; send n=1 (or leave it out) and make "
+                         "several requests for several answers", "n")
+    best_of = getattr(body, "best_of", None)
+    if best_of not in (None, 1):
+        raise ParamError(f"best_of={best_of} is not supported; leave it out", "best_of")
+    if getattr(body, "logprobs", None):
+        raise ParamError("logprobs are not supported by moed; leave 'logprobs' out", "logprobs")
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event line with a JSON payload."""
+    data = payload.model_dump(exclude_none=True) if isinstance(payload, BaseModel) else payload
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see traffic
+HEARTBEAT_S = 10.0  # a keep-alive comment when the model has been silent this long (long prefill)

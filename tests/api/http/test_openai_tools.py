@@ -1,0 +1,160 @@
+"""Tool calls end to end through the OpenAI APIs: a scripted "model" behind a Qwen3-style tools template.
+
+The model's answers are written here (a tool call when tools are in the prompt, a sentence once a
+tool result is): what is tested is the gateway, template rendering and parsing, with the SDK.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from helpers.http_daemon import ChatScriptedModel, add_scripted_model, start_http_daemon, tools_tokenizer
+from helpers.tiny_tokenizer import CHATML_TEMPLATE
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+SUNNY = "It is sunny in Paris."
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def answer(prompt: str) -> str:
+    if "<tool_response>" in prompt:
+        return SUNNY
+    if "# Tools" in prompt:
+        return CALL
+    return "Hello there."
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = start_http_daemon()
+    model = ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("tok")), answer)
+    add_scripted_model(d, "qwen", model)
+    plain = ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("plain"), CHATML_TEMPLATE), answer,
+                              family="mixtral")
+    add_scripted_model(d, "no-tools", plain)
+    d.model = model
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return daemon.openai()
+
+
+def test_a_tool_call_is_parsed_into_message_tool_calls(daemon, client):
+    reply = client.chat.completions.create(model="qwen", messages=ASK, tools=TOOLS, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id
+    prompt = daemon.model.prompts[-1]
+    assert '"name": "get_weather"' in prompt and "<tools>" in prompt  # the template rendered the tool
+    assert reply.usage.completion_tokens == len(daemon.model.tokenizer.encode(CALL, add_special_tokens=False)) + 1
+
+
+def test_streamed_tool_call_deltas_build_the_same_call(client):
+    chunks = list(client.chat.completions.create(model="qwen", messages=ASK, tools=TOOLS, temperature=0,
+                                                 stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].type == "function"
+    assert all(d.index == 0 for d in deltas)
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+
+
+def test_the_tool_result_round_trip_renders_the_call_and_the_result(daemon, client):
+    first = client.chat.completions.create(model="qwen", messages=ASK, tools=TOOLS, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    follow_up = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}]
+    reply = client.chat.completions.create(model="qwen", messages=follow_up, tools=TOOLS, temperature=0)
+    assert reply.choices[0].message.content == SUNNY
+    assert reply.choices[0].finish_reason == "stop"
+    prompt = daemon.model.prompts[-1]
+    assert '<tool_response>\n{"temp_c": 21}\n</tool_response>' in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+
+
+def test_tool_choice_none_renders_no_tools(daemon, client):
+    reply = client.chat.completions.create(model="qwen", messages=ASK, tools=TOOLS, tool_choice="none")
+    assert reply.choices[0].message.content == "Hello there."
+    assert reply.choices[0].message.tool_calls is None
+    assert "<tools>" not in daemon.model.prompts[-1]
+
+
+def test_a_named_tool_choice_must_name_a_given_tool(client):
+    reply = client.chat.completions.create(model="qwen", messages=ASK, tools=TOOLS,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert reply.choices[0].message.tool_calls[0].function.name == "get_weather"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="qwen", messages=ASK, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "send_mail"}})
+    assert "send_mail" in err.value.body["message"] and err.value.body["param"] == "tool_choice"
+
+
+def test_a_model_without_tool_support_refuses_tools_with_a_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="no-tools", messages=ASK, tools=TOOLS)
+    assert "does not support tool calls" in err.value.body["message"]
+    # without tools the same model answers
+    assert client.chat.completions.create(model="no-tools", messages=ASK).choices[0].message.content
+
+
+def test_a_tool_result_without_its_call_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="qwen", tools=TOOLS, messages=ASK + [
+            {"role": "tool", "tool_call_id": "call_missing", "content": "21"}])
+    assert "call_missing" in err.value.body["message"]
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+                    "parameters": TOOLS[0]["function"]["parameters"]}]
+
+
+def test_responses_function_call_round_trip(daemon, client):
+    first = client.responses.create(model="qwen", input="What is the weather in Paris?", tools=RESPONSES_TOOLS)
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert first.status == "completed"
+    second = client.responses.create(model="qwen", tools=RESPONSES_TOOLS, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 21}'}])
+    assert second.output_text == SUNNY
+    assert '<tool_response>\n{"temp_c": 21}\n</tool_response>' in daemon.model.prompts[-1]
+
+
+def test_responses_stream_with_a_function_call(client):
+    events = list(client.responses.create(model="qwen", input="What is the weather in Paris?",
+                                          tools=RESPONSES_TOOLS, stream=True))
+    types = [e.type for e in events]
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert types[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in types and "response.output_item.done" in types
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(deltas) == {"city": "Paris"}
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert json.loads(done.arguments) == {"city": "Paris"}
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["function_call"] and final.output[0].name == "get_weather"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_function_call_output_without_its_call_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="qwen", input=[
+            {"role": "user", "content": "hi"},
+            {"type": "function_call_output", "call_id": "call_x", "output": "21"}])
+    assert "call_x" in err.value.body["message"]

@@ -1,0 +1,199 @@
+"""An in-process daemon with the HTTP gateway on a free loopback port, for the HTTP API tests.
+
+``start_http_daemon(models_dir, ...)`` builds a DaemonContext + ModelManager, loads the named
+models (e.g. the tiny model of ``helpers.tiny_models.build_tiny_model_dir``) and starts an
+``HttpServer`` on 127.0.0.1:0: the same pieces ``moed serve --http`` runs, without a process.
+``add_scripted_model`` puts a ``ChatScriptedModel`` (outputs written in the test) next to them, with
+a tokenizer whose chat template renders tools the way Qwen3's does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from helpers.scripted_model import ScriptedConfig, ScriptedModel
+from helpers.tiny_tokenizer import write_tiny_tokenizer
+from moed.api.daemon_context import DaemonContext
+from moed.api.http.server import HttpServer
+from moed.engine.engine_loop import EngineLoop
+from moed.engine.model_manager import LoadedEntry, LoadOptions, ModelManager
+from moed.engine.runtime import ModelRuntime
+from moed.text.tokenizer import Tokenizer
+
+EOS = 3  # "<|im_end|>" in the tiny tokenizer
+GENERATION_PROMPT = "<|im_start|>assistant\n"
+
+# Qwen3's tool rendering, cut to what the tests need: tools in the system turn, assistant tool calls
+# as <tool_call> JSON, tool results as <tool_response> in a user turn.
+QWEN3_TOOLS_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\n' + (message.content or '') }}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
+            {{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+            {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
+
+@dataclass
+class HttpDaemon:
+    ctx: DaemonContext
+    manager: ModelManager
+    server: HttpServer
+    token: str | None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def openai(self, **kw):
+        import openai
+
+        kw.setdefault("api_key", self.token or "unused")
+        kw.setdefault("max_retries", 0)
+        kw.setdefault("timeout", 60)
+        return openai.OpenAI(base_url=f"{self.url}/v1", **kw)
+
+    def anthropic(self, **kw):
+        import anthropic
+
+        kw.setdefault("api_key", self.token or "unused")
+        kw.setdefault("max_retries", 0)
+        kw.setdefault("timeout", 60)
+        return anthropic.Anthropic(base_url=self.url, **kw)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until no loop has a running or queued request (cancellations land at a step boundary)."""
+        deadline = time.monotonic() + timeout
+        while any(e.loop.num_active or e.loop.num_queued for e in self.manager.loaded()):
+            assert time.monotonic() < deadline, "requests are still running"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        """In `moed serve`'s order: refuse new requests, close the models (cancels running ones), stop."""
+        self.ctx.stopping = True
+        self.manager.close()
+        self.server.stop()
+
+
+def start_http_daemon(models_dir: Path | None = None, *, models: tuple[str, ...] = (), token: str | None = None,
+                      options: LoadOptions | None = None) -> HttpDaemon:
+    """A context + manager over ``models_dir`` with ``models`` loaded, and an HttpServer on 127.0.0.1:0."""
+    manager = ModelManager([models_dir] if models_dir else [])
+    ctx = DaemonContext(manager=manager)
+    options = options or LoadOptions(device="cpu", max_batch=4, context_length=256)
+    server = None
+    try:
+        for name in models:
+            manager.load(name, options)
+        server = HttpServer(ctx, "127.0.0.1:0", token)
+        server.start()
+    except BaseException:
+        if server is not None:
+            server.stop()
+        manager.close()
+        raise
+    return HttpDaemon(ctx, manager, server, token)
+
+
+# ---- a scripted model behind a chat template ----
+
+@dataclass(frozen=True)
+class ChatScriptedConfig(ScriptedConfig):
+    family: str = "qwen3_moe"
+
+
+class _NoExecutor:
+    def close(self) -> None:
+        pass
+
+
+class ChatScriptedModel(ScriptedModel):
+    """Answers chat prompts with text chosen by the test: ``answer(prompt_text) -> output text``.
+
+    A prompt is recognised by its end (the generation prompt ``<|im_start|>assistant\\n``); from
+    there the slot follows the script prompt + encode(answer) + EOS (then ``filler``).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, answer: Callable[[str], str], *, family: str = "qwen3_moe",
+                 step_delay_s: float = 0.0, filler: int | None = None) -> None:
+        super().__init__({}, vocab_size=tokenizer.vocab_size, eos_token_ids=(EOS,), step_delay_s=step_delay_s)
+        self.config = ChatScriptedConfig(vocab_size=tokenizer.vocab_size, eos_token_ids=(EOS,), family=family)
+        self.tokenizer = tokenizer
+        self.answer = answer
+        self.filler = EOS if filler is None else filler
+        self._marker = tokenizer.encode(GENERATION_PROMPT, add_special_tokens=False)
+        self._slot_scripts: dict[int, list[int]] = {}
+        self.prompts: list[str] = []  # every prompt answered, as text
+
+    def forward(self, batch, cache) -> torch.Tensor:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        self.num_forwards += 1
+        logits = torch.zeros(len(batch.slots), self.config.vocab_size)  # [B, V]
+        for row, slot in enumerate(batch.slots):
+            start, length = batch.starts[row], batch.lengths[row]
+            fed = cache.fed[slot]
+            if start == 0:
+                fed.clear()
+                self._slot_scripts.pop(slot, None)
+            for i in range(length):
+                fed[start + i] = int(batch.input_ids[row, i])
+            n = start + length
+            seq = [fed[i] for i in range(n)]
+            script = self._slot_scripts.get(slot)
+            if script is None and seq[-len(self._marker):] == self._marker:
+                prompt = self.tokenizer.decode(seq, skip_special_tokens=False)
+                self.prompts.append(prompt)
+                out = self.tokenizer.encode(self.answer(prompt), add_special_tokens=False)
+                script = self._slot_scripts[slot] = seq + out + [EOS]
+            nxt = script[n] if script is not None and n < len(script) else self.filler
+            logits[row, nxt] = 100.0  # certain even when the request samples (temperature 1)
+        return logits
+
+
+def tools_tokenizer(root: Path, template: str = QWEN3_TOOLS_TEMPLATE) -> Tokenizer:
+    """The tiny test tokenizer with ``template`` (default: Qwen3-style, renders tools) as its chat template."""
+    write_tiny_tokenizer(root)
+    config_path = root / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+    return Tokenizer(root)
+
+
+def add_scripted_model(daemon: HttpDaemon, name: str, model: ChatScriptedModel, *, context_length: int = 1024,
+                       max_batch: int = 4) -> LoadedEntry:
+    """Serve ``model`` under ``name`` next to the loaded models (as if `moed load` had loaded it)."""
+    runtime = ModelRuntime(loaded=None, model=model, executor=_NoExecutor(), tokenizer=model.tokenizer)
+    loop = EngineLoop(runtime, name=name, max_batch=max_batch, context_length=context_length)
+    entry = LoadedEntry(name, Path(name), runtime, loop, LoadOptions())
+    loop.start()
+    daemon.manager._models[name] = entry  # noqa: SLF001 - a test stand-in for a load
+    return entry

@@ -1,0 +1,401 @@
+"""Output parsers per family: realistic outputs in any delta split give the same text, reasoning and calls."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from moed.text.output_parser import (
+    TOOL_FAMILIES,
+    OutputEvent,
+    output_parser_for,
+    prompt_opens_reasoning,
+)
+from moed.text.output_parsers.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, EOS, SEP
+
+WEATHER_ARGS = {"city": "Paris", "unit": "celsius"}
+TIME_ARGS = {"tz": "Europe/Paris", "nested": {"list": [1, 2.5, -3e2, True, None], "s": "a \"quoted\" } ] <tag>"}}
+
+# Every marker each family uses: none may ever show up in text of a well-formed output.
+MARKERS = {
+    "qwen3_moe": ["<tool_call>", "</tool_call>", "<think>", "</think>", "<|im_end|>"],
+    "qwen2_moe": ["<tool_call>", "</tool_call>", "<|im_end|>"],
+    "gpt_oss": ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>",
+                "to=functions"],
+    "deepseek_v3": [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, EOS, "<think>", "</think>", "```json"],
+    "mixtral": ["[TOOL_CALLS]", "</s>"],
+}
+
+
+def hermes_call(name: str, args: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+# family, options, output, expected (text, reasoning, [(name, args)])
+CASES = [
+    ("qwen3_moe", {},
+     "<think>\nThe user wants the weather and the time. I'll call both tools.\n</think>\n\n"
+     "Let me check both for you.\n" + hermes_call("get_weather", WEATHER_ARGS) + "\n"
+     + hermes_call("get_time", TIME_ARGS) + "<|im_end|>",
+     ("Let me check both for you.\n", "The user wants the weather and the time. I'll call both tools.\n",
+      [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])),
+    ("qwen3_moe", {"starts_in_reasoning": True},
+     "Paris weather: a tool call is needed.\n</think>\n\n" + hermes_call("get_weather", WEATHER_ARGS),
+     ("", "Paris weather: a tool call is needed.\n", [("get_weather", WEATHER_ARGS)])),
+    ("qwen3_moe", {},
+     "<think>\n</think>\n\nThe answer is `a < b` and <b>bold</b>; 3 <tool 4.",
+     ("The answer is `a < b` and <b>bold</b>; 3 <tool 4.", "", [])),
+    ("qwen2_moe", {},
+     "Sure, checking.\n" + hermes_call("get_weather", WEATHER_ARGS) + "\nDone? <think>not a tag here</think>",
+     ("Sure, checking.\nDone? <think>not a tag here</think>", "", [("get_weather", WEATHER_ARGS)])),
+    ("gpt_oss", {},
+     "<|channel|>analysis<|message|>User asks for weather in Paris. Use get_weather.<|end|>"
+     "<|start|>assistant<|channel|>commentary<|message|>Checking the weather and the time.<|end|>"
+     "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+     + json.dumps(WEATHER_ARGS) + "<|call|>",
+     ("Checking the weather and the time.", "User asks for weather in Paris. Use get_weather.",
+      [("get_weather", WEATHER_ARGS)])),
+    ("gpt_oss", {},  # to= in the role part, content type without <|constrain|>, stop token left out
+     "<|channel|>analysis<|message|>Need the time too.<|end|>"
+     "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>" + json.dumps(TIME_ARGS),
+     ("", "Need the time too.", [("get_time", TIME_ARGS)])),
+    ("gpt_oss", {},
+     "<|channel|>analysis<|message|>Simple arithmetic.<|end|><|start|>assistant<|channel|>final<|message|>"
+     "2 + 2 = 4. In code: `x <| y` and `<|notatoken|>`.<|return|>",
+     ("2 + 2 = 4. In code: `x <| y` and `<|notatoken|>`.", "Simple arithmetic.", [])),
+    ("deepseek_v3", {"starts_in_reasoning": True},
+     "The user needs two lookups.\n</think>\n\nI'll look both up." + CALLS_BEGIN
+     + CALL_BEGIN + "function" + SEP + "get_weather\n```json\n" + json.dumps(WEATHER_ARGS) + "\n```" + CALL_END + "\n"
+     + CALL_BEGIN + "function" + SEP + "get_time\n```json\n" + json.dumps(TIME_ARGS) + "\n```" + CALL_END
+     + CALLS_END + EOS,
+     ("I'll look both up.", "The user needs two lookups.\n", [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])),
+    ("deepseek_v3", {},  # V3.1 form, no reasoning
+     "Looking it up." + CALLS_BEGIN + CALL_BEGIN + "get_weather" + SEP + json.dumps(WEATHER_ARGS) + CALL_END
+     + CALL_BEGIN + "get_time" + SEP + json.dumps(TIME_ARGS) + CALL_END + CALLS_END + EOS,
+     ("Looking it up.", "", [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])),
+    ("deepseek_v3", {},
+     "<think>\nHmm.\n</think>\n\nUse `<｜` carefully: a <｜tool▁call x and ``` fences.",
+     ("Use `<｜` carefully: a <｜tool▁call x and ``` fences.", "Hmm.\n", [])),
+    ("mixtral", {},
+     "Let me check. [TOOL_CALLS] [" + json.dumps({"name": "get_weather", "arguments": WEATHER_ARGS}) + ", "
+     + json.dumps({"arguments": TIME_ARGS, "name": "get_time", "id": "abc123XYZ"}) + "]</s>",
+     ("Let me check. ", "", [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])),
+    ("mixtral", {},
+     "Lists look like [TOOLS] or [1, 2] and [TOOL_CALL] is not it.</s>",
+     ("Lists look like [TOOLS] or [1, 2] and [TOOL_CALL] is not it.", "", [])),
+    ("olmoe", {},
+     "<tool_call>{\"name\": \"x\", \"arguments\": {}}</tool_call> <think>plain</think>",
+     ("<tool_call>{\"name\": \"x\", \"arguments\": {}}</tool_call> <think>plain</think>", "", [])),
+]
+
+
+def run(parser, chunks):
+    events = []
+    for chunk in chunks:
+        events += parser.feed(chunk)
+    events += parser.finish()
+    return events
+
+
+def summarize(events: list[OutputEvent], parser=None):
+    """(text, reasoning, [(name, args)]), checking the event rules for tool calls on the way."""
+    text = "".join(e.text for e in events if e.kind == "text")
+    reasoning = "".join(e.text for e in events if e.kind == "reasoning")
+    calls: dict[int, dict] = {}
+    for e in events:
+        assert e.kind in ("text", "reasoning", "tool_call")
+        if e.kind != "tool_call":
+            assert e.text and not e.name and not e.arguments_delta
+            continue
+        if e.tool_index not in calls:
+            assert e.name and not e.arguments_delta, "a call's first event carries its name and no arguments"
+            assert e.tool_index == len(calls), "tool indices count up from 0"
+            calls[e.tool_index] = {"id": e.tool_id, "name": e.name, "args": ""}
+        else:
+            assert not e.name and e.tool_id == calls[e.tool_index]["id"]
+            calls[e.tool_index]["args"] += e.arguments_delta
+    incomplete = set()
+    if parser is not None:
+        # every call that got events is either complete or incomplete, with exactly the pieces sent
+        sent = {i: (i, c["id"], c["name"], c["args"]) for i, c in calls.items()}
+        listed = parser.tool_calls + parser.incomplete_tool_calls
+        assert sorted((c.index, c.id, c.name, c.arguments) for c in listed) == sorted(sent.values())
+        assert parser.saw_tool_call == bool(calls)
+        incomplete = {c.index for c in parser.incomplete_tool_calls}
+    result = []
+    for i, c in calls.items():
+        if i not in incomplete:
+            result.append((c["name"], json.loads(c["args"])))  # the pieces concatenate to valid JSON
+    return text, reasoning, result
+
+
+def random_splits(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 40))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("family, options, output, expected", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_same_result_in_any_split(family, options, output, expected):
+    rng = random.Random(hash(output) % 1000)
+    splits = [[output], list(output)] + [random_splits(output, rng) for _ in range(20)]
+    splits += [[output[:i], output[i:]] for i in range(1, len(output))]  # every single boundary
+    for chunks in splits:
+        parser = output_parser_for(family, tools=True, **options)
+        got = summarize(run(parser, chunks), parser)
+        assert got == expected, f"split {chunks[:6]}..."
+        for marker in MARKERS.get(family, []):
+            assert marker not in got[0] and marker not in got[1] or marker in expected[0] + expected[1]
+
+
+@pytest.mark.parametrize("family, options, output, expected", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_arguments_stream_before_the_call_closes(family, options, output, expected):
+    """A call's name goes out before its arguments are complete, and arguments come in several pieces."""
+    if not expected[2]:
+        return
+    parser = output_parser_for(family, tools=True, **options)
+    first_name_at = None
+    pieces = 0
+    for i, ch in enumerate(output):
+        for e in parser.feed(ch):
+            if e.kind == "tool_call" and e.name and first_name_at is None:
+                first_name_at = i
+            pieces += bool(e.arguments_delta)
+    parser.finish()
+    first_args = parser.tool_calls[0].arguments
+    assert first_name_at is not None and first_name_at < output.index(first_args) + len(first_args) - 1
+    assert pieces > len(parser.tool_calls)
+
+
+def test_text_streams_without_waiting_for_the_end():
+    parser = output_parser_for("qwen3_moe", tools=True)
+    assert parser.feed("Hello") == [OutputEvent("text", "Hello")]
+    assert parser.feed(" wor") == [OutputEvent("text", " wor")]
+    assert parser.feed("ld <") == [OutputEvent("text", "ld ")]  # "<" could start <tool_call>
+    assert parser.feed("too") == []
+    assert parser.feed("th") == [OutputEvent("text", "<tooth")]
+    assert parser.finish() == []
+
+
+def test_non_stream_arguments_send_each_call_whole():
+    output = CASES[0][2]
+    parser = output_parser_for("qwen3_moe", tools=True, stream_arguments=False)
+    events = run(parser, list(output))
+    calls = [e for e in events if e.kind == "tool_call"]
+    assert [bool(e.name) for e in calls] == [True, False, True, False]
+    assert summarize(events, parser) == CASES[0][3]
+
+
+def test_tools_off_keeps_tool_markup_as_text():
+    block = hermes_call("get_weather", WEATHER_ARGS)
+    parser = output_parser_for("qwen3_moe", tools=False)
+    text, _, calls = summarize(run(parser, list("Hi " + block)), parser)
+    assert (text, calls) == ("Hi " + block, [])
+
+
+def test_reasoning_off_drops_reasoning_but_keeps_text():
+    family, options, output, (text, _, calls) = CASES[0]
+    parser = output_parser_for(family, tools=True, reasoning=False)
+    events = run(parser, list(output))
+    assert not [e for e in events if e.kind == "reasoning"]
+    assert summarize(events, parser) == (text, "", calls)
+
+
+def test_harmony_routes_builtin_tools_and_foreign_roles_away_from_text():
+    output = ("<|channel|>analysis to=browser.search code<|message|>{\"query\": \"x\"}<|call|>"
+              "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{\"t\": 1}<|end|>"
+              "<|start|>assistant<|channel|>final<|message|>Done.<|return|>")
+    parser = output_parser_for("gpt_oss", tools=True)
+    assert summarize(run(parser, list(output)), parser) == ("Done.", "{\"query\": \"x\"}", [])
+
+
+def test_harmony_function_call_from_the_analysis_channel():
+    output = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>analysis "
+              "to=functions.get_weather code<|message|>" + json.dumps(WEATHER_ARGS) + "<|call|>")
+    parser = output_parser_for("gpt_oss", tools=True)
+    assert summarize(run(parser, list(output)), parser) == ("", "Need weather.", [("get_weather", WEATHER_ARGS)])
+
+
+def test_harmony_output_without_structure_is_text():
+    text = "plain words " * 40
+    parser = output_parser_for("gpt_oss", tools=True)
+    assert summarize(run(parser, list(text)), parser)[0] == text
+    parser = output_parser_for("gpt_oss", tools=True)
+    assert summarize(run(parser, ["short"]), parser)[0] == "short"
+
+
+def test_harmony_tools_off_shows_call_content_as_text():
+    output = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>"
+    parser = output_parser_for("gpt_oss", tools=False)
+    assert summarize(run(parser, [output]), parser) == ("{\"city\": \"Paris\"}", "", [])
+
+
+# -- failed calls -------------------------------------------------------------------------------
+MALFORMED = [
+    ("qwen3_moe", "<tool_call>\n{'name': 'get_weather', 'arguments': {'city': 'Paris'}}\n</tool_call>"),
+    ("qwen3_moe", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {'city': 'Paris'}}\n</tool_call>"),
+    ("qwen3_moe", "<tool_call>\nget_weather(city='Paris')\n</tool_call>"),
+    ("qwen3_moe", "<tool_call>\n{\"arguments\": {}}\n</tool_call>"),
+    ("qwen3_moe", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": [1, 2]}\n</tool_call>"),
+    ("deepseek_v3", CALL_BEGIN + "get_weather" + SEP + "{city: Paris}" + CALL_END),
+    ("deepseek_v3", CALL_BEGIN + "function" + SEP + "get_weather\n```python\nprint(1)\n```" + CALL_END),
+    ("gpt_oss", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>city=Paris<|call|>"),
+    ("mixtral", "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {city: 1}}]"),
+    ("mixtral", "[TOOL_CALLS] get_weather(city=1)"),
+]
+
+
+@pytest.mark.parametrize("family, block", MALFORMED)
+def test_malformed_call_comes_out_as_text(family, block):
+    for chunks in ([block], list(block)):
+        before = "<|channel|>final<|message|>Before. <|end|><|start|>assistant" if family == "gpt_oss" else "Before. "
+        parser = output_parser_for(family, tools=True)
+        text, reasoning, calls = summarize(run(parser, [before, *chunks]), parser)
+        assert calls == [] and parser.tool_calls == [] and not parser.saw_tool_call
+        shown = block if family != "gpt_oss" else "city=Paris"  # harmony: the content, not the header
+        assert text == "Before. " + shown
+
+
+def test_malformed_after_streaming_started_is_an_incomplete_call():
+    block = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": 'Paris'}}\n</tool_call>"
+    parser = output_parser_for("qwen3_moe", tools=True)
+    events = run(parser, list(block + "After."))
+    assert [e.name for e in events if e.kind == "tool_call" and e.name] == ["get_weather"]
+    assert parser.tool_calls == [] and parser.saw_tool_call
+    assert [(c.name, c.arguments) for c in parser.incomplete_tool_calls] == [("get_weather", "{\"city\": ")]
+    assert summarize(events, parser) == ("After.", "", [])
+    # without streaming the same block is text: nothing of it went out before the JSON broke
+    parser = output_parser_for("qwen3_moe", tools=True, stream_arguments=False)
+    assert summarize(run(parser, list(block)), parser) == (block, "", [])
+
+
+@pytest.mark.parametrize("family, output", [
+    ("qwen3_moe", "Hi <tool_call>\n{\"na"),
+    ("qwen3_moe", "Hi <tool_call>\n{\"name\": \"get_weather\", \"argu"),
+    ("deepseek_v3", "Hi " + CALLS_BEGIN + CALL_BEGIN + "function" + SEP + "get_wea"),
+    ("mixtral", "Hi [TOOL_CALLS] [{\"name\": \"get_weather\""),
+    ("gpt_oss", "<|channel|>final<|message|>Hi <|end|><|start|>assistant<|channel|>commentary to=functions.get"),
+])
+def test_unfinished_call_before_any_event_is_text_or_dropped(family, output):
+    for chunks in ([output], list(output)):
+        parser = output_parser_for(family, tools=True)
+        text, _, calls = summarize(run(parser, chunks), parser)
+        assert calls == [] and parser.incomplete_tool_calls == [] and text.startswith("Hi ")
+        if family != "gpt_oss":  # harmony headers are structure, never text
+            assert text == output.replace(CALLS_BEGIN, "")
+
+
+@pytest.mark.parametrize("family, output", [
+    ("qwen3_moe", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par"),
+    ("deepseek_v3", CALL_BEGIN + "get_weather" + SEP + "{\"city\": \"Par"),
+    ("gpt_oss", "<|channel|>commentary to=functions.get_weather json<|message|>{\"city\": \"Par"),
+    ("mixtral", "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par"),
+])
+def test_unfinished_call_after_streaming_started_is_incomplete(family, output):
+    parser = output_parser_for(family, tools=True)
+    events = run(parser, list(output))
+    assert parser.tool_calls == [] and parser.saw_tool_call
+    (call,) = parser.incomplete_tool_calls
+    sent = "".join(e.arguments_delta for e in events if e.kind == "tool_call")
+    assert call.name == "get_weather" and call.arguments == sent and sent.startswith("{\"city\": \"P")
+    assert summarize(events, parser) == ("", "", [])
+
+
+@pytest.mark.parametrize("family, output", [
+    ("qwen3_moe", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}"),
+    ("qwen3_moe", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}"),
+    ("deepseek_v3", CALLS_BEGIN + CALL_BEGIN + "function" + SEP + "get_weather\n```json\n{\"city\": \"Paris\"}\n```"),
+    ("mixtral", "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}"),
+])
+def test_complete_arguments_without_closing_marker_make_a_call(family, output):
+    parser = output_parser_for(family, tools=True)
+    assert summarize(run(parser, list(output)), parser) == ("", "", [("get_weather", {"city": "Paris"})])
+
+
+def test_unknown_tool_name_is_text():
+    block = hermes_call("rm_rf", {"path": "/"})
+    parser = output_parser_for("qwen3_moe", tools=True, tool_names={"get_weather"})
+    assert summarize(run(parser, list(block)), parser) == (block, "", [])
+    parser = output_parser_for("qwen3_moe", tools=True, tool_names={"get_weather"})
+    ok = hermes_call("get_weather", WEATHER_ARGS)
+    assert summarize(run(parser, [ok]), parser)[2] == [("get_weather", WEATHER_ARGS)]
+
+
+def test_hermes_variants_parameters_key_and_string_arguments():
+    output = ("<tool_call>\n{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}\n</tool_call>"
+              "<tool_call>\n{\"name\": \"get_time\", \"arguments\": \"{\\\"tz\\\": \\\"UTC\\\"}\"}\n</tool_call>")
+    parser = output_parser_for("qwen2_moe", tools=True)
+    assert summarize(run(parser, list(output)), parser)[2] == [("get_weather", {"city": "Paris"}),
+                                                                 ("get_time", {"tz": "UTC"})]
+
+
+def test_tool_ids():
+    parser = output_parser_for("qwen3_moe", tools=True)
+    run(parser, [CASES[0][2]])
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", c.id) for c in parser.tool_calls)
+    assert len({c.id for c in parser.tool_calls}) == 2
+    parser = output_parser_for("mixtral", tools=True)
+    run(parser, [CASES[10][2]])
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c.id) for c in parser.tool_calls)  # Mistral's templates insist
+
+
+def test_prompt_opens_reasoning():
+    assert prompt_opens_reasoning("qwen3_moe", "<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("qwen3_moe", "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert prompt_opens_reasoning("deepseek_v3", "<｜Assistant｜><think>\n")
+    assert not prompt_opens_reasoning("qwen2_moe", "<think>\n")
+    assert not prompt_opens_reasoning("olmoe", "<think>\n")
+
+
+def test_every_tool_family_has_a_case():
+    assert TOOL_FAMILIES == {c[0] for c in CASES if c[3][2]} | {"qwen2_moe"}
+
+
+def test_finish_is_final():
+    parser = output_parser_for("qwen3_moe", tools=True)
+    parser.feed("hi")
+    parser.finish()
+    assert parser.finish() == []
+    with pytest.raises(RuntimeError):
+        parser.feed("more")
+
+
+# -- Qwen3-Coder's XML calls ----------------------------------------------------------------------
+CODER_OUTPUT = (
+    "I'll write the file.\n<tool_call>\n<function=write_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n"
+    "<parameter=content>\ndef f(x):\n    return x < 3 and \"</param\" != x\n\n</parameter>\n"
+    "<parameter=mode>\n420\n</parameter>\n<parameter=opts>\n{\"force\": true}\n</parameter>\n"
+    "<parameter=dry>\nfalse\n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=list_files>\n</function>\n</tool_call><|im_end|>")
+CODER_SCHEMAS = {"write_file": {"type": "object", "properties": {
+    "path": {"type": "string"}, "content": {"type": "string"}, "mode": {"type": "integer"},
+    "opts": {"type": "object"}, "dry": {"type": ["boolean", "null"]}}}}
+
+
+def test_qwen3_coder_xml_calls_in_any_split():
+    expected_args = {"path": "src/a.py", "content": "def f(x):\n    return x < 3 and \"</param\" != x\n",
+                     "mode": 420, "opts": {"force": True}, "dry": False}
+    rng = random.Random(3)
+    for chunks in [[CODER_OUTPUT], list(CODER_OUTPUT)] + [random_splits(CODER_OUTPUT, rng) for _ in range(20)]:
+        parser = output_parser_for("qwen3_moe", tools=True, tool_parameters=CODER_SCHEMAS)
+        assert summarize(run(parser, chunks), parser) == (
+            "I'll write the file.\n", "", [("write_file", expected_args), ("list_files", {})])
+    # without schemas every value is a string
+    parser = output_parser_for("qwen3_moe", tools=True)
+    args = summarize(run(parser, [CODER_OUTPUT]), parser)[2][0][1]
+    assert args["mode"] == "420" and args["opts"] == "{\"force\": true}"
+
+
+def test_qwen3_coder_malformed_and_unfinished():
+    bad = "<tool_call>\n<function=write_file>\nstray text\n</function>\n</tool_call>"
+    parser = output_parser_for("qwen3_moe", tools=True)
+    assert summarize(run(parser, list(bad)), parser) == (bad, "", [])
+    cut = "<tool_call>\n<function=write_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n<parameter=content>\nabc"
+    parser = output_parser_for("qwen3_moe", tools=True)
+    events = run(parser, list(cut))
+    assert parser.tool_calls == [] and [c.arguments for c in parser.incomplete_tool_calls] == ['{"path": "src/a.py"']
+    assert summarize(events, parser) == ("", "", [])
