@@ -1,6 +1,6 @@
 """build_app: the FastAPI app of the HTTP gateway (routes, token check, errors in each API's own shape).
 
-Routes: ``GET /health`` (no token), ``GET /v1/models``, ``POST /v1/chat/completions``,
+Routes: ``GET /health`` (no token), ``GET /metrics`` (Prometheus text), ``GET /v1/models``, ``POST /v1/chat/completions``,
 ``POST /v1/completions``, ``POST /v1/responses``, and the Anthropic endpoints when
 ``moed.api.http.anthropic_messages`` is present (see ``_include_anthropic``). Errors are
 OpenAI's ``{"error": {"message", "type", "param", "code"}}`` except under a path prefix that
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -22,6 +22,7 @@ from moed import __version__
 from moed.api.daemon_context import DaemonContext
 from moed.api.http.bridge import EngineBridge
 from moed.api.http.error_status import AuthenticationError, HttpFailure, failure_of, validation_failure
+from moed.api.http.metrics import RequestCounter, render_metrics
 from moed.api.http.openai_chat import create_chat_completion
 from moed.api.http.openai_completions import create_completion
 from moed.api.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
@@ -93,7 +94,7 @@ def build_app(ctx: DaemonContext, *, token: str | None) -> FastAPI:
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found" if exc.status_code == 404 else "invalid_request"
         message = (f"no such endpoint: {request.method} {request.url.path}; moed serves /v1/models, "
-                   "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages and /health"
+                   "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /metrics and /health"
                    if exc.status_code in (404, 405) else str(exc.detail))
         return render_failure(app, request.url.path, HttpFailure(exc.status_code, kind, message))
 
@@ -111,6 +112,10 @@ def build_app(ctx: DaemonContext, *, token: str | None) -> FastAPI:
         if state in ("loading", "stopping"):
             return JSONResponse({"status": state}, status_code=503)
         return JSONResponse({"status": "ok", "state": state, "models": [m.name for m in bridge.models()]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(render_metrics(bridge.metrics, ctx), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -133,6 +138,7 @@ def build_app(ctx: DaemonContext, *, token: str | None) -> FastAPI:
     _include_anthropic(app, bridge)
     if token:
         app.add_middleware(TokenCheck, token=token, fastapi_app=app)
+    app.add_middleware(RequestCounter, metrics=bridge.metrics)  # outermost: refused requests count too
     return app
 
 

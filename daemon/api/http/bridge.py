@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moed.api.daemon_context import DaemonContext
+from moed.api.http.metrics import HttpMetrics
 from moed.engine.model_manager import LoadedEntry
 from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent
 from moed.engine.sampling import SamplingParams
@@ -62,8 +63,9 @@ class GenerationStream:
     """
 
     def __init__(self, handle: RequestHandle, *, raw_decoder: StreamDecoder | None = None, eos_ids: frozenset[int] = frozenset(),
-                 stop: tuple[str, ...] = ()) -> None:
+                 stop: tuple[str, ...] = (), on_done: Callable[[StreamEvent], None] | None = None) -> None:
         self.handle = handle
+        self._on_done = on_done  # called with the done event (metrics)
         self.request_id = handle.request_id
         self.finish_reason = ""  # the done event's reason, once seen
         self._raw = raw_decoder
@@ -127,6 +129,8 @@ class GenerationStream:
                 if item.done:
                     self._done = True
                     self.finish_reason = item.finish_reason
+                    if self._on_done is not None:
+                        self._on_done(item)
                 yield item
                 if item.done:
                     return
@@ -186,6 +190,7 @@ class EngineBridge:
 
     def __init__(self, ctx: DaemonContext) -> None:
         self.ctx = ctx
+        self.metrics = HttpMetrics()
 
     # ---- models ----
 
@@ -356,13 +361,20 @@ class EngineBridge:
             raise ServiceUnavailableError("serving is paused; resume it from the tray")
         request_id = request_id or uuid.uuid4().hex
         handle = entry.loop.submit(GenerationRequest(request_id, list(prompt_ids), params, deadline))
+        name = entry.name
+
+        def on_done(event: StreamEvent) -> None:
+            usage = event.usage
+            self.metrics.observe_done(name, event.finish_reason, usage.prompt_tokens if usage else len(prompt_ids),
+                                      usage.completion_tokens if usage else 0)
+
         if not raw:
-            return GenerationStream(handle)
+            return GenerationStream(handle, on_done=on_done)
         tokenizer = self.tokenizer(entry)
         eos = frozenset() if params.ignore_eos else frozenset(
             set(entry.runtime.model.config.eos_token_ids) | set(tokenizer.eos_token_ids))
         return GenerationStream(handle, raw_decoder=tokenizer.stream_decoder(prompt_ids, skip_special_tokens=False),
-                                eos_ids=eos, stop=params.stop)
+                                eos_ids=eos, stop=params.stop, on_done=on_done)
 
     async def stream(self, entry: LoadedEntry, prompt_ids: list[int], params: SamplingParams, *,
                      request_id: str | None = None, deadline: float | None = None, raw: bool = False,
