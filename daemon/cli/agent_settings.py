@@ -66,8 +66,10 @@ def _dump_json(data: dict[str, Any]) -> str:
 
 # -- Claude Code --------------------------------------------------------------------------------
 def claude_env(t: AgentTarget) -> dict[str, str]:
-    """Claude Code's environment: the Anthropic API at moed, every model alias mapped to the model."""
-    return {
+    """Claude Code's environment: the Anthropic API at moed, every model alias mapped to the model;
+    with a known context, the output budget Claude Code asks for kept inside it (its default, 32k
+    tokens, is more than a local model's context holds, which moed refuses with a 400)."""
+    env = {
         "ANTHROPIC_BASE_URL": t.url,  # Claude Code appends /v1/messages itself
         "ANTHROPIC_AUTH_TOKEN": t.token or PLACEHOLDER_TOKEN,  # sent as Authorization: Bearer
         "ANTHROPIC_MODEL": t.model,
@@ -77,6 +79,9 @@ def claude_env(t: AgentTarget) -> dict[str, str]:
         "ANTHROPIC_SMALL_FAST_MODEL": t.model,  # the older name of the haiku variable
         "API_TIMEOUT_MS": CLAUDE_TIMEOUT_MS,
     }
+    if t.context:
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(t.max_output or default_max_output(t.context))
+    return env
 
 
 def claude_exports(t: AgentTarget) -> str:

@@ -44,7 +44,11 @@ def test_claude_prints_exports_and_writes_nothing(home, capsys):
                 "ANTHROPIC_SMALL_FAST_MODEL"):
         assert f"export {var}=qwen3-30b\n" in out
     assert "export ANTHROPIC_AUTH_TOKEN=moed\n" in out  # a placeholder: the daemon has no token
+    assert "CLAUDE_CODE_MAX_OUTPUT_TOKENS" not in out  # no context known: Claude Code's own default
     assert not (home / ".claude").exists()
+    # with the context known, Claude Code's output budget stays inside it (moed refuses more with a 400)
+    code, out, _ = launch(capsys, "claude", "--model", "qwen3-30b", "--context", "8192")
+    assert code == 0 and "export CLAUDE_CODE_MAX_OUTPUT_TOKENS=2048\n" in out
 
 
 def test_claude_write_merges_into_settings_and_keeps_a_backup(home, capsys):
