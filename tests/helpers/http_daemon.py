@@ -4,7 +4,7 @@
 models (e.g. the tiny model of ``helpers.tiny_models.build_tiny_model_dir``) and starts an
 ``HttpServer`` on 127.0.0.1:0: the same pieces ``moed serve --http`` runs, without a process.
 ``add_scripted_model`` puts a ``ChatScriptedModel`` (outputs written in the test) next to them, with
-a tokenizer whose chat template renders tools the way Qwen3's does.
+a tokenizer whose chat template renders tools the way Qwen3's does (``helpers.tool_templates``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from helpers.scripted_model import ScriptedConfig, ScriptedModel
 from helpers.tiny_tokenizer import write_tiny_tokenizer
+from helpers.tool_templates import QWEN3_TOOL_TEMPLATE
 from moed.api.daemon_context import DaemonContext
 from moed.api.http.server import HttpServer
 from moed.engine.engine_loop import EngineLoop
@@ -28,38 +27,6 @@ from moed.text.tokenizer import Tokenizer
 
 EOS = 3  # "<|im_end|>" in the tiny tokenizer
 GENERATION_PROMPT = "<|im_start|>assistant\n"
-
-# Qwen3's tool rendering, cut to what the tests need: tools in the system turn, assistant tool calls
-# as <tool_call> JSON, tool results as <tool_response> in a user turn.
-QWEN3_TOOLS_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-    {%- elif message.role == 'assistant' %}
-        {{- '<|im_start|>assistant\n' + (message.content or '') }}
-        {%- for tool_call in message.tool_calls or [] %}
-            {%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
-            {{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
-            {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
-
 
 @dataclass
 class HttpDaemon:
@@ -152,33 +119,21 @@ class ChatScriptedModel(ScriptedModel):
         self._slot_scripts: dict[int, list[int]] = {}
         self.prompts: list[str] = []  # every prompt answered, as text
 
-    def forward(self, batch, cache) -> torch.Tensor:
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)
-        self.num_forwards += 1
-        logits = torch.zeros(len(batch.slots), self.config.vocab_size)  # [B, V]
-        for row, slot in enumerate(batch.slots):
-            start, length = batch.starts[row], batch.lengths[row]
-            fed = cache.fed[slot]
-            if start == 0:
-                fed.clear()
-                self._slot_scripts.pop(slot, None)
-            for i in range(length):
-                fed[start + i] = int(batch.input_ids[row, i])
-            n = start + length
+    def next_token(self, slot: int, fed: dict[int, int], n: int, *, is_new: bool) -> int:
+        if is_new:
+            self._slot_scripts.pop(slot, None)
+        script = self._slot_scripts.get(slot)
+        if script is None:
             seq = [fed[i] for i in range(n)]
-            script = self._slot_scripts.get(slot)
-            if script is None and seq[-len(self._marker):] == self._marker:
+            if seq[-len(self._marker):] == self._marker:
                 prompt = self.tokenizer.decode(seq, skip_special_tokens=False)
                 self.prompts.append(prompt)
                 out = self.tokenizer.encode(self.answer(prompt), add_special_tokens=False)
                 script = self._slot_scripts[slot] = seq + out + [EOS]
-            nxt = script[n] if script is not None and n < len(script) else self.filler
-            logits[row, nxt] = 100.0  # certain even when the request samples (temperature 1)
-        return logits
+        return script[n] if script is not None and n < len(script) else self.filler
 
 
-def tools_tokenizer(root: Path, template: str = QWEN3_TOOLS_TEMPLATE) -> Tokenizer:
+def tools_tokenizer(root: Path, template: str = QWEN3_TOOL_TEMPLATE) -> Tokenizer:
     """The tiny test tokenizer with ``template`` (default: Qwen3-style, renders tools) as its chat template."""
     write_tiny_tokenizer(root)
     config_path = root / "tokenizer_config.json"

@@ -68,10 +68,15 @@ class ScriptedModel:
             for i in range(length):
                 assert start + i < cache.max_len, "the loop fed a token past the end of the context"
                 fed[start + i] = int(batch.input_ids[row, i])
-            script = self.scripts[fed[0]]
-            nxt = start + length
-            logits[row, script[nxt] if nxt < len(script) else self.filler] = 10.0
+            nxt = self.next_token(slot, fed, start + length, is_new=start == 0)
+            logits[row, nxt] = 100.0  # certain even when the request samples (temperature 1)
         return logits
+
+    def next_token(self, slot: int, fed: dict[int, int], n: int, *, is_new: bool) -> int:
+        """The token after positions 0..n-1 of ``slot`` (``fed``: position -> token); ``is_new``: the
+        slot started over in this step. Here: the script keyed by the first token, then ``filler``."""
+        script = self.scripts[fed[0]]
+        return script[n] if n < len(script) else self.filler
 
 
 def scripted_runtime(model: ScriptedModel, tokenizer=None) -> ModelRuntime:

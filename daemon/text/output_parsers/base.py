@@ -3,11 +3,13 @@
 A family's parser turns the model's output text (special tokens kept, in any delta split) into
 text, reasoning and tool-call events. The base class holds what every family shares:
 
-* the buffer and ``_scan``, which finds the earliest marker and otherwise holds back only a tail
-  that is a prefix of a marker (``<tool`` waits for the next delta; ``a < b`` goes out at once);
+* the buffer and ``_take_until``, which takes text up to the earliest marker and otherwise holds
+  back only a tail that is a prefix of a marker (``<tool`` waits for the next delta; ``a < b`` goes
+  out at once); ``_text_step`` emits text that way up to a family's call markers or end tokens;
 * the optional ``<think>...</think>`` prologue (``think_tags``), including outputs that start
   inside reasoning because the prompt opened it;
-* ``PendingCall``: one tool call being read, and the rules for when its events go out.
+* ``PendingCall``: one tool call being read, and the rules for when its events go out;
+  ``_read_call`` feeds the buffer to a call's reader and emits what may go out.
 
 Tool-call rules (the same for every family):
 
@@ -31,11 +33,11 @@ Tool-call rules (the same for every family):
 from __future__ import annotations
 
 import secrets
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from moed.text.output_parsers.json_stream import JsonStream
+from moed.text.output_parsers.json_stream import JsonStream, JsonSyntaxError
 
 
 @dataclass(frozen=True)
@@ -187,31 +189,37 @@ class OutputParser:
 
     def _reasoning_step(self, final: bool) -> bool:
         close_tag = self.think_tags[1]
-        cut, marker = self._scan((close_tag, *self.end_tokens), final)
-        self._emit_reasoning(self._buf[:cut])
-        if marker is None:
-            self._buf = self._buf[cut:]
-            return cut > 0
-        self._buf = self._buf[cut + len(marker):]
+        reasoning, marker = self._take_until((close_tag, *self.end_tokens), final)
+        self._emit_reasoning(reasoning)
         if marker == close_tag:
             self._phase = "body"
             self._strip_text = True
-        return True
+        return marker is not None or bool(reasoning)
 
     # -- helpers for subclasses ------------------------------------------------------------------
-    def _scan(self, markers: Sequence[str], final: bool) -> tuple[int, str | None]:
-        """(index, marker) of the earliest marker in the buffer, else (how much is safe to release, None)."""
+    def _take_until(self, markers: Sequence[str], final: bool) -> tuple[str, str | None]:
+        """Take the text before the earliest marker and the marker off the buffer: (text, marker).
+
+        With no marker in the buffer only what cannot start one is taken (all of it when final),
+        and the marker is None."""
         buf = self._buf
-        best, best_marker = -1, None
+        cut, marker = -1, None
         for m in markers:
             i = buf.find(m)
-            if i != -1 and (best == -1 or i < best):
-                best, best_marker = i, m
-        if best_marker is not None:
-            return best, best_marker
-        if final:
-            return len(buf), None
-        return len(buf) - partial_marker_len(buf, markers), None
+            if i != -1 and (cut == -1 or i < cut):
+                cut, marker = i, m
+        if marker is None:
+            cut = len(buf) if final else len(buf) - partial_marker_len(buf, markers)
+        self._buf = buf[cut + len(marker or ""):]
+        return buf[:cut], marker
+
+    def _text_step(self, call_markers: Sequence[str], final: bool) -> tuple[bool, str | None]:
+        """Emit text up to a marker: one of call_markers (looked for only when tools were offered) or an end token.
+
+        (progressed, the marker taken off the buffer or None); the caller goes where the marker leads."""
+        text, marker = self._take_until((*call_markers, *self.end_tokens) if self.tools else self.end_tokens, final)
+        self._emit_text(text)
+        return marker is not None or bool(text), marker
 
     def _emit(self, kind: str, text: str) -> None:
         if not text:
@@ -225,17 +233,13 @@ class OutputParser:
     def _emit_text(self, text: str) -> None:
         if self._strip_text:
             text = text.lstrip()
-            if not text:
-                return
-            self._strip_text = False
+            self._strip_text = not text  # all whitespace: keep stripping the next text
         self._emit("text", text)
 
     def _emit_reasoning(self, text: str) -> None:
         if self._strip_reasoning:
             text = text.lstrip()
-            if not text:
-                return
-            self._strip_reasoning = False
+            self._strip_reasoning = not text
         if self.reasoning:
             self._emit("reasoning", text)
 
@@ -243,6 +247,27 @@ class OutputParser:
         return "call_" + secrets.token_hex(12)
 
     # -- tool calls -----------------------------------------------------------------------------
+    def _take_space(self, call: PendingCall) -> str:
+        """Move the buffer's leading whitespace into the call's block; what is left of the buffer."""
+        body = self._buf.lstrip()
+        call.raw += self._buf[:len(self._buf) - len(body)]
+        self._buf = body
+        return body
+
+    def _read_call(self, call: PendingCall, feed: Callable[[str], int]) -> int | None:
+        """Feed the buffer to the call's reader (``feed`` returns how far it read); what it read
+        moves into ``call.raw`` and what may go out is emitted.
+
+        The number of chars read, or None when the call is malformed (the buffer is left as it was)."""
+        try:
+            end = feed(self._buf)
+        except JsonSyntaxError:
+            return None
+        call.raw += self._buf[:end]
+        self._buf = self._buf[end:]
+        self._flush_call(call)
+        return end
+
     def _flush_call(self, call: PendingCall) -> None:
         """Emit what of the call may go out now (see the module doc)."""
         if call.is_rejected or call.name is None:

@@ -18,7 +18,6 @@ Grammar handled (DeepSeek's chat templates; fullwidth bars ｜ and ▁ are part 
 from __future__ import annotations
 
 from moed.text.output_parsers.base import OutputParser, PendingCall
-from moed.text.output_parsers.json_stream import JsonSyntaxError
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -62,15 +61,8 @@ class DeepSeekParser(OutputParser):
             self._in_section = False
             self._strip_text = marker == CALLS_END
 
-    def _text_step(self, markers: tuple[str, ...], final: bool, *, drop_blank: bool) -> bool:
-        cut, marker = self._scan(markers, final)
-        before = self._buf[:cut]
-        if not (drop_blank and not before.strip()):
-            self._emit_text(before)
-        if marker is None:
-            self._buf = self._buf[cut:]
-            return cut > 0
-        self._buf = self._buf[cut + len(marker):]
+    def _enter(self, marker: str | None) -> None:
+        """Go where a marker found in text or between the calls of a section leads."""
         if marker == CALLS_BEGIN:
             self._state, self._in_section = "calls", True
         elif marker == CALL_BEGIN:
@@ -78,31 +70,32 @@ class DeepSeekParser(OutputParser):
         elif marker == CALLS_END:
             self._state, self._in_section = "text", False
             self._strip_text = True
-        return True
 
     def _body_step(self, final: bool) -> bool:
         state = self._state
         if state == "text":
-            markers = ((CALLS_BEGIN, CALL_BEGIN) if self.tools else ()) + self.end_tokens
-            return self._text_step(markers, final, drop_blank=False)
+            progressed, marker = self._text_step((CALLS_BEGIN, CALL_BEGIN), final)
+            self._enter(marker)
+            return progressed
         if state == "calls":  # between the calls of a section: whitespace is dropped
-            return self._text_step((CALL_BEGIN, CALLS_END, EOS), final, drop_blank=True)
+            text, marker = self._take_until((CALL_BEGIN, CALLS_END, EOS), final)
+            if text.strip():
+                self._emit_text(text)
+            self._enter(marker)
+            return marker is not None or bool(text)
         call = self._call
         if state == "head":
-            cut, marker = self._scan((SEP, CALL_END), final)
-            self._head += self._buf[:cut]
-            call.raw += self._buf[:cut] + (marker or "")
-            self._buf = self._buf[cut + len(marker or ""):]
+            head, marker = self._take_until((SEP, CALL_END), final)
+            self._head += head
+            call.raw += head + (marker or "")
             if marker == SEP:
                 self._state = "after_sep"
             elif marker == CALL_END:
                 self._state = "skip"
                 self._close_call(marker)
-            return marker is not None or cut > 0
+            return marker is not None or bool(head)
         if state in ("after_sep", "fence"):
-            body = self._buf.lstrip()
-            call.raw += self._buf[:len(self._buf) - len(body)]
-            self._buf = body
+            body = self._take_space(call)
             if not body:
                 return False
             if body[0] == "{":
@@ -134,28 +127,19 @@ class DeepSeekParser(OutputParser):
             self._state = "fence" if call.name else "skip"
             return True
         if state == "args":
-            try:
-                end = call.add_args(self._buf)
-            except JsonSyntaxError:
+            end = self._read_call(call, call.add_args)
+            if end is None:
                 self._state = "skip"
                 return True
-            call.raw += self._buf[:end]
-            self._buf = self._buf[end:]
-            self._flush_call(call)
             if call.args.done:
                 self._state = "tail"
-                return True
             return end > 0
         # tail (junk such as the closing fence, before CALL_END) and skip (malformed)
         markers = (CALL_END, CALL_BEGIN, CALLS_END, EOS) if state == "tail" else (CALL_END, CALLS_END, EOS)
-        cut, marker = self._scan(markers, final)
-        call.raw += self._buf[:cut]
+        junk, marker = self._take_until(markers, final)
+        call.raw += junk + (marker if marker == CALL_END else "")
         if marker is None:
-            self._buf = self._buf[cut:]
-            return cut > 0
-        self._buf = self._buf[cut + len(marker):]
-        if marker == CALL_END:
-            call.raw += marker
+            return bool(junk)
         self._close_call(marker)
         return True
 

@@ -91,9 +91,8 @@ class HarmonyParser(OutputParser):
             progressed, self._buf = bool(self._buf), ""
             return progressed
         if self._state == "header":
-            cut, marker = self._scan(_HEADER_MARKERS, final)
-            self._header += self._buf[:cut]
-            self._buf = self._buf[cut + len(marker or ""):]
+            header, marker = self._take_until(_HEADER_MARKERS, final)
+            self._header += header
             if marker == MESSAGE:
                 self._open_message(self._header)
             elif marker is not None:
@@ -102,13 +101,11 @@ class HarmonyParser(OutputParser):
                 self._state = "plain"  # not harmony at all
                 self._emit_text(self._header)
                 self._header = ""
-            return marker is not None or cut > 0
-        cut, marker = self._scan(_CONTENT_ENDS, final)
-        self._route_content(self._buf[:cut])
+            return marker is not None or bool(header)
+        content, marker = self._take_until(_CONTENT_ENDS, final)
+        self._route_content(content)
         if marker is None:
-            self._buf = self._buf[cut:]
-            return cut > 0
-        self._buf = self._buf[cut + len(marker):]
+            return bool(content)
         self._close_message()
         if marker == CHANNEL:
             self._header = CHANNEL

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from moed.text.output_parsers.base import OutputParser, PendingCall
 from moed.text.output_parsers.call_object import CallObject
-from moed.text.output_parsers.json_stream import JsonSyntaxError
 from moed.text.output_parsers.xml_call import FUNCTION_OPEN, XmlCall
 
 CALL_OPEN = "<tool_call>"
@@ -53,21 +52,13 @@ class HermesParser(OutputParser):
     def _body_step(self, final: bool) -> bool:
         state = self._state
         if state == "text":
-            markers = ((CALL_OPEN,) if self.tools else ()) + self.end_tokens
-            cut, marker = self._scan(markers, final)
-            self._emit_text(self._buf[:cut])
-            if marker is None:
-                self._buf = self._buf[cut:]
-                return cut > 0
-            self._buf = self._buf[cut + len(marker):]
+            progressed, marker = self._text_step((CALL_OPEN,), final)
             if marker == CALL_OPEN:
                 self._start_call()
-            return True
+            return progressed
         call = self._call
         if state == "open":
-            body = self._buf.lstrip()
-            call.raw += self._buf[:len(self._buf) - len(body)]
-            self._buf = body
+            body = self._take_space(call)
             if not body:
                 return False
             if body[0] == "{":
@@ -81,28 +72,19 @@ class HermesParser(OutputParser):
                 self._state = "skip"
             return True
         if state == "object":
-            try:
-                end = self._object.feed(self._buf)
-            except JsonSyntaxError:
+            end = self._read_call(call, self._object.feed)
+            if end is None:
                 self._state = "skip"  # the skip state takes the whole buffer into call.raw
                 return True
-            call.raw += self._buf[:end]
-            self._buf = self._buf[end:]
-            self._flush_call(call)
             if self._object.done:
                 self._state = "tail"
-                return True
             return end > 0
         # tail (after a complete object) and skip (malformed) both wait for the closing marker
         markers = (CALL_CLOSE, CALL_OPEN, *self.end_tokens) if state == "tail" else (CALL_CLOSE, *self.end_tokens)
-        cut, marker = self._scan(markers, final)
-        call.raw += self._buf[:cut]
+        junk, marker = self._take_until(markers, final)
+        call.raw += junk + (marker if marker == CALL_CLOSE else "")
         if marker is None:
-            self._buf = self._buf[cut:]
-            return cut > 0
-        self._buf = self._buf[cut + len(marker):]
-        if marker == CALL_CLOSE:
-            call.raw += marker
+            return bool(junk)
         self._close_call(ok=state == "tail")
         if marker == CALL_OPEN:
             self._start_call()

@@ -20,7 +20,6 @@ import string
 
 from moed.text.output_parsers.base import OutputParser, PendingCall
 from moed.text.output_parsers.call_object import CallObject
-from moed.text.output_parsers.json_stream import JsonSyntaxError
 
 TOOL_CALLS = "[TOOL_CALLS]"
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -44,45 +43,31 @@ class MistralParser(OutputParser):
     def _body_step(self, final: bool) -> bool:
         state = self._state
         if state == "text":
-            markers = ((TOOL_CALLS,) if self.tools else ()) + self.end_tokens
-            cut, marker = self._scan(markers, final)
-            self._emit_text(self._buf[:cut])
-            if marker is None:
-                self._buf = self._buf[cut:]
-                return cut > 0
-            self._buf = self._buf[cut + len(marker):]
+            progressed, marker = self._text_step((TOOL_CALLS,), final)
             if marker == TOOL_CALLS:
                 self._call = PendingCall(raw=marker)
                 self._state = "array_open"
-            return True
+            return progressed
         call = self._call
         if state == "skip":
-            cut, marker = self._scan(self.end_tokens, final)
-            call.raw += self._buf[:cut]
-            self._buf = self._buf[cut + len(marker or ""):]
+            junk, marker = self._take_until(self.end_tokens, final)
+            call.raw += junk
             if marker is None:
-                return cut > 0
+                return bool(junk)
             self._fail_call(call)
             self._call, self._state = None, "text"
             return True
         if state == "object":
-            try:
-                end = self._object.feed(self._buf)
-            except JsonSyntaxError:
+            end = self._read_call(call, self._object.feed)
+            if end is None:
                 self._state = "skip"
                 return True
-            call.raw += self._buf[:end]
-            self._buf = self._buf[end:]
-            self._flush_call(call)
             if self._object.done:
                 self._end_call(call)
                 self._call, self._state = PendingCall(), "next"
-                return True
             return end > 0
         # array punctuation
-        body = self._buf.lstrip()
-        call.raw += self._buf[:len(self._buf) - len(body)]
-        self._buf = body
+        body = self._take_space(call)
         if not body:
             return False
         ch = body[0]

@@ -8,24 +8,10 @@ import json
 import openai
 import pytest
 
-from helpers.http_daemon import start_http_daemon
-from helpers.tiny_models import build_tiny_model_dir
 from moed.engine.request import GenerationRequest
 from moed.engine.sampling import SamplingParams
 
 PROMPT = "The router reads"
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    d = start_http_daemon(build_tiny_model_dir(tmp_path_factory.mktemp("models")), models=("tiny",))
-    yield d
-    d.close()
-
-
-@pytest.fixture(scope="module")
-def client(daemon):
-    return daemon.openai()
 
 
 def engine_text(daemon, prompt_ids: list[int], max_tokens: int, stop=()) -> tuple[str, str, int]:

@@ -5,25 +5,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from helpers.http_daemon import start_http_daemon
-from helpers.tiny_models import build_tiny_model_dir
 from moed.engine.request import GenerationRequest
 from moed.engine.sampling import SamplingParams
 
 PROMPT = "The daemon loads the weights"
 SYSTEM = "Answer briefly."
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    d = start_http_daemon(build_tiny_model_dir(tmp_path_factory.mktemp("models")), models=("tiny",))
-    yield d
-    d.close()
-
-
-@pytest.fixture(scope="module")
-def client(daemon):
-    return daemon.openai()
 
 
 def engine_answer(daemon, max_tokens: int) -> tuple[str, int]:

@@ -43,11 +43,6 @@ def daemon(tmp_path_factory):
     d.close()
 
 
-@pytest.fixture(scope="module")
-def client(daemon):
-    return daemon.openai()
-
-
 def test_a_tool_call_is_parsed_into_message_tool_calls(daemon, client):
     reply = client.chat.completions.create(model="qwen", messages=ASK, tools=TOOLS, temperature=0)
     choice = reply.choices[0]
