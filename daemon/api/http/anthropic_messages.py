@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from moed.api.http.anthropic_protocol import (ERROR_STATUS, CountTokensRequest, CountTokensResponse,
@@ -45,6 +45,7 @@ from moed.api.http.anthropic_protocol import (ERROR_STATUS, CountTokensRequest, 
 from moed.api.http.bridge import EngineBridge, GenerationStream
 from moed.api.http.error_status import HttpFailure, ParamError, failure_of, validation_failure
 from moed.api.http.output_stream import Finished, parsed_events
+from moed.api.http.sse_response import SseResponse
 from moed.engine.sampling import SamplingParams
 from moed.errors import ServiceUnavailableError
 
@@ -52,7 +53,6 @@ ERROR_PATH_PREFIX = "/v1/messages"  # app.py renders every error under it with a
 PING_INTERVAL_S = 5.0  # a ping event when the model has been silent this long (read per request)
 DISCONNECT_POLL_S = 0.5  # non-streamed requests: how often to check that the client is still there
 DEFAULT_TEMPERATURE = 1.0  # Anthropic's default when a request omits temperature
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 # HttpFailure.kind -> Anthropic's error type; the status follows the type (ERROR_STATUS), except that
 # "unavailable" (paused, loading, stopping) keeps 503: the daemon is not busy, it is not serving yet
@@ -451,9 +451,10 @@ class _Answer:
         self.prompt_ids, tools = prompt_of(bridge, entry, body)
         bridge.check_max_tokens(entry, body.max_tokens)
         self.params = sampling_params(body)
-        self.parser = bridge.output_parser(entry, tools=tools, prompt_ids=self.prompt_ids)
+        self.parser = bridge.output_parser(entry, tools=tools, prompt_ids=self.prompt_ids, stream=body.stream)
         self.raw = bridge.parser_wants_raw(self.parser)
-        self.recorder = _TokenRecorder(bridge.open_stream(entry, self.prompt_ids, self.params, raw=self.raw))
+        self.stream = bridge.open_stream(entry, self.prompt_ids, self.params, raw=self.raw)
+        self.recorder = _TokenRecorder(self.stream)
         self.builder = BlockBuilder(
             single_tool=bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use),
             show_thinking=not (body.thinking is not None and body.thinking.display == "omitted"))
@@ -461,6 +462,9 @@ class _Answer:
 
     def events(self, **kwargs: Any) -> AsyncIterator[Any]:
         return parsed_events(self.recorder, self.parser, **kwargs)
+
+    def cancel(self) -> None:
+        self.stream.cancel()
 
     def stop(self, finished: Finished) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence) for the engine's finish reason."""
@@ -494,7 +498,7 @@ async def create_message(bridge: EngineBridge, body: MessagesRequest, request: R
     entry = bridge.resolve(body.model)
     answer = _Answer(bridge, entry, body)
     if body.stream:
-        return StreamingResponse(_stream_events(answer), media_type="text/event-stream", headers=STREAM_HEADERS)
+        return SseResponse(_stream_events(answer), answer.cancel)
     finished = None
     async for event in answer.events(heartbeat_s=DISCONNECT_POLL_S, is_disconnected=request.is_disconnected):
         if isinstance(event, Finished):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moed.api.daemon_context import DaemonContext
+from moed.api.http.error_status import ParamError
 from moed.api.http.metrics import HttpMetrics
 from moed.engine.model_manager import LoadedEntry
 from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent
@@ -185,6 +186,22 @@ class GenerationStream:
         return dataclasses.replace(event, text=text)
 
 
+def with_thinking(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with an assistant tool-call turn's ``reasoning_content`` also as ``thinking``.
+
+    Templates differ in where they read earlier reasoning: Qwen3's reads ``reasoning_content``,
+    gpt-oss's reads ``thinking``, and only for tool-call turns, which is where its reasoning must be
+    shown again; it refuses a tool-call turn with both text and thinking, so a turn with text is
+    left as it is (that template shows the text as the reasoning then)."""
+    out = []
+    for m in messages:
+        if (m.get("role") == "assistant" and m.get("tool_calls") and m.get("reasoning_content")
+                and not m.get("content") and "thinking" not in m):
+            m = {**m, "thinking": m["reasoning_content"]}
+        out.append(m)
+    return out
+
+
 class EngineBridge:
     """Engine access for the HTTP endpoints; methods raise ``MoedError``s with messages for people."""
 
@@ -267,7 +284,8 @@ class EngineBridge:
                          tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
                          **template_variables: Any) -> str:
         """The rendered prompt text (what ``render_chat`` encodes)."""
-        return self.tokenizer(entry).apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+        return self.tokenizer(entry).apply_chat_template(with_thinking(messages),
+                                                         add_generation_prompt=add_generation_prompt,
                                                          tools=tools or None, **template_variables)
 
     def encode(self, entry: LoadedEntry, text: str) -> list[int]:
@@ -282,16 +300,28 @@ class EngineBridge:
         return len(self.render_chat(entry, messages, tools=tools, **template_variables))
 
     def check_max_tokens(self, entry: LoadedEntry, max_tokens: int | None, *, field: str = "max_tokens") -> None:
-        """InvalidRequestError when ``max_tokens`` alone exceeds the model's context.
+        """ParamError (naming ``field``) when ``max_tokens`` alone exceeds the model's context.
 
         A smaller value that does not fit after a long prompt is not an error: generation ends when
         the context is full, with finish reason "context" (agents send generous limits by default).
         """
         if max_tokens is not None and max_tokens > entry.loop.context_length:
-            raise InvalidRequestError(
+            raise ParamError(
                 f"{field}={max_tokens} is more than model {quoted(entry.name)}'s context of "
                 f"{entry.loop.context_length} tokens (prompt and output together); ask for fewer, or load the model "
-                "with a larger context (`moed load MODEL --context N`)")
+                "with a larger context (`moed load MODEL --context N`)", field)
+
+    def check_prompt_fits(self, entry: LoadedEntry, prompt_ids: Sequence[int]) -> None:
+        """ParamError (code context_length_exceeded) when the prompt leaves no room for one output token.
+
+        The wording is Anthropic's ("prompt is too long: N tokens > M maximum") and the code
+        OpenAI's: agents (Claude Code, OpenCode, Codex) recognise these and compact the conversation."""
+        context = entry.loop.context_length
+        if len(prompt_ids) >= context:
+            raise ParamError(
+                f"prompt is too long: {len(prompt_ids)} tokens > {context - 1} maximum (model {quoted(entry.name)} "
+                f"serves a context of {context} tokens, the prompt plus at least one generated token); shorten the "
+                "prompt or compact the conversation", code="context_length_exceeded")
 
     def default_max_tokens(self, entry: LoadedEntry, prompt_ids: list[int]) -> int:
         """The output budget when a request gives none: the rest of the context (at least 1)."""
@@ -314,26 +344,31 @@ class EngineBridge:
                 "template)")
 
     def output_parser(self, entry: LoadedEntry, *, tools: bool | Sequence[dict[str, Any]],
-                      prompt_ids: Sequence[int] | None = None) -> OutputParser:
+                      prompt_ids: Sequence[int] | None = None, stream: bool = True) -> OutputParser:
         """A fresh streaming parser for one answer of this model: ``feed(text) -> [OutputEvent]``, ``finish()``.
 
         OutputEvent.kind is "text", "reasoning" or "tool_call" (``tool_index``, ``tool_id``,
         ``name`` on a call's first event, then ``arguments_delta`` JSON pieces); see
         ``moed.text.output_parser``. ``tools``: the request's tools (OpenAI-style dicts, or
         Anthropic-style ``{"name", ...}``; a call to a name not among them stays text) or just
-        whether there are any. ``prompt_ids``: the prompt, so that an answer that starts inside a
+        whether there are any; their parameter schemas type the raw values of XML calls
+        (Qwen3-Coder). ``prompt_ids``: the prompt, so that an answer that starts inside a
         reasoning block the template opened (``...<think>\n``) is parsed as reasoning. Feed it
-        the text of a stream opened with ``raw=True``: parsers read special tokens.
+        the text of a stream opened with ``raw=True``: parsers read special tokens. ``stream=False``
+        (a whole answer): a call goes out only once complete, so one the model broke off stays text.
         """
-        names = None
+        names, parameters = None, None
         if not isinstance(tools, bool):
-            names = [t.get("function", t).get("name") for t in tools]
-            names = [n for n in names if isinstance(n, str)]
+            functions = [t.get("function", t) for t in tools]
+            names = [f.get("name") for f in functions if isinstance(f.get("name"), str)]
+            parameters = {f["name"]: f.get("parameters", f.get("input_schema")) for f in functions
+                          if isinstance(f.get("name"), str)}
         opens = False
         if prompt_ids:
             tail = self.tokenizer(entry).decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
             opens = prompt_opens_reasoning(self.family(entry), tail)
-        return output_parser_for(self.family(entry), tools=bool(tools), starts_in_reasoning=opens, tool_names=names)
+        return output_parser_for(self.family(entry), tools=bool(tools), starts_in_reasoning=opens, tool_names=names,
+                                 tool_parameters=parameters, stream_arguments=stream)
 
     @staticmethod
     def parser_wants_raw(parser: OutputParser) -> bool:
@@ -359,6 +394,7 @@ class EngineBridge:
             raise ServiceUnavailableError("the daemon is shutting down")
         if self.ctx.paused:
             raise ServiceUnavailableError("serving is paused; resume it from the tray")
+        self.check_prompt_fits(entry, prompt_ids)
         request_id = request_id or uuid.uuid4().hex
         handle = entry.loop.submit(GenerationRequest(request_id, list(prompt_ids), params, deadline))
         name = entry.name

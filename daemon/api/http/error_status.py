@@ -25,14 +25,16 @@ class HttpFailure:
     kind: str  # invalid_request | authentication | not_found | rate_limit | unavailable | internal
     message: str
     param: str | None = None  # the request field at fault, where known
+    code: str | None = None  # a machine-readable reason clients act on (e.g. "context_length_exceeded")
 
 
 class ParamError(errors.InvalidRequestError):
     """A bad request that names the field at fault (``param`` in OpenAI's error JSON)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class AuthenticationError(errors.MoedError):
@@ -53,7 +55,7 @@ def failure_of(exc: BaseException) -> HttpFailure:
     if isinstance(exc, errors.InsufficientMemoryError):
         return HttpFailure(503, "unavailable", message)
     if isinstance(exc, errors.InvalidRequestError):
-        return HttpFailure(400, "invalid_request", message, getattr(exc, "param", None))
+        return HttpFailure(400, "invalid_request", message, getattr(exc, "param", None), getattr(exc, "code", None))
     if isinstance(exc, errors.MoedError):  # a broken chat template, an unsupported model: the model's fault
         return HttpFailure(400, "invalid_request", message)
     log.error("internal error while serving an HTTP request", exc_info=exc)

@@ -66,14 +66,15 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if content is not None:
             msg["content"] = content
         if m.role == "assistant":
+            # a call-only turn comes with content null or none at all; templates read it as text (Qwen3's
+            # slices every message's content), so it is "" there
+            msg.setdefault("content", "")
             if m.tool_calls:
                 msg["tool_calls"] = []
                 for call in m.tool_calls:
                     call_names[call.id] = call.function.name
                     msg["tool_calls"].append({"id": call.id, "type": "function", "function": {
                         "name": call.function.name, "arguments": arguments_value(call.function.arguments)}})
-            elif content is None:
-                msg["content"] = ""
             if m.reasoning_content:
                 msg["reasoning_content"] = m.reasoning_content
         elif m.role == "tool":
@@ -125,7 +126,7 @@ async def create_chat_completion(bridge: EngineBridge, body: ChatCompletionReque
                             else "max_tokens")
     params = sampling_params(body, max_tokens=max_tokens or bridge.default_max_tokens(entry, prompt_ids),
                              stop=stop_strings(body.stop))
-    parser = bridge.output_parser(entry, tools=tools, prompt_ids=prompt_ids)
+    parser = bridge.output_parser(entry, tools=tools, prompt_ids=prompt_ids, stream=body.stream)
     stream = bridge.open_stream(entry, prompt_ids, params, raw=True)
     chat_id, created = new_id("chatcmpl-"), now()
     if body.stream:
@@ -154,33 +155,32 @@ async def _chunks(stream, parser, chat_id: str, created: int, model: str, includ
 
     yield chunk(ChatDelta(role="assistant", content=""))
     started: set[int] = set()
-    async for event in parsed_events(stream, parser, heartbeat_s=HEARTBEAT_S):
-        if event is None:
-            yield SSE_KEEPALIVE
-        elif isinstance(event, Finished):
-            try:
+    try:
+        async for event in parsed_events(stream, parser, heartbeat_s=HEARTBEAT_S):
+            if event is None:
+                yield SSE_KEEPALIVE
+            elif isinstance(event, Finished):
                 raise_if_failed(event.reason, event.error)
-            except Exception as exc:  # the status line is long gone: report it in the stream
-                yield sse(error_body(failure_of(exc)))
+                yield chunk(ChatDelta(), finish_reason(event.reason, has_tool_calls=event.has_tool_calls))
+                if include_usage:
+                    yield sse(ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[],
+                                                  usage=usage_of(event.usage)))
                 yield SSE_DONE
-                return
-            yield chunk(ChatDelta(), finish_reason(event.reason, has_tool_calls=event.has_tool_calls))
-            if include_usage:
-                yield sse(ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[],
-                                              usage=usage_of(event.usage)))
-            yield SSE_DONE
-        elif event.kind == "text" and event.text:
-            yield chunk(ChatDelta(content=event.text))
-        elif event.kind == "reasoning" and event.text:
-            yield chunk(ChatDelta(reasoning_content=event.text))
-        elif event.kind == "tool_call":
-            args = event.arguments_delta
-            if event.tool_index not in started:
-                started.add(event.tool_index)
-                delta = ToolCallDelta(index=event.tool_index, id=event.tool_id, type="function",
-                                      function=ToolCallDeltaFunction(name=event.name, arguments=args))
-            elif args:
-                delta = ToolCallDelta(index=event.tool_index, function=ToolCallDeltaFunction(arguments=args))
-            else:
-                continue
-            yield chunk(ChatDelta(tool_calls=[delta]))
+            elif event.kind == "text" and event.text:
+                yield chunk(ChatDelta(content=event.text))
+            elif event.kind == "reasoning" and event.text:
+                yield chunk(ChatDelta(reasoning_content=event.text))
+            elif event.kind == "tool_call":
+                args = event.arguments_delta
+                if event.tool_index not in started:
+                    started.add(event.tool_index)
+                    delta = ToolCallDelta(index=event.tool_index, id=event.tool_id, type="function",
+                                          function=ToolCallDeltaFunction(name=event.name, arguments=args))
+                elif args:
+                    delta = ToolCallDelta(index=event.tool_index, function=ToolCallDeltaFunction(arguments=args))
+                else:
+                    continue
+                yield chunk(ChatDelta(tool_calls=[delta]))
+    except Exception as exc:  # the status line is long gone: report it in the stream (the SDKs raise it)
+        yield sse(error_body(failure_of(exc)))
+        yield SSE_DONE

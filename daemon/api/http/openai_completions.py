@@ -62,21 +62,20 @@ async def _chunks(stream, cmpl_id: str, created: int, model: str, include_usage:
         return sse(Completion(id=cmpl_id, created=created, model=model,
                               choices=[CompletionChoice(text=text, finish_reason=reason)]))
 
-    async for event in stream.events(heartbeat_s=HEARTBEAT_S):
-        if event is None:
-            yield SSE_KEEPALIVE
-        elif not event.done:
-            if event.text:
-                yield chunk(event.text)
-        else:
-            try:
+    try:
+        async for event in stream.events(heartbeat_s=HEARTBEAT_S):
+            if event is None:
+                yield SSE_KEEPALIVE
+            elif not event.done:
+                if event.text:
+                    yield chunk(event.text)
+            else:
                 raise_if_failed(event.finish_reason, event.error)
-            except Exception as exc:
-                yield sse(error_body(failure_of(exc)))
+                yield chunk(event.text, finish_reason(event.finish_reason, has_tool_calls=False))
+                if include_usage:
+                    yield sse(Completion(id=cmpl_id, created=created, model=model, choices=[],
+                                         usage=usage_of(event.usage)))
                 yield SSE_DONE
-                return
-            yield chunk(event.text, finish_reason(event.finish_reason, has_tool_calls=False))
-            if include_usage:
-                yield sse(Completion(id=cmpl_id, created=created, model=model, choices=[],
-                                     usage=usage_of(event.usage)))
-            yield SSE_DONE
+    except Exception as exc:  # the status line is long gone: report it in the stream (the SDKs raise it)
+        yield sse(error_body(failure_of(exc)))
+        yield SSE_DONE

@@ -36,17 +36,17 @@ from moed.text.chat_template import validate_messages
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, where: str, field: str = "content") -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ParamError(f"{where}.content must be a string or a list of input_text parts", f"{where}.content")
+        raise ParamError(f"{where}.{field} must be a string or a list of input_text parts", f"{where}.{field}")
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ParamError(f"{where}.content[{j}] is a {kind!r} part; moed serves text models, so only "
-                             "input_text / output_text parts are accepted", f"{where}.content")
+            raise ParamError(f"{where}.{field}[{j}] is a {kind!r} part; moed serves text models, so only "
+                             "input_text / output_text parts are accepted", f"{where}.{field}")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -96,23 +96,30 @@ def template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
                 raise ParamError(f"{where} (function_call) needs a 'call_id' and a 'name'", where)
+            arguments = item.get("arguments") or ""
+            if not isinstance(arguments, (str, dict)):
+                raise ParamError(f"{where}.arguments must be the call's arguments as a JSON string, got "
+                                 f"{type(arguments).__name__}", f"{where}.arguments")
             call_names[call_id] = name
             msg = assistant()
             msg.setdefault("tool_calls", []).append({"id": call_id, "type": "function", "function": {
-                "name": name, "arguments": arguments_value(item.get("arguments") or "")}})
+                "name": name, "arguments": arguments_value(arguments)}})
         elif kind == "function_call_output":
             call_id = item.get("call_id")
-            if call_id not in call_names:
+            if not isinstance(call_id, str) or call_id not in call_names:
                 raise ParamError(f"{where} (function_call_output) answers call_id {call_id!r}, but no earlier "
                                  "function_call item has that call_id", f"{where}.call_id")
             if out and out[-1]["role"] == "assistant":
                 out[-1]["_closed"] = True
-            output = item.get("output", "")
             out.append({"role": "tool", "tool_call_id": call_id, "name": call_names[call_id],
-                        "content": output if isinstance(output, str) else _text_of(output, where)})
+                        "content": _text_of(item.get("output", ""), where, "output")})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            reasoning = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text", ""), str)
+                                                      for p in parts):
+                raise ParamError(f"{where} (reasoning) needs 'content' (or 'summary') as a list of "
+                                 "{'type': 'reasoning_text', 'text': ...} parts", f"{where}.content")
+            reasoning = "\n".join(p.get("text", "") for p in parts)
         else:
             raise ParamError(f"{where} is a {kind!r} item; moed accepts message, function_call, "
                              "function_call_output and reasoning items", f"{where}.type")
@@ -264,11 +271,7 @@ class ResponseBuilder:
         try:
             raise_if_failed(finished.reason, finished.error)
         except Exception as exc:
-            failure = failure_of(exc)
-            self.response.status = "failed"
-            self.response.error = ErrorDetail(message=failure.message, type="server_error",
-                                              code=ERROR_CODES.get(failure.kind, "server_error"))
-            return out + [self._event("response.failed", response=self._snapshot())]
+            return out + self.fail(exc)
         if finished.reason in ("length", "context", "deadline"):
             self.response.status = "incomplete"
             self.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
@@ -277,6 +280,15 @@ class ResponseBuilder:
             return out + [self._event("response.incomplete", response=self._snapshot())]
         self.response.status = "completed"
         return out + [self._event("response.completed", response=self._snapshot())]
+
+    def fail(self, exc: BaseException) -> list[dict[str, Any]]:
+        """Close the open item; response.failed with the error that ended the answer."""
+        out = self._close()
+        failure = failure_of(exc)
+        self.response.status = "failed"
+        self.response.error = ErrorDetail(message=failure.message, type="server_error",
+                                          code=ERROR_CODES.get(failure.kind, "server_error"))
+        return out + [self._event("response.failed", response=self._snapshot())]
 
 
 async def create_response(bridge: EngineBridge, body: ResponsesRequest, request: Request):
@@ -292,7 +304,7 @@ async def create_response(bridge: EngineBridge, body: ResponsesRequest, request:
     prompt_ids = bridge.render_chat(entry, messages, tools=tools, **variables)
     bridge.check_max_tokens(entry, body.max_output_tokens, field="max_output_tokens")
     params = sampling_params(body, max_tokens=body.max_output_tokens or bridge.default_max_tokens(entry, prompt_ids))
-    parser = bridge.output_parser(entry, tools=tools, prompt_ids=prompt_ids)
+    parser = bridge.output_parser(entry, tools=tools, prompt_ids=prompt_ids, stream=body.stream)
     stream = bridge.open_stream(entry, prompt_ids, params, raw=True)
     builder = ResponseBuilder(body, entry.name)
     if body.stream:
@@ -317,10 +329,14 @@ def _sse(event: dict[str, Any]) -> str:
 async def _events(stream, parser, builder: ResponseBuilder) -> AsyncIterator[str]:
     for event in builder.start():
         yield _sse(event)
-    async for parsed in parsed_events(stream, parser, heartbeat_s=HEARTBEAT_S):
-        if parsed is None:
-            yield SSE_KEEPALIVE
-            continue
-        events = builder.finish(parsed) if isinstance(parsed, Finished) else builder.add(parsed)
-        for event in events:
+    try:
+        async for parsed in parsed_events(stream, parser, heartbeat_s=HEARTBEAT_S):
+            if parsed is None:
+                yield SSE_KEEPALIVE
+                continue
+            events = builder.finish(parsed) if isinstance(parsed, Finished) else builder.add(parsed)
+            for event in events:
+                yield _sse(event)
+    except Exception as exc:  # the status line is long gone: the stream ends with response.failed
+        for event in builder.fail(exc):
             yield _sse(event)

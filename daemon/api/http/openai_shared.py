@@ -36,8 +36,11 @@ def now() -> int:
 
 
 def error_body(failure: HttpFailure) -> dict[str, Any]:
+    code = failure.code or ERROR_CODES.get(failure.kind)
+    if failure.kind == "not_found" and failure.param != "model":
+        code = None  # e.g. no such endpoint: OpenAI sends no code then
     detail = ErrorDetail(message=failure.message, type=ERROR_TYPES.get(failure.kind, "server_error"),
-                         param=failure.param, code=ERROR_CODES.get(failure.kind))
+                         param=failure.param, code=code)
     return ErrorResponse(error=detail).model_dump()
 
 

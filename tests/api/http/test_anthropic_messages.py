@@ -412,6 +412,17 @@ def test_bad_requests_get_the_sdk_error_classes_with_anthropic_bodies(client):
     assert_anthropic_error(e, "invalid_request_error", "max_tokens=100000", "context")
 
 
+def test_a_prompt_over_the_context_is_reported_in_anthropics_words(client):
+    """"prompt is too long: N tokens > M maximum" is what Claude Code recognises to compact the conversation."""
+    long = [{"role": "user", "content": "word " * 1200}]
+    n = client.messages.count_tokens(model="chat", messages=long).input_tokens
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(**GREEDY, model="chat", max_tokens=5, messages=long, stream=stream)
+        assert_anthropic_error(e, "invalid_request_error")
+        assert re.match(rf"prompt is too long: {n} tokens > 1023 maximum", e.value.body["error"]["message"])
+
+
 def test_malformed_bodies_get_anthropic_shaped_400s(daemon):
     user = [{"role": "user", "content": "x"}]
     shared = [  # bad for both endpoints

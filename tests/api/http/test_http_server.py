@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
@@ -10,7 +11,8 @@ import threading
 import openai
 import pytest
 
-from helpers.http_daemon import ChatScriptedModel, add_scripted_model, start_http_daemon, tools_tokenizer
+from helpers.http_daemon import (GENERATION_PROMPT, ChatScriptedModel, add_scripted_model, start_http_daemon,
+                                 tools_tokenizer)
 from moed.api.http.server import HttpServer
 from moed.errors import InvalidRequestError
 
@@ -106,6 +108,72 @@ def test_a_client_that_leaves_before_a_whole_answer_cancels_it(daemon):
     sock.close()
     daemon.wait_idle()
     assert daemon.model.num_forwards - forwards_before < 140
+
+
+STREAMED = [("/v1/chat/completions", {"messages": HI, "max_tokens": 150}),
+            ("/v1/responses", {"input": "Say many words", "max_output_tokens": 150}),
+            ("/v1/messages", {"messages": HI, "max_tokens": 150})]
+
+
+@pytest.mark.parametrize("path, body", STREAMED, ids=[p for p, _ in STREAMED])
+def test_a_stream_whose_client_is_gone_before_its_first_byte_is_cancelled(daemon, path, body):
+    """The request is queued before the response starts; sending its first byte fails (the client hung
+    up), so the body's generator never runs: the response itself must cancel the request."""
+    forwards_before = daemon.model.num_forwards
+    raw = json.dumps({"model": "slow", "stream": True, **body}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"), (b"authorization", f"Bearer {TOKEN}".encode()),
+                         (b"content-length", str(len(raw)).encode())]}
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("the client hung up")
+
+    async def call():
+        with pytest.raises(Exception):
+            await daemon.server.app(scope, receive, send)
+
+    asyncio.run(call())
+    daemon.wait_idle()
+    assert daemon.model.num_forwards - forwards_before < 140
+
+
+@pytest.fixture
+def streams_fail_after_three_events(monkeypatch):
+    """Every generation stream raises (as a bug in decoding or parsing would) after its third event."""
+    from moed.api.http.bridge import GenerationStream
+
+    events = GenerationStream.events
+
+    async def failing(self, **kwargs):
+        n = 0
+        async for event in events(self, **kwargs):
+            n += event is not None
+            if n > 3:
+                raise ValueError("boom while decoding")
+            yield event
+
+    monkeypatch.setattr(GenerationStream, "events", failing)
+
+
+def test_an_error_mid_stream_ends_each_stream_in_its_api_shape(daemon, streams_fail_after_three_events):
+    client = daemon.openai()
+    with pytest.raises(openai.APIError, match="boom while decoding"):
+        list(client.chat.completions.create(model="slow", messages=HI, max_tokens=50, stream=True))
+    with pytest.raises(openai.APIError, match="boom while decoding"):
+        list(client.completions.create(model="slow", prompt=GENERATION_PROMPT, max_tokens=50, stream=True))
+    events = list(client.responses.create(model="slow", input="Say many words", max_output_tokens=50, stream=True))
+    assert events[-1].type == "response.failed" and "boom while decoding" in events[-1].response.error.message
+    assert events[-1].response.status == "failed"
+    with pytest.raises(Exception, match="boom while decoding"):
+        with daemon.anthropic().messages.stream(model="slow", messages=HI, max_tokens=50) as stream:
+            list(stream)
+    daemon.wait_idle()
 
 
 def test_stop_ends_open_streams_and_the_thread(tokenizer):

@@ -129,6 +129,18 @@ def test_unknown_model_is_a_404_naming_the_loaded_ones(client):
     assert err.value.body["code"] == "model_not_found"
 
 
+def test_a_prompt_over_the_context_is_a_400_with_code_context_length_exceeded(client):
+    long = [{"role": "user", "content": "word " * 300}]
+    for call in (lambda: client.chat.completions.create(model="tiny", messages=long),
+                 lambda: list(client.chat.completions.create(model="tiny", messages=long, stream=True)),
+                 lambda: client.responses.create(model="tiny", input=long[0]["content"]),
+                 lambda: client.completions.create(model="tiny", prompt=long[0]["content"])):
+        with pytest.raises(openai.BadRequestError) as err:
+            call()
+        assert err.value.body["code"] == "context_length_exceeded"  # agents compact the conversation on it
+        assert "prompt is too long" in err.value.body["message"] and "256" in err.value.body["message"]
+
+
 @pytest.mark.parametrize("field,value", [("temperature", -1), ("temperature", 3), ("top_p", 0), ("max_tokens", 0),
                                          ("max_tokens", 100000), ("stop", [""])])
 def test_out_of_range_sampling_is_a_400_naming_the_field(client, field, value):
@@ -136,6 +148,8 @@ def test_out_of_range_sampling_is_a_400_naming_the_field(client, field, value):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                        **{field: value})
     assert field.split("_")[0] in err.value.body["message"]
+    if field != "stop":  # the engine's own check of stop strings names no field
+        assert err.value.body["param"] == field
 
 
 def test_malformed_bodies_get_400s_in_openai_shape_and_the_server_keeps_serving(daemon, client):
@@ -153,6 +167,7 @@ def test_malformed_bodies_get_400s_in_openai_shape_and_the_server_keeps_serving(
         assert answer["error"]["type"] == "invalid_request_error"
     status, answer, _ = raw_post(daemon, "/v1/nothing", {})
     assert status == 404 and "no such endpoint" in answer["error"]["message"]
+    assert answer["error"]["code"] is None  # no model is missing: the path is wrong
     assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                           max_tokens=1).choices[0].finish_reason == "length"
 

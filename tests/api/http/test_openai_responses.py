@@ -58,6 +58,10 @@ def test_streamed_response_has_the_event_sequence_and_the_same_text(daemon, clie
     assert item_ids == {final.output[0].id}
 
 
+CALL = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+OUTPUT = {"type": "function_call_output", "call_id": "call_1", "output": "done"}
+
+
 @pytest.mark.parametrize("body,field", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": []}, "input"),
@@ -65,9 +69,15 @@ def test_streamed_response_has_the_event_sequence_and_the_same_text(daemon, clie
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    *[({"input": [CALL | {"arguments": value}, OUTPUT]}, "input[0].arguments") for value in (-1, True, [1])],
+    *[({"input": [CALL, OUTPUT | {"call_id": value}]}, "input[1].call_id") for value in ({}, [None], 5)],
+    *[({"input": [CALL, OUTPUT | {"output": value}]}, "input[1].output") for value in (5, None, {"a": 1})],
+    *[({"input": [{"type": "reasoning", "content": value}, CALL, OUTPUT]}, "input[0].content")
+      for value in (5, "text", [5])],
 ])
 def test_bad_responses_requests_are_400s_naming_the_field(client, body, field):
     kwargs = {"model": "tiny", "input": PROMPT, **body}
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(**kwargs)
+    assert err.value.status_code == 400
     assert err.value.body["param"] == field or field.split("[")[0] in err.value.body["message"]

@@ -13,6 +13,7 @@ import pytest
 
 from helpers.http_daemon import ChatScriptedModel, add_scripted_model, start_http_daemon, tools_tokenizer
 from helpers.tiny_tokenizer import CHATML_TEMPLATE
+from helpers.tool_templates import QWEN3_TOOL_TEMPLATE
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 SUNNY = "It is sunny in Paris."
@@ -20,9 +21,37 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Qwen3-MoE's own template slices every message's content (its backwards scan for the last real user
+# query), so a message that reaches it without content fails to render
+QWEN3_SCANNING_TEMPLATE = ("{%- for message in messages[::-1] %}{%- set head = message.content[:15] %}{%- endfor %}"
+                           + QWEN3_TOOL_TEMPLATE)
+# Qwen3-Coder (a qwen3_moe checkpoint) writes calls as XML with raw values; the tool's schema types them
+CODER_CALL = ("<tool_call>\n<function=read_file>\n<parameter=path>\nsrc/main.py\n</parameter>\n"
+              "<parameter=limit>\n40\n</parameter>\n<parameter=follow>\ntrue\n</parameter>\n</function>\n"
+              "</tool_call>")
+# gpt-oss's template shows the reasoning of a tool-call turn (its analysis message) from the message's
+# "thinking" field, and refuses a tool-call turn that has both content and thinking
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}"
+    "{%- if m.content and m.thinking %}{{ raise_exception('Cannot pass both content and thinking') }}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- if m.thinking %}{{- 'analysis: ' + m.thinking + '\\n' }}{%- endif %}"
+    "{%- if m.content %}{{- 'analysis: ' + m.content + '\\n' }}{%- endif %}"
+    "{%- for c in m.tool_calls %}{{- 'call ' + c.function.name }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+READ_TOOL = {"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"},
+                                     "follow": {"type": "boolean"}}, "required": ["path"]}}}
+
+
+# the model ends its turn in the middle of a call's arguments
+CUT_CALL = 'Let me see.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
 
 
 def answer(prompt: str) -> str:
+    if "Cut short" in prompt:
+        return CUT_CALL
     if "<tool_response>" in prompt:
         return SUNNY
     if "# Tools" in prompt:
@@ -33,11 +62,15 @@ def answer(prompt: str) -> str:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     d = start_http_daemon()
-    model = ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("tok")), answer)
+    model = ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("tok"), QWEN3_SCANNING_TEMPLATE), answer)
     add_scripted_model(d, "qwen", model)
     plain = ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("plain"), CHATML_TEMPLATE), answer,
                               family="mixtral")
     add_scripted_model(d, "no-tools", plain)
+    add_scripted_model(d, "coder", ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("coder")),
+                                                     lambda prompt: CODER_CALL))
+    d.thinker = ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("thinker"), THINKING_TEMPLATE), answer)
+    add_scripted_model(d, "thinker", d.thinker)
     d.model = model
     yield d
     d.close()
@@ -67,6 +100,30 @@ def test_streamed_tool_call_deltas_build_the_same_call(client):
     assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris"}
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+
+
+def test_xml_call_values_are_typed_by_the_tool_schema(client):
+    reply = client.chat.completions.create(model="coder", messages=ASK, tools=[READ_TOOL])
+    [call] = reply.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"path": "src/main.py", "limit": 40, "follow": True}
+    chunks = list(client.chat.completions.create(model="coder", messages=ASK, tools=[READ_TOOL], stream=True))
+    streamed = "".join(tc.function.arguments or "" for c in chunks if c.choices
+                       for tc in c.choices[0].delta.tool_calls or [])
+    assert json.loads(streamed) == {"path": "src/main.py", "limit": 40, "follow": True}
+
+
+def test_a_whole_answer_keeps_a_call_cut_short_as_text(daemon, client):
+    """Without a stream nothing of a call goes out before it is complete, so a broken one stays text."""
+    cut = [{"role": "user", "content": "Cut short"}]
+    reply = client.chat.completions.create(model="qwen", messages=cut, tools=TOOLS)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.content == CUT_CALL
+    response = client.responses.create(model="qwen", input="Cut short", tools=RESPONSES_TOOLS)
+    assert [o.type for o in response.output] == ["message"] and response.output_text == CUT_CALL
+    message = daemon.anthropic().messages.create(model="qwen", max_tokens=200, messages=cut, tools=[
+        {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}])
+    assert [b.type for b in message.content] == ["text"] and message.content[0].text == CUT_CALL
+    assert message.stop_reason == "end_turn"
 
 
 def test_the_tool_result_round_trip_renders_the_call_and_the_result(daemon, client):
@@ -129,6 +186,24 @@ def test_responses_function_call_round_trip(daemon, client):
         {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 21}'}])
     assert second.output_text == SUNNY
     assert '<tool_response>\n{"temp_c": 21}\n</tool_response>' in daemon.model.prompts[-1]
+
+
+def test_the_reasoning_of_a_tool_call_turn_reaches_templates_that_read_thinking(daemon, client):
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "21 C"}
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": "I need the weather first."}]}
+    client.responses.create(model="thinker", input=[ASK[0], reasoning, call, output])
+    assert "analysis: I need the weather first.\ncall get_weather" in daemon.thinker.prompts[-1]
+    # with text in the turn too, the reasoning stays out of "thinking" (such templates refuse both)
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]}
+    client.responses.create(model="thinker", input=[ASK[0], reasoning, said, call, output])
+    assert "analysis: Checking.\ncall get_weather" in daemon.thinker.prompts[-1]
+    client.chat.completions.create(model="thinker", messages=ASK + [
+        {"role": "assistant", "content": None, "reasoning_content": "I need the weather first.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}])
+    assert "analysis: I need the weather first.\ncall get_weather" in daemon.thinker.prompts[-1]
 
 
 def test_responses_stream_with_a_function_call(client):
