@@ -11,12 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.fp8_packer import dequantize_reference, quantize_fp8_blocks, write_fp8_checkpoint
+from helpers.reference_parity import assert_matches_reference
 from helpers.tiny_models import build_tiny_model
-from moed.engine.offline_run import run_offline
 from moed.engine.runtime import open_runtime
-from moed.engine.sampling import SamplingParams
 from moed.errors import ModelFormatError, UnsupportedModelError
-from moed.runner.forward_batch import ForwardBatch
 from moed.weights.fp8_blocks import dequantize_fp8_blocks
 
 BLOCK = (32, 32)
@@ -54,16 +52,7 @@ def test_fp8_checkpoint_matches_transformers_on_the_dequantised_weights(fp8_mode
     family, path, reference = fp8_model
     runtime = open_runtime(path, weights_dtype="fp32", experts_dtype="fp32")
     try:
-        p = torch.randint(3, 500, (9,), generator=torch.Generator().manual_seed(2)).tolist()
-        logits = runtime.model.forward(ForwardBatch.from_token_lists([p], [0], [0]), runtime.model.new_cache(1, 64),
-                                       last_only=False)[0]
-        with torch.no_grad():
-            ref = reference(torch.tensor([p])).logits[0]
-            expected = reference.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                          pad_token_id=0)[0, len(p):].tolist()
-        assert (logits - ref).abs().max().item() < 1e-3, family
-        (done,) = run_offline(runtime, [p], [SamplingParams(max_tokens=12, ignore_eos=True)], context_length=64)
-        assert done.token_ids == expected
+        assert_matches_reference(runtime, reference, tol=1e-3, what=family)
     finally:
         runtime.close()
     native = open_runtime(path)  # by default FP8 weights become bf16, the experts a bf16 bank

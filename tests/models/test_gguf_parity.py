@@ -9,10 +9,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from helpers.gguf_writer import load_dequantised_into, write_tiny_gguf
-from moed.engine.offline_run import run_offline
+from helpers.reference_parity import assert_matches_reference
 from moed.engine.runtime import open_runtime
-from moed.engine.sampling import SamplingParams
-from moed.runner.forward_batch import ForwardBatch
 from moed.weights.converter import convert_model
 
 STEPS = 12
@@ -21,28 +19,12 @@ EXACT_TOL = 1e-3  # float32 summation order only: the weights are exactly what g
 EXACT = [(T.F32, T.F32, "fp32"), (T.F16, T.F16, "fp32"), (T.BF16, T.BF16, "bf16"), (T.Q8_0, T.Q8_0, "q8")]
 
 
-def _prompt() -> list[int]:
-    return torch.randint(3, 500, (9,), generator=torch.Generator().manual_seed(3)).tolist()
-
-
 def _compare(path, reference, *, tol: float, tokens_equal: bool, bank_dtype: str, **load):
     runtime = open_runtime(path, weights_dtype="fp32", **load)
     try:
         assert runtime.loaded.format == "gguf" and runtime.loaded.bank.dtype == bank_dtype
         assert runtime.tokenizer is not None  # built from the GGUF metadata
-        p = _prompt()
-        logits = runtime.model.forward(ForwardBatch.from_token_lists([p], [0], [0]), runtime.model.new_cache(1, 64),
-                                       last_only=False)[0]
-        with torch.no_grad():
-            ref = reference(torch.tensor([p])).logits[0]
-            expected = reference.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-        err = (logits - ref).abs().max().item()
-        assert err < tol * max(1.0, ref.abs().max().item()), err
-        if tokens_equal:
-            (done,) = run_offline(runtime, [p], [SamplingParams(max_tokens=STEPS, ignore_eos=True)], context_length=64)
-            assert done.token_ids == expected
-        return err
+        return assert_matches_reference(runtime, reference, tol=tol, tokens_equal=tokens_equal, steps=STEPS, seed=3)
     finally:
         runtime.close()
 

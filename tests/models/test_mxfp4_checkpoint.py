@@ -10,13 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers.reference_parity import assert_matches_reference
 from helpers.tiny_models import build_tiny_model
-from moed.engine.offline_run import run_offline
 from moed.engine.runtime import open_runtime
-from moed.engine.sampling import SamplingParams
 from moed.errors import ModelFormatError
 from moed.kernels.mxfp4_format import to_gpt_oss_blocks
-from moed.runner.forward_batch import ForwardBatch
 from moed.weights.converter import convert_model
 
 EXPERTS = "model.layers.{i}.mlp.experts."
@@ -74,16 +72,7 @@ def test_mxfp4_experts_load_bit_for_bit_and_match_transformers(mxfp4_model):
             ref_gu = dequantised[EXPERTS.format(i=i) + "gate_up_proj"]  # [E, D, 2I], gate/up interleaved
             assert torch.equal(gate_up[i * e:(i + 1) * e], torch.cat([ref_gu[..., 0::2], ref_gu[..., 1::2]], -1))
             assert torch.equal(down[i * e:(i + 1) * e], dequantised[EXPERTS.format(i=i) + "down_proj"])
-        p = torch.randint(3, 500, (9,), generator=torch.Generator().manual_seed(2)).tolist()
-        logits = runtime.model.forward(ForwardBatch.from_token_lists([p], [0], [0]), runtime.model.new_cache(1, 64),
-                                       last_only=False)[0]
-        with torch.no_grad():
-            ref = reference(torch.tensor([p])).logits[0]
-            expected = reference.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                          pad_token_id=0)[0, len(p):].tolist()
-        assert (logits - ref).abs().max().item() < 1e-3
-        (done,) = run_offline(runtime, [p], [SamplingParams(max_tokens=12, ignore_eos=True)], context_length=64)
-        assert done.token_ids == expected
+        assert_matches_reference(runtime, reference, tol=1e-3)
     finally:
         runtime.close()
 

@@ -1,0 +1,29 @@
+"""One check shared by the checkpoint-format tests: a moed runtime against a transformers reference."""
+
+from __future__ import annotations
+
+import torch
+
+from moed.engine.offline_run import run_offline
+from moed.engine.sampling import SamplingParams
+from moed.runner.forward_batch import ForwardBatch
+
+
+def assert_matches_reference(runtime, reference, *, tol: float, tokens_equal: bool = True, steps: int = 12,
+                             seed: int = 2, what: str = "") -> float:
+    """Logits of a random 9-token prompt within ``tol`` (times the logits' range when that is above 1)
+    of ``reference``'s, and (``tokens_equal``) the same ``steps`` greedy tokens through the engine
+    loop; returns the largest logit difference."""
+    p = torch.randint(3, 500, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
+    logits = runtime.model.forward(ForwardBatch.from_token_lists([p], [0], [0]), runtime.model.new_cache(1, 64),
+                                   last_only=False)[0]
+    with torch.no_grad():
+        ref = reference(torch.tensor([p])).logits[0]
+        expected = reference.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(p):].tolist()
+    err = (logits - ref).abs().max().item()
+    assert err < tol * max(1.0, ref.abs().max().item()), (what, err)
+    if tokens_equal:
+        (done,) = run_offline(runtime, [p], [SamplingParams(max_tokens=steps, ignore_eos=True)], context_length=64)
+        assert done.token_ids == expected, what
+    return err
