@@ -70,6 +70,7 @@ def _serve(args: argparse.Namespace, socket_path: str, shutdown: threading.Event
     server = None
     http = None
     ctx = None
+    workers: list[threading.Thread] = []  # the initial load: joined before the process exits
     try:
         governor = MemoryGovernor(default_memory_source(gpu_memory_file=config.gpu_memory_file()), GovernorConfig())
         cap, fraction = parse_cap(args.vram_cap)
@@ -85,12 +86,19 @@ def _serve(args: argparse.Namespace, socket_path: str, shutdown: threading.Event
         if shutdown.is_set():  # asked to stop while starting: never open the socket
             log.info("shutdown requested during start-up")
         else:
-            _run_until_shutdown(ctx, server, http, lock, args, log_file)
+            _run_until_shutdown(ctx, server, http, lock, args, log_file, workers)
     finally:
         if ctx is not None:
             log.info("shutting down (cancel in-flight: %s)", ctx.shutdown_cancel_inflight)
             ctx.stopping = True
             ctx.manager.close(cancel_inflight=ctx.shutdown_cancel_inflight)
+            # A thread still running when the interpreter finalises is killed inside whatever native
+            # code it is in (torch, numba): "terminate called without an active exception", SIGABRT.
+            # The manager stops a load at its next read; the thread may not have reached the manager
+            # yet (importing, planning), so wait for the thread itself, then unload what it loaded.
+            for worker in workers:
+                worker.join()
+            ctx.manager.unload_all(cancel_inflight=ctx.shutdown_cancel_inflight)
         if http is not None:
             http.stop()
         if server is not None:
@@ -106,7 +114,8 @@ def _stopped() -> int:
     return 0
 
 
-def _run_until_shutdown(ctx, server, http, lock, args: argparse.Namespace, log_file: Path) -> None:
+def _run_until_shutdown(ctx, server, http, lock, args: argparse.Namespace, log_file: Path,
+                        workers: list[threading.Thread]) -> None:
     def on_budget(budget: int | None) -> None:
         # called on the governor thread: each model's loop applies its resize at its next safe point
         if ctx.manager.apply_cache_budget(budget):
@@ -124,8 +133,10 @@ def _run_until_shutdown(ctx, server, http, lock, args: argparse.Namespace, log_f
     log.info("moed daemon pid %s, logs in %s", os.getpid(), log_file)
     print(f"moed daemon listening on {', '.join(addresses)} (logs: {log_file})", flush=True)
     if args.model:
-        threading.Thread(target=_initial_load, args=(ctx, server, args), daemon=True,
-                         name="moed-initial-load").start()
+        worker = threading.Thread(target=_initial_load, args=(ctx, server, args), daemon=True,
+                                  name="moed-initial-load")
+        workers.append(worker)
+        worker.start()
     ctx.shutdown_requested.wait()
 
 
