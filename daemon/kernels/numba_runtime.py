@@ -18,6 +18,8 @@ import numba
 import numpy as np
 import torch
 
+from moed.kernels.cpu_threads import cpu_threads
+
 
 def _jit(fn: Callable[..., Any], parallel: bool) -> Any:
     opts = dict(parallel=parallel, fastmath=True, nogil=True)
@@ -37,13 +39,6 @@ def serial_njit(fn: Callable[..., Any]) -> Any:
     return _jit(fn, parallel=False)
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 _layer_lock = threading.Lock()
 _launch_lock: contextlib.AbstractContextManager[Any] = threading.Lock()  # until the layer is known
 _layer: str | None = None
@@ -55,7 +50,7 @@ def configure_threads(num_threads: int | None = None) -> None:
     Runs with no argument when this module is imported; an explicit ``NUMBA_NUM_THREADS`` /
     ``OMP_NUM_THREADS`` in the environment then wins for that library.
     """
-    n = num_threads or _cpu_count()
+    n = num_threads or cpu_threads()
     if num_threads is not None or "NUMBA_NUM_THREADS" not in os.environ:
         numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
     if num_threads is not None or "OMP_NUM_THREADS" not in os.environ:

@@ -1,0 +1,324 @@
+"""moed's native CPU kernels (native/cpu/*.c, built by `pip install`): loading, ISA choice, calls.
+
+The library is plain C (SIMD per function, chosen at run time: AVX-512, AVX2 or a portable scalar
+path) loaded with ctypes; it owns one persistent thread pool. Three entry points:
+
+- ``moe(bank, x, flat_ids, weights)``: every routed expert of one MoE layer in one call (gate_up,
+  activation, down, the weighted sum in ascending slot order), reading the bank by flat id;
+- ``dense_bf16(x, weight)``: ``x @ weight.T`` for bf16 ``nn.Linear`` weights (attention, lm_head);
+- ``strip(...)``: one strip kernel with a chosen ISA, for the tests against the torch twins
+  (moed.kernels.native_cpu_reference).
+
+Without the library (no compiler at install, ``MOED_NATIVE=0``) ``native()`` is None and the
+callers use the numba kernels. ``MOED_NATIVE_ISA=scalar|avx2|avx512`` caps the ISA (never above
+what the CPU has).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moed.kernels.cpu_threads import cpu_threads
+
+ABI_VERSION = 1
+ISA_NAMES = ("scalar", "avx2", "avx512")
+DTYPE_CODES = {"fp32": 0, "bf16": 1, "int4": 2, "q8": 3, "mxfp4": 4}
+ACT_CODES = {"silu": 0, "gpt_oss": 1}
+SPIN_NS = int(float(os.environ.get("MOED_SPIN_US", "30")) * 1000)  # idle threads spin this long, then sleep
+MAX_TOKENS = 16  # the native MoE path serves decode and small batches; more tokens go to torch GEMMs
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("m", ctypes.c_void_p),
+                ("K", ctypes.c_int64), ("N", ctypes.c_int64)]
+
+
+class _Bank(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int32), ("act_kind", ctypes.c_int32), ("alpha", ctypes.c_float),
+                ("limit", ctypes.c_float), ("D", ctypes.c_int64), ("I", ctypes.c_int64),
+                ("num_slots", ctypes.c_int64),
+                ("gu_w", ctypes.c_void_p), ("gu_s", ctypes.c_void_p), ("gu_m", ctypes.c_void_p),
+                ("dn_w", ctypes.c_void_p), ("dn_s", ctypes.c_void_p), ("dn_m", ctypes.c_void_p),
+                ("gu_w_stride", ctypes.c_int64), ("gu_s_stride", ctypes.c_int64),
+                ("dn_w_stride", ctypes.c_int64), ("dn_s_stride", ctypes.c_int64),
+                ("gu_bias", ctypes.c_void_p), ("dn_bias", ctypes.c_void_p)]
+
+
+def library_path() -> Path | None:
+    """The built library beside this package (editable or installed), or None."""
+    here = Path(__file__).resolve().parent.parent
+    found = sorted(glob.glob(str(here / "_cpu_kernels*.so"))) + sorted(glob.glob(str(here / "_cpu_kernels*.pyd")))
+    return Path(found[0]) if found else None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _f32_rows(x: torch.Tensor, what: str) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        raise ValueError(f"{what} must be float32 [T, K] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    return x.contiguous()
+
+
+@dataclass(frozen=True)
+class BankDescriptor:
+    """A bank's arrays as the library takes them; keeps the tensors alive while in use."""
+
+    struct: _Bank
+    tensors: tuple[torch.Tensor, ...]
+    dtype: str
+    hidden: int
+    inter: int
+    num_slots: int
+
+
+class NativeCpu:
+    """The loaded library and its thread pool. Calls are serialised (one pool, one job at a time)."""
+
+    def __init__(self, path: Path, num_threads: int | None = None, isa: str | None = None) -> None:
+        lib = ctypes.CDLL(str(path))
+        self._lib = lib
+        self.path = path
+        c_i64, c_int, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        lib.moed_cpu_abi_version.restype = c_int
+        if lib.moed_cpu_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{path} is from another moed version (ABI {lib.moed_cpu_abi_version()}, "
+                               f"expected {ABI_VERSION}); reinstall moed (pip install -e .)")
+        lib.moed_cpu_create.restype = vp
+        lib.moed_cpu_create.argtypes = [c_int, c_i64]
+        lib.moed_cpu_destroy.argtypes = [vp]
+        lib.moed_cpu_threads.argtypes = [vp]
+        lib.moed_cpu_detected_isa.restype = c_int
+        lib.moed_cpu_set_isa.argtypes = [c_int]
+        lib.moed_cpu_set_isa.restype = c_int
+        lib.moed_cpu_isa.restype = c_int
+        lib.moed_cpu_strip.argtypes = [c_int, c_int, ctypes.POINTER(_Matrix), vp, c_int, c_i64, c_i64, vp, vp, c_i64]
+        lib.moed_cpu_strip.restype = c_int
+        lib.moed_cpu_dense_bf16.argtypes = [vp, vp, c_i64, c_i64, vp, c_int, vp]
+        lib.moed_cpu_dense_bf16.restype = c_int
+        lib.moed_cpu_moe.argtypes = [vp, ctypes.POINTER(_Bank), vp, c_int, c_int, vp, vp, vp, vp]
+        lib.moed_cpu_moe.restype = c_int
+        lib.moed_cpu_matmul.argtypes = [vp, c_int, ctypes.POINTER(_Matrix), vp, c_int, vp]
+        lib.moed_cpu_matmul.restype = c_int
+        self.detected_isa = ISA_NAMES[lib.moed_cpu_detected_isa()]
+        if isa is not None and isa not in ISA_NAMES:
+            raise ValueError(f"MOED_NATIVE_ISA={isa!r} is not one of {', '.join(ISA_NAMES)}")
+        # the ISA is process-wide: set it only when asked (another handle may have chosen one)
+        self.isa = ISA_NAMES[lib.moed_cpu_set_isa(ISA_NAMES.index(isa)) if isa else lib.moed_cpu_isa()]
+        self.num_threads = max(1, num_threads or cpu_threads())
+        self._pool = lib.moed_cpu_create(self.num_threads, SPIN_NS)
+        if not self._pool:
+            raise RuntimeError("the native CPU kernels could not start their threads")
+        self._lock = threading.Lock()
+
+    @property
+    def backend(self) -> str:
+        return f"native-{self.isa}"
+
+    def set_isa(self, isa: str | None) -> str:
+        """Use ``isa`` (None: the best the CPU has) from now on, process-wide; returns the previous one."""
+        previous = self.isa
+        with self._lock:
+            code = ISA_NAMES.index(isa) if isa is not None else -1
+            self.isa = ISA_NAMES[self._lib.moed_cpu_set_isa(code)]
+        return previous
+
+    def available_isas(self) -> tuple[str, ...]:
+        return ISA_NAMES[: ISA_NAMES.index(self.detected_isa) + 1]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool:
+                self._lib.moed_cpu_destroy(self._pool)
+                self._pool = None
+
+    # ------------------------------------------------------------------ dense
+    def dense_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x [T, K]`` float32 @ ``weight [N, K]`` bf16 ``.T`` -> ``[T, N]`` float32 (fp32 accumulation)."""
+        x = _f32_rows(x, "x")
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous() \
+                or weight.shape[1] != x.shape[1]:
+            raise ValueError(f"weight must be contiguous bf16 [N, {x.shape[1]}], got {weight.dtype} {tuple(weight.shape)}")
+        n, k = weight.shape
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        with self._lock:
+            rc = self._lib.moed_cpu_dense_bf16(self._pool, weight.data_ptr(), n, k, x.data_ptr(), x.shape[0],
+                                               y.data_ptr())
+        if rc != 0:
+            raise ValueError(f"moed_cpu_dense_bf16 refused its arguments (rc {rc})")
+        return y
+
+    # ------------------------------------------------------------------ one matrix in a bank format
+    def matmul(self, dtype: str, arrays: tuple[torch.Tensor, ...], k: int, n: int, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, K]`` float32 @ one matrix ``[K, N]`` stored as ``arrays`` (moed_cpu.h's layout of
+        ``dtype``, without the expert dimension) -> ``[T, N]`` float32. The caller keeps ``arrays``
+        contiguous (checked)."""
+        x = _f32_rows(x, "x")
+        if x.shape[1] != k:
+            raise ValueError(f"x must be [T, {k}], got {tuple(x.shape)}")
+        if any(not t.is_contiguous() or t.device.type != "cpu" for t in arrays):
+            raise ValueError("matrix arrays must be contiguous and in host memory")
+        m = _Matrix(arrays[0].data_ptr(), _ptr(arrays[1]) if len(arrays) > 1 else None,
+                    _ptr(arrays[2]) if len(arrays) > 2 else None, k, n)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        with self._lock:
+            rc = self._lib.moed_cpu_matmul(self._pool, DTYPE_CODES[dtype], ctypes.byref(m), x.data_ptr(), x.shape[0],
+                                           y.data_ptr())
+        if rc != 0:
+            raise MemoryError("the native matmul ran out of memory") if rc == -2 else \
+                ValueError(f"moed_cpu_matmul refused its arguments (rc {rc})")
+        return y
+
+    # ------------------------------------------------------------------ MoE
+    def moe(self, bank: BankDescriptor, x: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor | None,
+            *, per_slot: torch.Tensor | None = None, merge: bool = True) -> torch.Tensor | None:
+        """The routed experts of ``x [N, D]``: ``flat_ids [N, A]`` (-1 = slot not run here). Returns the
+        weighted sum ``[N, D]`` over the slots run (ascending slot order) when ``merge``; fills
+        ``per_slot [N, A, D]`` for the slots run when given."""
+        x = _f32_rows(x, "x")
+        if x.shape[1] != bank.hidden:
+            raise ValueError(f"x must be [N, {bank.hidden}], got {tuple(x.shape)}")
+        ids = flat_ids.to(torch.int32).contiguous()
+        if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+            raise ValueError(f"flat_ids must be [{x.shape[0]}, A], got {tuple(ids.shape)}")
+        n, a = ids.shape
+        if n and int(ids.max()) >= bank.num_slots:
+            raise ValueError(f"flat id {int(ids.max())} out of range (bank has {bank.num_slots} experts)")
+        w = None
+        if weights is not None:
+            w = weights.to(torch.float32).contiguous()
+            if tuple(w.shape) != (n, a):
+                raise ValueError(f"weights must be [{n}, {a}], got {tuple(w.shape)}")
+        elif merge:
+            raise ValueError("merging needs the routing weights")
+        if per_slot is not None and (per_slot.dtype != torch.float32 or tuple(per_slot.shape) != (n, a, bank.hidden)
+                                     or not per_slot.is_contiguous()):
+            raise ValueError(f"per_slot must be contiguous float32 [{n}, {a}, {bank.hidden}]")
+        y = torch.empty(n, bank.hidden, dtype=torch.float32) if merge else None
+        if n == 0:
+            return y
+        with self._lock:
+            rc = self._lib.moed_cpu_moe(self._pool, ctypes.byref(bank.struct), x.data_ptr(), n, a, ids.data_ptr(),
+                                        _ptr(w), _ptr(per_slot), _ptr(y))
+        if rc != 0:
+            raise MemoryError("the native MoE kernel ran out of memory") if rc == -2 else \
+                ValueError(f"moed_cpu_moe refused its arguments (rc {rc})")
+        return y
+
+    # ------------------------------------------------------------------ one strip (tests)
+    def strip(self, dtype: str, isa: str, arrays: tuple[torch.Tensor, ...], k: int, n: int, x: torch.Tensor,
+              j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One strip of one matrix (``arrays``: the per-expert tensors of moed_cpu.h's layout) with the ISA
+        ``isa``; returns ``(lo [T, j1-j0], hi [T, j1-j0])``."""
+        x = _f32_rows(x, "x")
+        arrays = tuple(t.contiguous() for t in arrays)
+        m = _Matrix(arrays[0].data_ptr(), _ptr(arrays[1]) if len(arrays) > 1 else None,
+                    _ptr(arrays[2]) if len(arrays) > 2 else None, k, n)
+        t = x.shape[0]
+        lo = torch.full((t, j1 - j0), float("nan"))
+        hi = torch.full((t, j1 - j0), float("nan"))
+        rc = self._lib.moed_cpu_strip(DTYPE_CODES[dtype], ISA_NAMES.index(isa), ctypes.byref(m), x.data_ptr(), t,
+                                      j0, j1, lo.data_ptr(), hi.data_ptr(), j1 - j0)
+        if rc != 0:
+            raise ValueError(f"moed_cpu_strip refused its arguments (rc {rc})")
+        return lo, hi
+
+
+def bank_descriptor(bank) -> BankDescriptor:
+    """The library's view of an ExpertBank (checked: dtypes, shapes, contiguity)."""
+    from moed.kernels.expert_matmul import _packed_tensors, check_matrix
+
+    fmt, n_gu, k_gu, c_gu = check_matrix(bank.tensors, "gate_up")
+    fmt_dn, n_dn, k_dn, c_dn = check_matrix(bank.tensors, "down")
+    d, inter = bank.hidden_size, bank.intermediate_size
+    if fmt != fmt_dn or (n_gu, k_gu, c_gu) != (bank.num_slots, d, 2 * inter) or (n_dn, k_dn, c_dn) != (bank.num_slots, inter, d):
+        raise ValueError(f"bank matrices do not match its sizes: gate_up {fmt} {n_gu}x{k_gu}x{c_gu}, "
+                         f"down {fmt_dn} {n_dn}x{k_dn}x{c_dn}")
+    if fmt in ("fp32", "bf16"):
+        gu, dn = [bank.tensors["gate_up"]], [bank.tensors["down"]]
+    else:
+        gu, dn = _packed_tensors(bank.tensors, fmt, "gate_up"), _packed_tensors(bank.tensors, fmt, "down")
+    for t in (*gu, *dn):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("bank tensors must be contiguous and in host memory")
+    gu_b, dn_b = bank.tensors.get("gate_up_bias"), bank.tensors.get("down_bias")
+    for t, width in ((gu_b, 2 * inter), (dn_b, d)):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (bank.num_slots, width) or not t.is_contiguous()):
+            raise ValueError(f"bank bias must be contiguous float32 [{bank.num_slots}, {width}]")
+    act = bank.activation
+    limit = act.limit if act.limit < 3.0e38 else 3.0e38
+
+    def stride(t: torch.Tensor) -> int:
+        return t.stride(0) * t.element_size()
+
+    s = _Bank(DTYPE_CODES[fmt], ACT_CODES[act.kind], float(act.alpha), float(limit), d, inter, bank.num_slots,
+              gu[0].data_ptr(), _ptr(gu[1]) if len(gu) > 1 else None, _ptr(gu[2]) if len(gu) > 2 else None,
+              dn[0].data_ptr(), _ptr(dn[1]) if len(dn) > 1 else None, _ptr(dn[2]) if len(dn) > 2 else None,
+              stride(gu[0]), stride(gu[1]) if len(gu) > 1 else 0, stride(dn[0]), stride(dn[1]) if len(dn) > 1 else 0,
+              _ptr(gu_b), _ptr(dn_b))
+    keep = tuple(t for t in (*gu, *dn, gu_b, dn_b) if t is not None)
+    return BankDescriptor(s, keep, fmt, d, inter, bank.num_slots)
+
+
+_descriptors: dict[int, tuple[weakref.ref, dict[str, torch.Tensor], BankDescriptor]] = {}
+
+
+def descriptor_of(bank) -> BankDescriptor:
+    """``bank_descriptor(bank)``, cached per bank and rebuilt when its tensors change (a resize, a reload)."""
+    key = id(bank)
+    entry = _descriptors.get(key)
+    if entry is not None:
+        ref, sources, desc = entry
+        if ref() is bank and len(sources) == len(bank.tensors) and all(
+                bank.tensors.get(k) is t for k, t in sources.items()):
+            return desc
+    desc = bank_descriptor(bank)
+    if entry is None:
+        weakref.finalize(bank, _descriptors.pop, key, None)
+    _descriptors[key] = (weakref.ref(bank), dict(bank.tensors), desc)
+    return desc
+
+
+_native: NativeCpu | None = None
+_native_error: str | None = None
+_loaded = False
+_load_lock = threading.Lock()
+
+
+def native() -> NativeCpu | None:
+    """The process's native kernels, loaded on first use; None when absent or disabled."""
+    global _native, _native_error, _loaded
+    if _loaded:
+        return _native
+    with _load_lock:
+        if not _loaded:
+            if os.environ.get("MOED_NATIVE", "1").strip().lower() in ("0", "off", "no", "false"):
+                _native_error = "disabled by MOED_NATIVE=0"
+            else:
+                path = library_path()
+                if path is None:
+                    _native_error = "not built (no C compiler at install time?); reinstall with gcc present"
+                else:
+                    try:
+                        _native = NativeCpu(path, isa=os.environ.get("MOED_NATIVE_ISA"))
+                    except (OSError, RuntimeError, ValueError) as exc:
+                        _native_error = str(exc)
+            _loaded = True
+    return _native
+
+
+def native_status() -> str:
+    """One line for `moed bench kernels` and status: which CPU backend runs the experts."""
+    lib = native()
+    if lib is None:
+        return f"numba (native kernels unavailable: {_native_error})"
+    return f"{lib.backend} ({lib.num_threads} threads, CPU supports {lib.detected_isa}; {lib.path.name})"

@@ -1,0 +1,256 @@
+/* dense bf16 kernels (see moed_cpu.h): W bf16 bits [rows][K] row-major, x float [T][K],
+ * y[t*ldy + r] = dot(W[r, :], x[t, :]) for r in [r0, r1); any K.
+ *
+ * Vectorised along K: a block of R rows x TB tokens of accumulators, each row read once from
+ * memory per token block (the later token blocks of a row block find it in L1/L2). bf16 -> fp32
+ * with the even/odd trick (a vector of 2n bf16 read as n 32-bit lanes: even k = lane << 16, odd k
+ * = lane & 0xFFFF0000); x is split into its even and odd k the same way with a permute, once per
+ * chunk of K and token, shared by the R rows. The K tail uses masked loads (AVX-512) or a scalar
+ * loop (AVX2). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moed_cpu.h"
+
+#ifndef MOED_DENSE_PF
+#define MOED_DENSE_PF 1 /* prefetch the next row block at the same k while computing this one */
+#endif
+
+void moed_dense_bf16_scalar(const uint16_t *W, const float *x, int T, int64_t K, int64_t r0, int64_t r1,
+                            float *y, int64_t ldy) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *wr = W + r * K;
+        for (int t = 0; t < T; t++) {
+            const float *xt = x + (int64_t)t * K;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+            int64_t k = 0;
+            for (; k + 4 <= K; k += 4) {
+                s0 += moed_bf16_to_f32(wr[k]) * xt[k];
+                s1 += moed_bf16_to_f32(wr[k + 1]) * xt[k + 1];
+                s2 += moed_bf16_to_f32(wr[k + 2]) * xt[k + 2];
+                s3 += moed_bf16_to_f32(wr[k + 3]) * xt[k + 3];
+            }
+            for (; k < K; k++) s0 += moed_bf16_to_f32(wr[k]) * xt[k];
+            y[(int64_t)t * ldy + r] = (s0 + s1) + (s2 + s3);
+        }
+    }
+}
+
+#if MOED_X86
+#include <immintrin.h>
+
+#define MOED_INLINE static inline __attribute__((always_inline))
+
+/* x [T][K] -> xs [T][Kp] (Kp = K rounded up to a multiple of C): per chunk of C k, the C/2 even k
+ * then the C/2 odd k, zeros past K; the SIMD paths then load them straight. */
+static float *dense_split_x(const float *x, int T, int64_t K, int C, int64_t *Kp_out) {
+    const int64_t Kp = (K + C - 1) / C * C;
+    float *xs = (float *)malloc((size_t)T * (size_t)Kp * sizeof(float) + 64);
+    if (!xs) return NULL;
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (int64_t)t * K;
+        float *o = xs + (int64_t)t * Kp;
+        for (int64_t c = 0; c < Kp; c += C)
+            for (int i = 0; i < C; i++) {
+                const int64_t k = c + (i < C / 2 ? 2 * i : 2 * (i - C / 2) + 1);
+                o[c + i] = k < K ? xt[k] : 0.0f;
+            }
+    }
+    *Kp_out = Kp;
+    return xs;
+}
+
+
+/* ------------------------------------------------------------------------------------------ AVX2 */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+MOED_INLINE float dense_hsum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 16 bf16 (n valid, n < 16; the rest read as 0) without reading past them */
+MOED_INLINE __m256i dense_load16_part(const uint16_t *p, int64_t n) {
+    uint16_t buf[16] = {0};
+    memcpy(buf, p, (size_t)n * sizeof(uint16_t));
+    return _mm256_loadu_si256((const __m256i *)buf);
+}
+
+/* one chunk of 16 k (the K tail when TAIL) */
+MOED_INLINE void dense_step_avx2(const uint16_t *w, const float *xs, int64_t K, int64_t Kp, int64_t k,
+                                 __m256 acc[4][2], __m256 acc2[4], const int R, const int TB, const int tail) {
+    const __m256i himask = _mm256_set1_epi32((int)0xFFFF0000u);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const uint16_t *p = w + r * K + k;
+        if (MOED_DENSE_PF && (k & 31) == 0)
+            _mm_prefetch((const char *)((uintptr_t)p + (uintptr_t)(R * K * 2)), _MM_HINT_T0);
+        const __m256i raw = tail ? dense_load16_part(p, K - k) : _mm256_loadu_si256((const __m256i *)p);
+        const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(raw, himask));
+        if (TB == 1) {
+            acc[r][0] = _mm256_fmadd_ps(e, _mm256_loadu_ps(xs + k), acc[r][0]);
+            acc2[r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xs + k + 8), acc2[r]);
+        } else {
+#pragma GCC unroll 4
+            for (int t = 0; t < TB; t++) {
+                acc[r][t] = _mm256_fmadd_ps(e, _mm256_loadu_ps(xs + t * Kp + k), acc[r][t]);
+                acc[r][t] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xs + t * Kp + k + 8), acc[r][t]);
+            }
+        }
+    }
+}
+
+/* R rows x TB tokens; w = W + r*K, xs = split x of token t0 (row length Kp), y = y + t0*ldy + r.
+ * TB == 1 keeps two accumulators per row (even and odd k) so that the FMA chains are independent. */
+MOED_INLINE void dense_blk_avx2(const uint16_t *w, const float *xs, int64_t K, int64_t Kp, float *y,
+                                int64_t ldy, const int R, const int TB) {
+    __m256 acc[4][2], acc2[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        acc2[r] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; t++) acc[r][t] = _mm256_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) dense_step_avx2(w, xs, K, Kp, k, acc, acc2, R, TB, 0);
+    if (k < K) dense_step_avx2(w, xs, K, Kp, k, acc, acc2, R, TB, 1);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; t++)
+            y[t * ldy + r] = dense_hsum_avx2(TB == 1 ? _mm256_add_ps(acc[r][0], acc2[r]) : acc[r][t]);
+}
+
+void moed_dense_bf16_avx2(const uint16_t *W, const float *x, int T, int64_t K, int64_t r0, int64_t r1,
+                          float *y, int64_t ldy) {
+    int64_t Kp;
+    float *xs = dense_split_x(x, T, K, 16, &Kp);
+    if (!xs) {
+        moed_dense_bf16_scalar(W, x, T, K, r0, r1, y, ldy);
+        return;
+    }
+    int64_t r = r0;
+    for (; r < r1; r += 4) {
+        const int full = r + 4 <= r1;
+        const uint16_t *w = W + r * K;
+        int t = 0;
+        for (; t + 2 <= T; t += 2) {
+            if (full)
+                dense_blk_avx2(w, xs + t * Kp, K, Kp, y + (int64_t)t * ldy + r, ldy, 4, 2);
+            else
+                for (int64_t q = r; q < r1; q++)
+                    dense_blk_avx2(W + q * K, xs + t * Kp, K, Kp, y + (int64_t)t * ldy + q, ldy, 1, 2);
+        }
+        if (t < T) {
+            if (full)
+                dense_blk_avx2(w, xs + t * Kp, K, Kp, y + (int64_t)t * ldy + r, ldy, 4, 1);
+            else
+                for (int64_t q = r; q < r1; q++)
+                    dense_blk_avx2(W + q * K, xs + t * Kp, K, Kp, y + (int64_t)t * ldy + q, ldy, 1, 1);
+        }
+    }
+    free(xs);
+}
+
+#pragma GCC pop_options
+
+/* --------------------------------------------------------------------------------------- AVX-512 */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+
+/* one chunk of 32 k (m: valid lanes when MASKED); xs: split x (row length Kp) */
+MOED_INLINE void dense_step_avx512(const uint16_t *w, const float *xs, int64_t K, int64_t Kp, int64_t k,
+                                   __mmask32 m, __m512 acc[4][4], __m512 acc2[4], const int R, const int TB,
+                                   const int MASKED) {
+    const __m512i himask = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512 xe[4], xo[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; t++) {
+        xe[t] = _mm512_loadu_ps(xs + t * Kp + k);
+        xo[t] = _mm512_loadu_ps(xs + t * Kp + k + 16);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const uint16_t *p = w + r * K + k;
+        if (MOED_DENSE_PF) _mm_prefetch((const char *)((uintptr_t)p + (uintptr_t)(R * K * 2)), _MM_HINT_T0);
+        const __m512i raw = MASKED ? _mm512_maskz_loadu_epi16(m, p) : _mm512_loadu_si512((const void *)p);
+        const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(raw, himask));
+        if (TB == 1) {
+            acc[r][0] = _mm512_fmadd_ps(e, xe[0], acc[r][0]);
+            acc2[r] = _mm512_fmadd_ps(o, xo[0], acc2[r]);
+        } else {
+#pragma GCC unroll 4
+            for (int t = 0; t < TB; t++) {
+                acc[r][t] = _mm512_fmadd_ps(e, xe[t], acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(o, xo[t], acc[r][t]);
+            }
+        }
+    }
+}
+
+MOED_INLINE void dense_blk_avx512(const uint16_t *w, const float *xs, int64_t K, int64_t Kp, float *y,
+                                  int64_t ldy, const int R, const int TB) {
+    __m512 acc[4][4], acc2[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        acc2[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; t++) acc[r][t] = _mm512_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) dense_step_avx512(w, xs, K, Kp, k, 0, acc, acc2, R, TB, 0);
+    if (k < K) dense_step_avx512(w, xs, K, Kp, k, (__mmask32)((1u << (K - k)) - 1), acc, acc2, R, TB, 1);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; t++)
+            y[t * ldy + r] = _mm512_reduce_add_ps(TB == 1 ? _mm512_add_ps(acc[r][0], acc2[r]) : acc[r][t]);
+}
+
+#define DENSE_AVX512_TOKENS(R, w, yr)                                                              \
+    do {                                                                                           \
+        int t = 0;                                                                                 \
+        for (; t + 4 <= T; t += 4)                                                                 \
+            dense_blk_avx512(w, xs + t * Kp, K, Kp, yr + (int64_t)t * ldy, ldy, R, 4);             \
+        switch (T - t) {                                                                           \
+        case 1: dense_blk_avx512(w, xs + t * Kp, K, Kp, yr + (int64_t)t * ldy, ldy, R, 1); break;  \
+        case 2: dense_blk_avx512(w, xs + t * Kp, K, Kp, yr + (int64_t)t * ldy, ldy, R, 2); break;  \
+        case 3: dense_blk_avx512(w, xs + t * Kp, K, Kp, yr + (int64_t)t * ldy, ldy, R, 3); break;  \
+        default: break;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+void moed_dense_bf16_avx512(const uint16_t *W, const float *x, int T, int64_t K, int64_t r0, int64_t r1,
+                            float *y, int64_t ldy) {
+    int64_t Kp;
+    float *xs = dense_split_x(x, T, K, 32, &Kp);
+    if (!xs) {
+        moed_dense_bf16_scalar(W, x, T, K, r0, r1, y, ldy);
+        return;
+    }
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) DENSE_AVX512_TOKENS(4, W + r * K, y + r);
+    for (; r < r1; r++) DENSE_AVX512_TOKENS(1, W + r * K, y + r);
+    free(xs);
+}
+
+#pragma GCC pop_options
+
+#else /* not x86: the SIMD names run the portable code */
+
+void moed_dense_bf16_avx2(const uint16_t *W, const float *x, int T, int64_t K, int64_t r0, int64_t r1,
+                          float *y, int64_t ldy) {
+    moed_dense_bf16_scalar(W, x, T, K, r0, r1, y, ldy);
+}
+void moed_dense_bf16_avx512(const uint16_t *W, const float *x, int T, int64_t K, int64_t r0, int64_t r1,
+                            float *y, int64_t ldy) {
+    moed_dense_bf16_scalar(W, x, T, K, r0, r1, y, ldy);
+}
+
+#endif

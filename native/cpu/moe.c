@@ -1,0 +1,552 @@
+/* The entry points Python calls (ctypes, moed/kernels/native_cpu.py): ISA dispatch, one strip for
+ * the tests, the dense bf16 GEMV and the whole routed-expert part of one MoE layer, each spread
+ * over the persistent pool.
+ *
+ * One MoE call, for N tokens x A slots whose experts are in the bank:
+ *   phase 1  tasks (expert e, columns [j0, j1) of I): gate and up of e's tokens for those columns
+ *            (one strip: byte/column j holds the gate at j and the up at I + j), bias, activation
+ *            -> h_e [T_e][I]
+ *   between  the caller quantises every h_e to int8 (quantised banks)
+ *   phase 2  tasks (expert e, columns [j0, j1) of D/2): h_e @ down_e -> out_e [T_e][D] (+ bias),
+ *            scattered to the slots of e
+ *   merge    y[t] = sum over a ascending of weight[t][a] * out[t][a] (the executor contract)
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moed_cpu.h"
+#include "moed_pool.h"
+
+/* ------------------------------------------------------------------------------ ISA dispatch */
+static int detected_isa = -1;
+static int chosen_isa = -1;
+
+static int detect_isa(void) {
+#if MOED_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return MOED_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return MOED_ISA_AVX2;
+#endif
+    return MOED_ISA_SCALAR;
+}
+
+int moed_cpu_detected_isa(void) {
+    if (detected_isa < 0) detected_isa = detect_isa();
+    return detected_isa;
+}
+
+/* the ISA in use: at most what the CPU has (tests force the lower ones); returns the one in effect */
+int moed_cpu_set_isa(int isa) {
+    int best = moed_cpu_detected_isa();
+    chosen_isa = isa < 0 || isa > best ? best : isa;
+    return chosen_isa;
+}
+
+int moed_cpu_isa(void) { return chosen_isa < 0 ? moed_cpu_set_isa(-1) : chosen_isa; }
+
+static const moed_strip_fn strip_table[MOED_NUM_DTYPES][3] = {
+    {moed_strip_fp32_scalar, moed_strip_fp32_avx2, moed_strip_fp32_avx512},
+    {moed_strip_bf16_scalar, moed_strip_bf16_avx2, moed_strip_bf16_avx512},
+    {moed_strip_int4_scalar, moed_strip_int4_avx2, moed_strip_int4_avx512},
+    {moed_strip_q8_scalar, moed_strip_q8_avx2, moed_strip_q8_avx512},
+    {moed_strip_mxfp4_scalar, moed_strip_mxfp4_avx2, moed_strip_mxfp4_avx512},
+};
+static const moed_dense_fn dense_table[3] = {moed_dense_bf16_scalar, moed_dense_bf16_avx2, moed_dense_bf16_avx512};
+
+static int quantised(int dtype) { return dtype == MOED_INT4 || dtype == MOED_Q8 || dtype == MOED_MXFP4; }
+
+/* ------------------------------------------------------------------------------ handles */
+void *moed_cpu_create(int nthreads, int64_t spin_ns) { return moed_pool_create(nthreads, spin_ns); }
+void moed_cpu_destroy(void *h) { moed_pool_destroy((moed_pool *)h); }
+int moed_cpu_threads(void *h) { return moed_pool_threads((moed_pool *)h); }
+int moed_cpu_abi_version(void) { return 1; }
+
+/* ------------------------------------------------------------------------------ one strip */
+/* for the tests: one strip of one matrix, with a chosen ISA; returns 0, or -1 on bad arguments */
+int moed_cpu_strip(int dtype, int isa, const moed_matrix *w, const float *x, int T, int64_t j0, int64_t j1,
+                   float *lo, float *hi, int64_t ld) {
+    if (dtype < 0 || dtype >= MOED_NUM_DTYPES || isa < 0 || isa > moed_cpu_detected_isa()) return -1;
+    if (T < 1 || j0 < 0 || j1 <= j0 || j1 > w->N / 2 || ld < j1 - j0) return -1;
+    if (quantised(dtype) && w->K % MOED_GROUP) return -1;
+    moed_act a = {T, w->K, x, NULL, NULL, NULL};
+    int8_t *xq = NULL;
+    float *xs = NULL, *xsum = NULL;
+    if (w->K % MOED_GROUP == 0) {
+        int64_t groups = w->K / MOED_GROUP;
+        xq = malloc((size_t)(T * w->K));
+        xs = malloc(sizeof(float) * (size_t)(T * groups));
+        xsum = malloc(sizeof(float) * (size_t)(T * groups));
+        if (!xq || !xs || !xsum) { free(xq); free(xs); free(xsum); return -2; }
+        moed_quantize_act(x, T, w->K, xq, xs, xsum);
+        a.xq = xq; a.xs = xs; a.xsum = xsum;
+    }
+    strip_table[dtype][isa](w, &a, j0, j1, lo, hi, ld);
+    free(xq); free(xs); free(xsum);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------ dense bf16 */
+typedef struct {
+    const uint16_t *W; const float *x; int T; int64_t K, N, rows_per_task; float *y; moed_dense_fn fn;
+} dense_job;
+
+static void dense_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    dense_job *j = (dense_job *)ctx;
+    int64_t r0 = task * j->rows_per_task, r1 = r0 + j->rows_per_task;
+    if (r1 > j->N) r1 = j->N;
+    j->fn(j->W, j->x, j->T, j->K, r0, r1, j->y, j->N);
+}
+
+static int64_t tasks_for(moed_pool *p) { return 12 * (int64_t)moed_pool_threads(p); }
+
+/* y[T][N] = x[T][K] @ W[N][K]^T, W bf16 bits row-major (torch's Linear weight) */
+int moed_cpu_dense_bf16(void *h, const uint16_t *W, int64_t N, int64_t K, const float *x, int T, float *y) {
+    if (!h || N < 1 || K < 1 || T < 1) return -1;
+    moed_pool *p = (moed_pool *)h;
+    int64_t per = (N + tasks_for(p) - 1) / tasks_for(p);
+    if (per < 16) per = 16;
+    dense_job j = {W, x, T, K, N, per, y, dense_table[moed_cpu_isa()]};
+    moed_pool_run(p, dense_task, &j, (N + per - 1) / per);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------ MoE layer */
+typedef struct {
+    int32_t dtype;
+    int32_t act_kind;            /* 0 silu(gate) * up; 1 gpt-oss clamped SwiGLU */
+    float alpha, limit;
+    int64_t D, I;                /* hidden, intermediate */
+    int64_t num_slots;
+    const void *gu_w, *gu_s, *gu_m;  /* whole-bank arrays of gate_up [S][D][2I] */
+    const void *dn_w, *dn_s, *dn_m;  /* and of down [S][I][D] */
+    int64_t gu_w_stride, gu_s_stride, dn_w_stride, dn_s_stride;  /* bytes per expert */
+    const float *gu_bias;        /* [S][2I] or NULL */
+    const float *dn_bias;        /* [S][D] or NULL */
+} moed_bank;
+
+/* How one matrix [K][N] is cut along K into blocks of whole rows: each task streams one block, a
+ * contiguous stretch of memory (columns strips of a k-major matrix would be read as short strided
+ * pieces, which DRAM and the prefetchers serve at a fraction of the bandwidth). The cut depends
+ * only on the matrix's shape and dtype, never on the other experts of the call, so an expert gives
+ * the same bits alone or among others; the blocks' partial sums are added in block order. */
+typedef struct { int64_t rows, count; } chunking;
+
+static int64_t weight_row_bytes(int dtype, int64_t N) {
+    switch (dtype) {
+    case MOED_FP32: return 4 * N;
+    case MOED_BF16: return 2 * N;
+    case MOED_Q8: return N + 2 * N / MOED_GROUP;
+    case MOED_INT4: return N / 2 + 4 * N / MOED_GROUP;
+    default: return N / 2 + N / MOED_GROUP;  /* mxfp4 */
+    }
+}
+
+static chunking chunks_of(int dtype, int64_t K, int64_t N) {
+    const int64_t target = 256 * 1024, max_chunks = 8;
+    int64_t rows = target / weight_row_bytes(dtype, N);
+    int64_t min_rows = (K + max_chunks - 1) / max_chunks;
+    if (rows < min_rows) rows = min_rows;
+    rows = (rows + MOED_GROUP - 1) / MOED_GROUP * MOED_GROUP;
+    if (rows >= K) rows = K;
+    chunking c = {rows, (K + rows - 1) / rows};
+    return c;
+}
+
+/* the rows [k0, k0 + rows) of a matrix: a matrix of its own (pointers advanced, K shortened) */
+static moed_matrix sub_matrix(int dtype, moed_matrix m, int64_t k0, int64_t rows) {
+    int64_t N = m.N, wrow, srow;
+    switch (dtype) {
+    case MOED_FP32: wrow = 4 * N; srow = 0; break;
+    case MOED_BF16: wrow = 2 * N; srow = 0; break;
+    case MOED_Q8: wrow = N; srow = 2 * N; break;
+    case MOED_INT4: wrow = N / 2; srow = 2 * N; break;
+    default: wrow = N / 2; srow = N; break;
+    }
+    m.w = (const char *)m.w + wrow * k0;
+    if (m.s) m.s = (const char *)m.s + srow * (k0 / MOED_GROUP);
+    if (m.m) m.m = (const char *)m.m + srow * (k0 / MOED_GROUP);
+    m.K = rows;
+    return m;
+}
+
+/* [T][K] row-major -> block-major: block c (rows [c*r, c*r + len) of K) as its own [T][len] */
+static void to_blocks(const void *src, void *dst, size_t elem, int T, int64_t K, int64_t r) {
+    const char *s = (const char *)src;
+    char *d = (char *)dst;
+    for (int64_t k0 = 0; k0 < K; k0 += r) {
+        int64_t len = K - k0 < r ? K - k0 : r;
+        for (int t = 0; t < T; t++) {
+            memcpy(d, s + ((int64_t)t * K + k0) * (int64_t)elem, (size_t)len * elem);
+            d += len * (int64_t)elem;
+        }
+    }
+}
+
+typedef struct {
+    float *x; int8_t *xq; float *xs, *xsum;  /* activations of one matrix, block-major */
+} act_blocks;
+
+static moed_act act_of(const act_blocks *b, int T, int64_t K, int64_t k0, int64_t len) {
+    moed_act a;
+    a.T = T;
+    a.K = len;
+    a.x = b->x + k0 * T;
+    a.xq = b->xq ? b->xq + k0 * T : NULL;
+    a.xs = b->xs ? b->xs + (k0 / MOED_GROUP) * T : NULL;
+    a.xsum = b->xsum ? b->xsum + (k0 / MOED_GROUP) * T : NULL;
+    (void)K;
+    return a;
+}
+
+typedef struct {
+    int32_t flat_id;
+    int T;                 /* tokens routed to it */
+    int first;             /* index of its first entry in the sorted slot list */
+    float *x;              /* gathered activations [T][D] */
+    act_blocks in, mid;    /* gate_up's and down's activations, block-major */
+    float *gu_part;        /* [chunks1][T][2I]: lo half gate, hi half up */
+    float *dn_part;        /* [chunks2][T][D] */
+    float *h;              /* [T][I] */
+    int8_t *hq; float *hs, *hsum;  /* [T][I], [T][I/32] */
+    float *out;            /* [T][D] */
+} expert_work;
+
+typedef struct {
+    const moed_bank *b;
+    expert_work *ex;
+    int nexp, quant;
+    chunking c1, c2;
+    moed_strip_fn strip;
+} moe_job;
+
+static moed_matrix matrix_of(const moed_bank *b, int down, int32_t fid) {
+    moed_matrix m;
+    const char *w = (const char *)(down ? b->dn_w : b->gu_w);
+    const char *s = (const char *)(down ? b->dn_s : b->gu_s);
+    const char *mn = (const char *)(down ? b->dn_m : b->gu_m);
+    int64_t ws = down ? b->dn_w_stride : b->gu_w_stride, ss = down ? b->dn_s_stride : b->gu_s_stride;
+    m.w = w + ws * fid;
+    m.s = s ? s + ss * fid : NULL;
+    m.m = mn ? mn + ss * fid : NULL;
+    m.K = down ? b->I : b->D;
+    m.N = down ? b->D : 2 * b->I;
+    return m;
+}
+
+static inline float activate(int kind, float g, float u, float alpha, float limit) {
+    if (kind == 0) return g / (1.0f + expf(-g)) * u;
+    g = g < limit ? g : limit;
+    u = u < limit ? u : limit;
+    u = u > -limit ? u : -limit;
+    return (u + 1.0f) * (g / (1.0f + expf(-g * alpha)));
+}
+
+/* phase 1a: one block of gate_up rows of one expert -> its partial [T][2I] */
+static void gate_up_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    moe_job *j = (moe_job *)ctx;
+    const moed_bank *b = j->b;
+    expert_work *e = &j->ex[task / j->c1.count];
+    int64_t c = task % j->c1.count, k0 = c * j->c1.rows;
+    int64_t len = b->D - k0 < j->c1.rows ? b->D - k0 : j->c1.rows;
+    moed_matrix m = sub_matrix(b->dtype, matrix_of(b, 0, e->flat_id), k0, len);
+    moed_act a = act_of(&e->in, e->T, b->D, k0, len);
+    float *part = e->gu_part + c * (int64_t)e->T * 2 * b->I;
+    j->strip(&m, &a, 0, b->I, part, part + b->I, 2 * b->I);
+}
+
+/* phase 1b: one expert's blocks added in order, bias, activation, int8 activations for down */
+static void activation_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    moe_job *j = (moe_job *)ctx;
+    const moed_bank *b = j->b;
+    expert_work *e = &j->ex[task];
+    const int64_t I = b->I, stride = (int64_t)e->T * 2 * I;
+    const float *bias = b->gu_bias ? b->gu_bias + (int64_t)e->flat_id * 2 * I : NULL;
+    for (int t = 0; t < e->T; t++) {
+        float *h = e->h + (int64_t)t * I;
+        for (int64_t col = 0; col < I; col++) {
+            const float *p = e->gu_part + (int64_t)t * 2 * I + col;
+            float g = p[0], u = p[I];
+            for (int64_t c = 1; c < j->c1.count; c++) { g += p[c * stride]; u += p[c * stride + I]; }
+            if (bias) { g += bias[col]; u += bias[I + col]; }
+            h[col] = activate(b->act_kind, g, u, b->alpha, b->limit);
+        }
+    }
+    to_blocks(e->h, e->mid.x, sizeof(float), e->T, I, j->c2.rows);
+    if (j->quant) {
+        moed_quantize_act(e->h, e->T, I, e->hq, e->hs, e->hsum);
+        to_blocks(e->hq, e->mid.xq, 1, e->T, I, j->c2.rows);
+        to_blocks(e->hs, e->mid.xs, sizeof(float), e->T, I / MOED_GROUP, j->c2.rows / MOED_GROUP);
+        to_blocks(e->hsum, e->mid.xsum, sizeof(float), e->T, I / MOED_GROUP, j->c2.rows / MOED_GROUP);
+    }
+}
+
+/* phase 2a: one block of down rows of one expert -> its partial [T][D] */
+static void down_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    moe_job *j = (moe_job *)ctx;
+    const moed_bank *b = j->b;
+    expert_work *e = &j->ex[task / j->c2.count];
+    int64_t c = task % j->c2.count, k0 = c * j->c2.rows;
+    int64_t len = b->I - k0 < j->c2.rows ? b->I - k0 : j->c2.rows;
+    moed_matrix m = sub_matrix(b->dtype, matrix_of(b, 1, e->flat_id), k0, len);
+    moed_act a = act_of(&e->mid, e->T, b->I, k0, len);
+    float *part = e->dn_part + c * (int64_t)e->T * b->D;
+    j->strip(&m, &a, 0, b->D / 2, part, part + b->D / 2, b->D);
+}
+
+/* phase 2b: one expert's down blocks added in order, plus the bias */
+static void output_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    moe_job *j = (moe_job *)ctx;
+    const moed_bank *b = j->b;
+    expert_work *e = &j->ex[task];
+    const int64_t D = b->D, stride = (int64_t)e->T * D;
+    const float *bias = b->dn_bias ? b->dn_bias + (int64_t)e->flat_id * D : NULL;
+    for (int64_t i = 0; i < stride; i++) {
+        float v = e->dn_part[i];
+        for (int64_t c = 1; c < j->c2.count; c++) v += e->dn_part[c * stride + i];
+        if (bias) v += bias[i % D];
+        e->out[i] = v;
+    }
+}
+
+static int cmp_slot(const void *pa, const void *pb) {
+    const int32_t *a = (const int32_t *)pa, *b = (const int32_t *)pb;  /* (flat_id, slot index) */
+    if (a[0] != b[0]) return a[0] < b[0] ? -1 : 1;
+    return a[1] < b[1] ? -1 : (a[1] > b[1]);
+}
+
+/* Routed experts of N tokens: flat_ids [N][A] (-1: the slot is not run here), weights [N][A].
+ * Writes per_slot [N][A][D] for the slots run (if not NULL) and y [N][D] = the weighted sum over the
+ * slots run, ascending a (if not NULL). Returns 0; -1 bad arguments; -2 out of memory. */
+int moed_cpu_moe(void *h, const moed_bank *b, const float *x, int N, int A, const int32_t *flat_ids,
+                 const float *weights, float *per_slot, float *y) {
+    if (!h || !b || N < 1 || A < 1 || b->dtype < 0 || b->dtype >= MOED_NUM_DTYPES) return -1;
+    if (b->D % 2 || b->D < 2 || b->I < 1 || (quantised(b->dtype) && (b->D % MOED_GROUP || b->I % MOED_GROUP)))
+        return -1;
+    if (y && !weights) return -1;
+    moed_pool *p = (moed_pool *)h;
+    const int64_t D = b->D, I = b->I, nsl = (int64_t)N * A;
+    int32_t *order = malloc(sizeof(int32_t) * 2 * (size_t)nsl);
+    if (!order) return -2;
+    int64_t used = 0;
+    for (int64_t s = 0; s < nsl; s++) {
+        int32_t fid = flat_ids[s];
+        if (fid < 0) continue;
+        if (fid >= b->num_slots) { free(order); return -1; }
+        order[2 * used] = fid;
+        order[2 * used + 1] = (int32_t)s;
+        used++;
+    }
+    qsort(order, (size_t)used, 2 * sizeof(int32_t), cmp_slot);
+    int nexp = 0;
+    for (int64_t i = 0; i < used; i++)
+        if (i == 0 || order[2 * i] != order[2 * i - 2]) nexp++;
+    if (nexp == 0) {
+        free(order);
+        if (y) memset(y, 0, sizeof(float) * (size_t)(N * D));
+        return 0;
+    }
+    moe_job j;
+    j.b = b;
+    j.nexp = nexp;
+    j.quant = quantised(b->dtype);
+    j.c1 = chunks_of(b->dtype, D, 2 * I);
+    j.c2 = chunks_of(b->dtype, I, D);
+    j.strip = strip_table[b->dtype][moed_cpu_isa()];
+    const int quant = j.quant;
+    const int64_t gD = D / MOED_GROUP, gI = I / MOED_GROUP;
+    /* floats per routed token: x, in.x, gu parts, h, mid.x, dn parts, out, + the int8 side */
+    size_t per_token = sizeof(float) * (size_t)(D + D + j.c1.count * 2 * I + I + I + j.c2.count * D + D);
+    if (quant)
+        per_token += (size_t)(D + I + I) + sizeof(float) * (size_t)(2 * gD + 4 * gI);
+    const size_t arrays_per_expert = 16;
+    size_t bytes = sizeof(expert_work) * (size_t)nexp + per_token * (size_t)used + 64 * (arrays_per_expert * (size_t)nexp + 1);
+    char *mem = malloc(bytes);
+    if (!mem) { free(order); return -2; }
+    expert_work *ex = (expert_work *)mem;
+    char *cur = mem + sizeof(expert_work) * (size_t)nexp;
+#define TAKE(ptr, type, count) do { cur = (char *)(((uintptr_t)cur + 63) & ~(uintptr_t)63); \
+    (ptr) = (type *)cur; cur += sizeof(type) * (size_t)(count); } while (0)
+    int k = -1;
+    for (int64_t i = 0; i < used; i++) {
+        if (i == 0 || order[2 * i] != order[2 * i - 2]) {
+            k++;
+            ex[k].flat_id = order[2 * i];
+            ex[k].T = 0;
+            ex[k].first = (int)i;
+        }
+        ex[k].T++;
+    }
+    for (int e = 0; e < nexp; e++) {
+        expert_work *w = &ex[e];
+        const int T = w->T;
+        memset(&w->in, 0, sizeof w->in);
+        memset(&w->mid, 0, sizeof w->mid);
+        w->hq = NULL; w->hs = w->hsum = NULL;
+        TAKE(w->x, float, T * D); TAKE(w->in.x, float, T * D);
+        TAKE(w->gu_part, float, j.c1.count * T * 2 * I); TAKE(w->h, float, T * I); TAKE(w->mid.x, float, T * I);
+        TAKE(w->dn_part, float, j.c2.count * T * D); TAKE(w->out, float, T * D);
+        if (quant) {
+            TAKE(w->in.xq, int8_t, T * D); TAKE(w->in.xs, float, T * gD); TAKE(w->in.xsum, float, T * gD);
+            TAKE(w->hq, int8_t, T * I); TAKE(w->hs, float, T * gI); TAKE(w->hsum, float, T * gI);
+            TAKE(w->mid.xq, int8_t, T * I); TAKE(w->mid.xs, float, T * gI); TAKE(w->mid.xsum, float, T * gI);
+        }
+        for (int t = 0; t < T; t++) {
+            int32_t slot = order[2 * (w->first + t) + 1];
+            memcpy(w->x + (int64_t)t * D, x + (int64_t)(slot / A) * D, sizeof(float) * (size_t)D);
+        }
+        to_blocks(w->x, w->in.x, sizeof(float), T, D, j.c1.rows);
+        if (quant) {
+            /* quantised over the gathered rows, then cut into blocks like x */
+            int8_t *tq = malloc((size_t)(T * D));
+            float *ts = malloc(sizeof(float) * (size_t)(2 * T * gD));
+            if (!tq || !ts) { free(tq); free(ts); free(mem); free(order); return -2; }
+            moed_quantize_act(w->x, T, D, tq, ts, ts + T * gD);
+            to_blocks(tq, w->in.xq, 1, T, D, j.c1.rows);
+            to_blocks(ts, w->in.xs, sizeof(float), T, gD, j.c1.rows / MOED_GROUP);
+            to_blocks(ts + T * gD, w->in.xsum, sizeof(float), T, gD, j.c1.rows / MOED_GROUP);
+            free(tq);
+            free(ts);
+        }
+    }
+#undef TAKE
+    j.ex = ex;
+    moed_pool_run(p, gate_up_task, &j, j.c1.count * nexp);
+    moed_pool_run(p, activation_task, &j, nexp);
+    moed_pool_run(p, down_task, &j, j.c2.count * nexp);
+    moed_pool_run(p, output_task, &j, nexp);
+    /* scatter to the slots, then the weighted sum in ascending slot order */
+    if (per_slot)
+        for (int e = 0; e < nexp; e++)
+            for (int t = 0; t < ex[e].T; t++) {
+                int32_t slot = order[2 * (ex[e].first + t) + 1];
+                memcpy(per_slot + (int64_t)slot * D, ex[e].out + (int64_t)t * D, sizeof(float) * (size_t)D);
+            }
+    if (y) {
+        const float **src = malloc(sizeof(float *) * (size_t)nsl);
+        if (!src) { free(mem); free(order); return -2; }
+        for (int64_t s = 0; s < nsl; s++) src[s] = NULL;
+        for (int e = 0; e < nexp; e++)
+            for (int t = 0; t < ex[e].T; t++) src[order[2 * (ex[e].first + t) + 1]] = ex[e].out + (int64_t)t * D;
+        for (int n = 0; n < N; n++) {
+            float *yn = y + (int64_t)n * D;
+            int started = 0;
+            for (int a = 0; a < A; a++) {
+                const float *o = src[(int64_t)n * A + a];
+                if (!o) continue;
+                float wgt = weights[(int64_t)n * A + a];
+                if (!started) {
+                    for (int64_t c = 0; c < D; c++) yn[c] = o[c] * wgt;
+                    started = 1;
+                } else {
+                    for (int64_t c = 0; c < D; c++) yn[c] = yn[c] + o[c] * wgt;
+                }
+            }
+            if (!started) memset(yn, 0, sizeof(float) * (size_t)D);
+        }
+        free(src);
+    }
+    free(mem);
+    free(order);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------ one matrix */
+/* y[T][N] = x[T][K] @ w[K][N] for one matrix in a bank format (dense projections stored quantised,
+ * e.g. a GGUF's Q8_0 / Q4_1 attention and lm_head as q8 / int4). Tasks are (block of rows, strip of
+ * columns): row blocks as for the experts (chunks_of), column strips only for wide matrices (the
+ * lm_head), each at least 2048 columns wide so every row is read in long contiguous pieces. The
+ * partial sums of the row blocks are added in block order: the result depends on the shape alone. */
+typedef struct {
+    int dtype;
+    moed_matrix w;
+    chunking c;
+    int64_t strips, width;  /* column strips of the half N/2 */
+    int T;
+    act_blocks in;
+    float *part;            /* [c.count][T][N] */
+    moed_strip_fn strip;
+} matmul_job;
+
+static void matmul_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    matmul_job *j = (matmul_job *)ctx;
+    int64_t c = task / j->strips, s = task % j->strips;
+    int64_t k0 = c * j->c.rows, len = j->w.K - k0 < j->c.rows ? j->w.K - k0 : j->c.rows;
+    int64_t j0 = s * j->width, j1 = j0 + j->width < j->w.N / 2 ? j0 + j->width : j->w.N / 2;
+    moed_matrix m = sub_matrix(j->dtype, j->w, k0, len);
+    moed_act a = act_of(&j->in, j->T, j->w.K, k0, len);
+    float *part = j->part + c * (int64_t)j->T * j->w.N;
+    j->strip(&m, &a, j0, j1, part + j0, part + j->w.N / 2 + j0, j->w.N);
+}
+
+typedef struct { const float *part; float *y; int64_t count, size, per_task; } sum_job;
+
+static void sum_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    sum_job *j = (sum_job *)ctx;
+    int64_t i0 = task * j->per_task, i1 = i0 + j->per_task < j->size ? i0 + j->per_task : j->size;
+    for (int64_t i = i0; i < i1; i++) {
+        float v = j->part[i];
+        for (int64_t c = 1; c < j->count; c++) v += j->part[c * j->size + i];
+        j->y[i] = v;
+    }
+}
+
+int moed_cpu_matmul(void *h, int dtype, const moed_matrix *w, const float *x, int T, float *y) {
+    if (!h || !w || T < 1 || dtype < 0 || dtype >= MOED_NUM_DTYPES || w->N < 2 || w->N % 2 || w->K < 1) return -1;
+    if (quantised(dtype) && w->K % MOED_GROUP) return -1;
+    moed_pool *p = (moed_pool *)h;
+    matmul_job j;
+    j.dtype = dtype;
+    j.w = *w;
+    j.T = T;
+    j.c = chunks_of(dtype, w->K, w->N);
+    const int64_t half = w->N / 2, min_width = 2048;
+    j.strips = half / min_width > 0 ? half / min_width : 1;
+    j.width = (half + j.strips - 1) / j.strips;
+    j.strip = strip_table[dtype][moed_cpu_isa()];
+    const int64_t K = w->K, g = K / MOED_GROUP;
+    const int quant = quantised(dtype);
+    size_t bytes = sizeof(float) * (size_t)(T * K + j.c.count * T * w->N) + 64 * 8 +
+                   (quant ? (size_t)(2 * T * K) + sizeof(float) * (size_t)(4 * T * g) : 0);
+    char *mem = malloc(bytes), *cur = mem;
+    if (!mem) return -2;
+#define TAKE(ptr, type, count) do { cur = (char *)(((uintptr_t)cur + 63) & ~(uintptr_t)63); \
+    (ptr) = (type *)cur; cur += sizeof(type) * (size_t)(count); } while (0)
+    memset(&j.in, 0, sizeof j.in);
+    TAKE(j.in.x, float, T * K);
+    TAKE(j.part, float, j.c.count * T * w->N);
+    to_blocks(x, j.in.x, sizeof(float), T, K, j.c.rows);
+    if (quant) {
+        int8_t *tq; float *ts;
+        TAKE(tq, int8_t, T * K); TAKE(ts, float, 2 * T * g);
+        TAKE(j.in.xq, int8_t, T * K); TAKE(j.in.xs, float, T * g); TAKE(j.in.xsum, float, T * g);
+        moed_quantize_act(x, T, K, tq, ts, ts + T * g);
+        to_blocks(tq, j.in.xq, 1, T, K, j.c.rows);
+        to_blocks(ts, j.in.xs, sizeof(float), T, g, j.c.rows / MOED_GROUP);
+        to_blocks(ts + T * g, j.in.xsum, sizeof(float), T, g, j.c.rows / MOED_GROUP);
+    }
+#undef TAKE
+    moed_pool_run(p, matmul_task, &j, j.c.count * j.strips);
+    if (j.c.count == 1) {
+        memcpy(y, j.part, sizeof(float) * (size_t)(T * w->N));
+    } else {
+        sum_job s = {j.part, y, j.c.count, (int64_t)T * w->N, 0};
+        s.per_task = (s.size + 4 * moed_pool_threads(p) - 1) / (4 * moed_pool_threads(p));
+        if (s.per_task < 4096) s.per_task = 4096;
+        moed_pool_run(p, sum_task, &s, (s.size + s.per_task - 1) / s.per_task);
+    }
+    free(mem);
+    return 0;
+}

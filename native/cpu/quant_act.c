@@ -1,0 +1,53 @@
+/* int8 activations for the quantised strips, and exact fp16 decoding (see moed_cpu.h). */
+#include <math.h>
+#include <string.h>
+
+#include "moed_cpu.h"
+
+void moed_quantize_act(const float *x, int T, int64_t K, int8_t *xq, float *xs, float *xsum) {
+    const int64_t groups = K / MOED_GROUP;
+    for (int t = 0; t < T; t++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float *v = x + (int64_t)t * K + g * MOED_GROUP;
+            int8_t *q = xq + (int64_t)t * K + g * MOED_GROUP;
+            float amax = 0.0f;
+            for (int i = 0; i < MOED_GROUP; i++) {
+                float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+            }
+            float scale = amax / 127.0f;
+            int isum = 0;
+            if (scale > 0.0f) {
+                for (int i = 0; i < MOED_GROUP; i++) {
+                    /* the division, not a reciprocal multiply: the torch twin does the same */
+                    float r = nearbyintf(v[i] / scale);  /* round half to even (default FP mode) */
+                    r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+                    q[i] = (int8_t)r;
+                    isum += q[i];
+                }
+            } else {
+                memset(q, 0, MOED_GROUP);
+            }
+            /* the sum of the *quantised* values (llama.cpp's Q8_1 does the same): int4's min term then
+             * sees the same rounded activations as its scale term, and their errors cancel */
+            float sum = scale * (float)isum;
+            xs[(int64_t)t * groups + g] = scale;
+            xsum[(int64_t)t * groups + g] = sum;
+        }
+    }
+}
+
+float moed_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31;
+    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) {
+        float f = ldexpf((float)man, -24);  /* subnormal (or zero): exact */
+        return sign ? -f : f;
+    }
+    if (exp == 31)
+        v.u = sign | 0x7F800000u | (man << 13);
+    else
+        v.u = sign | ((exp + 112) << 23) | (man << 13);
+    return v.f;
+}

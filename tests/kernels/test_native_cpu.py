@@ -1,0 +1,205 @@
+"""The native CPU kernels (native/cpu) against their plain-torch twins, on every ISA this CPU has."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moed.cache.bank_builder import build_expert_bank
+from moed.cache.host_bank import ExpertActivation
+from moed.kernels.int4_format import quantize_int4
+from moed.kernels.mxfp4_format import quantize_mxfp4
+from moed.kernels.native_cpu import library_path, native
+from moed.kernels.native_cpu_reference import routed_reference, strip_reference
+from moed.kernels.q8_format import quantize_q8
+
+DTYPES = ("fp32", "bf16", "int4", "q8", "mxfp4")
+LIB = native()
+
+
+def test_the_library_is_built_where_a_compiler_is():
+    if LIB is None and os.environ.get("MOED_NATIVE", "1") == "0":
+        pytest.skip("MOED_NATIVE=0")
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert library_path() is not None, "pip install built no native kernels although a C compiler is present"
+        assert LIB is not None
+        assert LIB.backend.startswith("native-")
+
+
+needs_lib = pytest.mark.skipif(LIB is None, reason="native CPU kernels not built")
+
+
+@pytest.fixture(params=("scalar", "avx2", "avx512"))
+def isa(request):
+    if LIB is None:
+        pytest.skip("native CPU kernels not built")
+    if request.param not in LIB.available_isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    previous = LIB.set_isa(request.param)
+    yield request.param
+    LIB.set_isa(previous)
+
+
+def _matrix(dtype: str, k: int, n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    w = torch.randn(k, n, generator=gen)
+    w[:, 1::7] *= 20  # columns of different magnitudes: scales differ per column
+    if dtype == "fp32":
+        return (w,)
+    if dtype == "bf16":
+        return (w.bfloat16(),)
+    if dtype == "int4":
+        return quantize_int4(w)
+    if dtype == "q8":
+        return quantize_q8(w)
+    return quantize_mxfp4(w)
+
+
+def _x(t: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(t, k, generator=gen)
+    if k >= 64:
+        x[:, 32:64] = 0  # an all-zero group: xs = 0
+    return x
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str) -> None:
+    err = (got.double() - want).abs()
+    limit = 1e-5 * bound + 1e-30
+    assert bool(torch.isfinite(got).all()), f"{what}: non-finite output"
+    worst = float((err / limit).max())
+    assert worst <= 1.0, f"{what}: error {worst:.2f}x the float32-order bound"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strips_match_their_twins_on_odd_shapes(dtype, isa):
+    gen = torch.Generator().manual_seed(DTYPES.index(dtype))
+    ks = (32, 96, 2048) if dtype in ("int4", "q8", "mxfp4") else (1, 7, 33, 100, 2048)
+    for k in ks:
+        for n in (2, 18, 130, 1536):
+            arrays = _matrix(dtype, k, n, gen)
+            half = n // 2
+            for t in (1, 2, 3, 5, 16, 64):
+                if k * n * t > 2048 * 1536 * 5:
+                    continue
+                x = _x(t, k, gen)
+                for j0, j1 in {(0, half), (min(1, half - 1), half), (half // 3, max(half // 3 + 1, half - 5))}:
+                    lo, hi = LIB.strip(dtype, isa, arrays, k, n, x, j0, j1)
+                    want_lo, want_hi, b_lo, b_hi = strip_reference(dtype, arrays, x, j0, j1)
+                    what = f"{dtype} {isa} K={k} N={n} T={t} [{j0},{j1})"
+                    _check(lo, want_lo, b_lo, what + " lo")
+                    _check(hi, want_hi, b_hi, what + " hi")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_results_do_not_depend_on_the_thread_count(dtype):
+    """Each matrix is cut into row blocks by its shape alone and the blocks are added in order, so
+    one thread or several give the same bits (and so do the executors, whatever they run beside)."""
+    if LIB is None:
+        pytest.skip("native CPU kernels not built")
+    from moed.kernels.native_cpu import NativeCpu, descriptor_of
+
+    single = NativeCpu(LIB.path, num_threads=1)
+    try:
+        bank = _bank(dtype, "silu", False, d=256, inter=320)
+        desc = descriptor_of(bank)
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(4, bank.hidden_size, generator=gen)
+        ids = torch.randint(0, bank.num_slots, (4, 3), generator=gen, dtype=torch.int32)
+        w = torch.rand(4, 3, generator=gen)
+        assert torch.equal(single.moe(desc, x, ids, w), LIB.moe(desc, x, ids, w))
+        dense = torch.randn(300, 256, generator=gen).bfloat16()
+        assert torch.equal(single.dense_bf16(x, dense), LIB.dense_bf16(x, dense))
+    finally:
+        single.close()
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (130, 33), (48, 2048), (2048, 100), (3000, 64)])
+def test_dense_bf16_matches_float64(shape, isa):
+    gen = torch.Generator().manual_seed(shape[0])
+    n, k = shape
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    for t in (1, 2, 5, 16):
+        x = torch.randn(t, k, generator=gen)
+        got = LIB.dense_bf16(x, w)
+        want = x.double() @ w.double().T
+        _check(got, want, x.double().abs() @ w.double().abs().T, f"dense {n}x{k} T={t} {isa}")
+
+
+def _bank(dtype: str, kind: str, bias: bool, d: int = 96, inter: int = 160, layers: int = 2, experts: int = 6):
+    gen = torch.Generator().manual_seed(11)
+    n = layers * experts
+    extra = {}
+    if bias:
+        extra = dict(gate_up_bias=torch.randn(n, 2 * inter, generator=gen), down_bias=torch.randn(n, d, generator=gen))
+    return build_expert_bank(torch.randn(n, d, 2 * inter, generator=gen) / d**0.5 * 3,
+                             torch.randn(n, inter, d, generator=gen) / inter**0.5,
+                             num_moe_layers=layers, num_experts=experts, dtype=dtype,
+                             activation=ExpertActivation(kind), **extra)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind,bias", [("silu", False), ("gpt_oss", True)])
+def test_moe_call_matches_the_twin_and_its_own_per_slot_outputs(dtype, kind, bias, isa):
+    from moed.experts.executor import merge_expert_outputs
+    from moed.experts.expert_ffn import run_expert
+
+    bank = _bank(dtype, kind, bias)
+    desc_gen = torch.Generator().manual_seed(3)
+    from moed.kernels.native_cpu import descriptor_of
+
+    desc = descriptor_of(bank)
+    for tokens, top_k in ((1, 4), (3, 2), (16, 3)):
+        x = torch.randn(tokens, bank.hidden_size, generator=desc_gen)
+        ids = torch.randint(0, bank.num_slots, (tokens, top_k), generator=desc_gen, dtype=torch.int32)
+        ids[0, -1] = ids[0, 0] if top_k > 1 else ids[0, 0]  # a repeated expert within one token
+        w = torch.rand(tokens, top_k, generator=desc_gen)
+        per_slot = torch.empty(tokens, top_k, bank.hidden_size)
+        y = LIB.moe(desc, x, ids, w, per_slot=per_slot)
+        want, tol = routed_reference(bank, x, ids, w)
+        err = (y.double() - want).abs()
+        assert float((err / (tol + 1e-30)).max()) <= 1.0, f"{dtype} {kind} {isa} T={tokens}"
+        # the merge is the executor contract's, bit for bit
+        assert torch.equal(y, merge_expert_outputs(per_slot, w))
+        # one expert alone gives the same bits as among others
+        fid = int(ids[tokens - 1, 0])
+        rows = (ids == fid).nonzero()
+        alone = run_expert(bank, fid, x[rows[:, 0]].contiguous())
+        assert torch.equal(alone, per_slot[rows[:, 0], rows[:, 1]])
+
+
+def test_moe_skips_slots_marked_minus_one_and_refuses_bad_ids():
+    if LIB is None:
+        pytest.skip("native CPU kernels not built")
+    from moed.kernels.native_cpu import descriptor_of
+
+    bank = _bank("int4", "silu", False)
+    desc = descriptor_of(bank)
+    x = torch.randn(2, bank.hidden_size)
+    ids = torch.tensor([[1, -1], [-1, -1]], dtype=torch.int32)
+    w = torch.tensor([[0.5, 0.5], [1.0, 1.0]])
+    per_slot = torch.full((2, 2, bank.hidden_size), 7.0)
+    y = LIB.moe(desc, x, ids, w, per_slot=per_slot)
+    assert torch.equal(y[1], torch.zeros(bank.hidden_size)), "a token with no slot run gets zeros"
+    assert torch.equal(per_slot[0, 1], torch.full((bank.hidden_size,), 7.0)), "an unrun slot is not written"
+    assert torch.equal(y[0], per_slot[0, 0] * 0.5)
+    with pytest.raises(ValueError, match="out of range"):
+        LIB.moe(desc, x, torch.tensor([[bank.num_slots, 0], [0, 0]], dtype=torch.int32), w)
+
+
+def test_without_the_library_the_numba_kernels_run_and_say_so():
+    code = ("from moed.kernels.native_cpu import native, native_status; import torch;"
+            "from moed.experts.cpu_executor import CpuExecutor;"
+            "from moed.cache.bank_builder import build_expert_bank; from moed.cache.host_bank import ExpertActivation;"
+            "b = build_expert_bank(torch.randn(4, 64, 64), torch.randn(4, 32, 64), num_moe_layers=1, num_experts=4,"
+            " dtype='int4', activation=ExpertActivation());"
+            "y = CpuExecutor(b).run(0, torch.randn(2, 64), torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2) / 2);"
+            "assert native() is None and y.shape == (2, 64) and bool(torch.isfinite(y).all());"
+            "print(native_status())")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MOED_NATIVE": "0"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("numba (native kernels unavailable: disabled by MOED_NATIVE=0)")
