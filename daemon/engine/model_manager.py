@@ -17,6 +17,7 @@ from moed.engine.engine_loop import EngineLoop
 from moed.engine.runtime import ModelRuntime, open_runtime
 from moed.engine.load_plan import check_load_fits, plan_load
 from moed.errors import InvalidRequestError, ModelExistsError, ModelFormatError, quoted
+from moed.layers.packed_linear import weight_nbytes
 
 ProgressFn = Callable[[str, int, int], None]  # (stage, done bytes, total bytes)
 MAX_NAME_CHARS = 200
@@ -51,7 +52,7 @@ class LoadedEntry:
         return self.runtime.executor.stats
 
     def host_bytes(self) -> int:
-        weights = sum(t.numel() * t.element_size() for t in self.runtime.loaded.weights.values())
+        weights = sum(weight_nbytes(t) for t in self.runtime.loaded.weights.values())  # tensors or PackedLinear
         return weights + self.runtime.loaded.bank.nbytes()
 
     def vram_bytes(self) -> int:

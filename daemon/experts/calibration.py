@@ -19,6 +19,9 @@ import torch
 from moed.cache.host_bank import ExpertBank
 from moed.config import cache_dir
 from moed.experts.expert_ffn import run_expert
+from moed.experts.routed_ffn import run_routed
+
+_EXPERTS_PER_CALL = 8  # a top-8 decode layer
 
 
 @dataclass(frozen=True)
@@ -75,14 +78,16 @@ def save_profile(profile: CalibrationProfile, bank: ExpertBank) -> Path:
 
 
 def _cpu_pass(bank: ExpertBank, ids: list[int], stop: threading.Event | None = None) -> tuple[int, float]:
+    # as the engine calls the CPU branch: one token, several experts per MoE call
     x = torch.randn(1, bank.hidden_size)
     started = time.perf_counter()
     done = 0
-    for flat_id in ids:
+    for start in range(0, len(ids), _EXPERTS_PER_CALL):
         if stop is not None and stop.is_set():
             break
-        run_expert(bank, flat_id, x)
-        done += 1
+        chunk = ids[start : start + _EXPERTS_PER_CALL]
+        run_routed(bank, x, torch.tensor([chunk], dtype=torch.int32))
+        done += len(chunk)
     return done * bank.bytes_per_expert(), time.perf_counter() - started
 
 

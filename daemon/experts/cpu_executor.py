@@ -8,6 +8,7 @@ from moed.cache.host_bank import ExpertBank
 from moed.experts.engine_stats import EngineStats
 from moed.experts.executor import merge_expert_outputs
 from moed.experts.expert_ffn import run_expert
+from moed.experts.routed_ffn import run_routed, uses_native
 
 
 class CpuExecutor:
@@ -19,6 +20,14 @@ class CpuExecutor:
     def run(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
             topk_weights: torch.Tensor) -> torch.Tensor:
         num_tokens, top_k = topk_ids.shape
+        if uses_native(num_tokens):  # decode: every routed expert of the layer in one native call
+            flat = topk_ids + self.bank.flat_id(moe_layer, 0)
+            _, y = run_routed(self.bank, hidden, flat, topk_weights)
+            n_experts = int(torch.unique(flat).numel())
+            self.num_experts_run += n_experts
+            self.stats.misses += n_experts
+            self.stats.cpu_experts += n_experts
+            return y
         per_slot = hidden.new_empty(num_tokens, top_k, hidden.shape[1])  # [N, A, D]
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)

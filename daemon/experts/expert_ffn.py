@@ -35,6 +35,9 @@ from moed.kernels.expert_matmul import (
     serial_njit,
 )
 
+from moed.kernels.native_cpu import MAX_TOKENS as NATIVE_MAX_TOKENS
+from moed.kernels.native_cpu import descriptor_of, native
+
 _Matmul = Callable[[dict[str, torch.Tensor], str, int, torch.Tensor], torch.Tensor]
 _KIND_CODES = {"silu": 0, "gpt_oss": 1}
 
@@ -342,11 +345,19 @@ def _run_torch(bank: ExpertBank, flat_id: int, x: torch.Tensor, matmul: _Matmul)
 
 
 def run_expert(bank: ExpertBank, flat_id: int, x: torch.Tensor) -> torch.Tensor:
-    """Expert ``flat_id`` applied to ``x [T, D]`` float32 -> ``[T, D]`` float32, with the numba kernels."""
+    """Expert ``flat_id`` applied to ``x [T, D]`` float32 -> ``[T, D]`` float32: the native kernels (int8
+    activations for the quantised dtypes, see moed_cpu.h), else the numba ones, at decode; torch
+    GEMMs above ``DIRECT_MAX_TOKENS``."""
     _check_call(bank, flat_id, x)
     ntok = x.shape[0]
     if ntok == 0 or ntok > DIRECT_MAX_TOKENS:
         return _run_torch(bank, flat_id, x, expert_matmul)
+    lib = native()
+    if lib is not None and ntok <= NATIVE_MAX_TOKENS:
+        per_slot = torch.empty(ntok, 1, bank.hidden_size)
+        ids = torch.full((ntok, 1), flat_id, dtype=torch.int32)
+        lib.moe(descriptor_of(bank), x, ids, None, per_slot=per_slot, merge=False)
+        return per_slot.view(ntok, bank.hidden_size)
     views = _views_of(bank)
     xn = x.contiguous().numpy()
     with launch_guard():

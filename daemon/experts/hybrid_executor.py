@@ -26,6 +26,7 @@ from moed.experts.device_ffn import run_slot_expert
 from moed.experts.engine_stats import EngineStats
 from moed.experts.executor import merge_expert_outputs
 from moed.experts.expert_ffn import run_expert
+from moed.experts.routed_ffn import run_routed, uses_native
 from moed.experts.routing_trace import RoutingTraceWriter
 from moed.experts.split_policy import SplitPolicy, q_star
 
@@ -133,7 +134,7 @@ class HybridExecutor:
         flat_out = per_slot.view(-1, hidden.shape[1])
 
         # CPU branch first: it gets a head start on DRAM
-        cpu_job = self.cpu_pool.submit(lambda: self._run_cpu(cpu_ids, tokens_of, hidden)) if cpu_ids else None
+        cpu_job = self.cpu_pool.submit(lambda: self._run_cpu(cpu_ids, tokens_of, hidden, top_k)) if cpu_ids else None
 
         # device branch: copy the fill set into its slots (concurrently with the CPU branch)
         copy_s = 0.0
@@ -170,13 +171,25 @@ class HybridExecutor:
         if cpu_job is None:
             return 0.0
         results, cpu_s = cpu_job.result()
+        if isinstance(results, torch.Tensor):  # one native call: per-slot rows [N * A, D]
+            for flat_id in cpu_ids:
+                picks = tokens_of[flat_id][0]
+                flat_out[picks] = results[picks]
+            results = ()
         for flat_id, out in results:
             flat_out[tokens_of[flat_id][0]] = out
         self.bandwidth.observe_cpu(len(cpu_ids) * self.bank.bytes_per_expert(), cpu_s)
         return cpu_s
 
-    def _run_cpu(self, cpu_ids, tokens_of, hidden) -> tuple[list, float]:
+    def _run_cpu(self, cpu_ids, tokens_of, hidden, top_k: int) -> tuple[list | torch.Tensor, float]:
         started = time.perf_counter()
+        num_tokens = hidden.shape[0]
+        if uses_native(num_tokens):  # the set C in one native call, by flat id
+            flat = torch.full((num_tokens * top_k,), -1, dtype=torch.int32)
+            for flat_id in cpu_ids:
+                flat[tokens_of[flat_id][0]] = flat_id
+            per_slot, _ = run_routed(self.bank, hidden, flat.view(num_tokens, top_k))
+            return per_slot.view(num_tokens * top_k, -1), time.perf_counter() - started
         results = []
         for flat_id in cpu_ids:
             _, tokens = tokens_of[flat_id]

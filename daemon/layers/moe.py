@@ -6,11 +6,10 @@ Shapes: N routed tokens, D hidden, E experts, A experts per token.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moed.experts.executor import ExpertExecutor
 from moed.layers.dense_mlp import DenseMlp
-from moed.layers.linear import linear
+from moed.layers.linear import linear, linear_f32
 from moed.layers.layer_config import MoeConfig
 
 
@@ -18,7 +17,7 @@ def route(cfg: MoeConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
           score_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D] -> (topk_ids [N, A] int64, topk_weights [N, A] f32)."""
     # routing decides which experts run: always float32, whatever dtype the router is stored in
-    logits = F.linear(x.float(), weight.float(), None if bias is None else bias.float())  # [N, E]
+    logits = linear_f32(x, weight, bias)  # [N, E]
     if cfg.scoring == "topk_softmax":  # gpt-oss: softmax over the chosen logits only
         values, ids = torch.topk(logits, cfg.top_k, dim=-1)
         return ids, torch.softmax(values, dim=-1)

@@ -18,6 +18,7 @@ import torch
 from moed.cache.bank_builder import bank_tensor_specs
 from moed.cache.host_bank import EXPERT_DTYPES
 from moed.errors import ModelFormatError
+from moed.layers.packed_linear import packed_nbytes
 from moed.weights.hf_checkpoint import CHUNK_EXPERTS, HfCheckpoint
 
 FTW_INDEX = "ftw.json"
@@ -83,11 +84,17 @@ def checkpoint_load_bytes(checkpoint: Checkpoint, experts_dtype: str | None, wei
     config, moe = checkpoint.config, checkpoint.config.moe
     d, inter = config.hidden_size, moe.intermediate_size
     weights = largest = 0
+    # GGUF: quantised linear() weights load packed (model_loader._read_run_weight) unless fp32 is asked for
+    packed = getattr(checkpoint, "packed_weight_dtype", None) if weights_dtype == "auto" else None
     for name, shape in checkpoint.weight_shapes().items():
         numel = math.prod(shape)
-        dtype = torch.float32 if weights_dtype == "fp32" else checkpoint.weight_dtype(name)
-        weights += numel * dtype.itemsize
-        largest = max(largest, numel * 4)
+        target = packed(name) if packed is not None else None
+        if target is not None:
+            weights += packed_nbytes(target, shape[1], shape[0])  # Linear [N, K] held as w [K, N]
+        else:
+            dtype = torch.float32 if weights_dtype == "fp32" else checkpoint.weight_dtype(name)
+            weights += numel * dtype.itemsize
+        largest = max(largest, numel * 4)  # dequantised to float32 while it is read (packed or not)
     by_dtype = {}
     for dtype in EXPERT_DTYPES:
         if dtype in ("int4", "q8", "mxfp4") and (d % 32 or inter % 32):

@@ -40,7 +40,9 @@ def convert_model(src: str | Path, dst: str | Path, *, experts_dtype: str | None
     experts_dtype = experts_dtype or checkpoint.default_bank_dtype()
     check_bank_dtype(config, experts_dtype)
     moe = config.moe
-    # non-expert weights keep the checkpoint's dtype (a bf16 model's FTW holds bf16 attention weights)
+    # non-expert weights keep the checkpoint's dtype (a bf16 model's FTW holds bf16 attention weights).
+    # A GGUF's quantised weights, which a load keeps packed (PackedLinear), are written dequantised to
+    # bf16 (read_weight / weight_dtype): FTW has no packed format for non-expert weights.
     weight_specs = [TensorSpec(name, "weight", checkpoint.weight_dtype(name), shape)
                     for name, shape in checkpoint.weight_shapes().items()]
     bank_specs = [TensorSpec(BANK_PREFIX + name, "expert_bank", dtype, shape)

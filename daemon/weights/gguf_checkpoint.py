@@ -8,8 +8,13 @@ canonical names (models/weight_spec.py). llama.cpp permutes Q/K rows only for it
 architecture; qwen2moe, qwen3moe and gpt-oss use NEOX rotary and are stored unpermuted, exactly
 as the Hugging Face weights.
 
-Non-expert weights are read one at a time and dequantised (F32/F16/BF16 stay as stored, quantised
-types become bf16). Routed experts (``ffn_{gate,up,down}_exps``: numpy ``[E, I, D]``, ``[E, I, D]``,
+Non-expert weights are read one at a time. ``read_weight`` dequantises them (F32/F16/BF16 stay as
+stored, quantised types become bf16: what ``moed convert`` writes and an explicit weights dtype
+loads). ``packed_weight_dtype`` / ``read_packed_weight`` keep the quantised 2-D weights that go
+through layers/linear.py (attention projections, an untied lm_head, shared-expert MLPs) packed as
+a PackedLinear instead, which the loader does by default: Q8_0 -> q8 bit for bit, Q4_0/Q4_1/Q4_K
+-> int4 (codes kept, scale/min rounded to bf16), Q5_K/Q6_K -> q8 (re-quantised), as the experts
+are. Routed experts (``ffn_{gate,up,down}_exps``: numpy ``[E, I, D]``, ``[E, I, D]``,
 ``[E, D, I]``) are read a chunk of experts at a time with pread and either repacked without
 dequantising into the bank layout the stored type matches (Q8_0 -> q8, MXFP4 -> mxfp4,
 Q4_0/Q4_1/Q4_K -> int4) or dequantised to float32 k-major rows; one chunk is all that is ever
@@ -44,6 +49,7 @@ from moed.errors import ModelFormatError, UnsupportedModelError, quoted
 from moed.kernels.int4_format import quantize_int4
 from moed.kernels.mxfp4_format import quantize_mxfp4
 from moed.kernels.q8_format import quantize_q8
+from moed.layers.packed_linear import PackedLinear, can_pack
 from moed.models.families import Family, family_of, parse_model_config
 from moed.models.model_config import ModelConfig
 from moed.models.weight_spec import expected_weight_shapes
@@ -68,6 +74,15 @@ _REPACKERS = {"q8": q.to_q8_bank, "mxfp4": q.to_mxfp4_bank, "int4": q.to_int4_ba
 _QUANTISERS = {"q8": quantize_q8, "mxfp4": quantize_mxfp4, "int4": quantize_int4}
 # bank tensor suffixes, in the order the repackers and quantisers return them (cache/host_bank.py)
 _PACKED_PARTS = {"q8": ("qs", "d"), "mxfp4": ("fp4", "e8m0"), "int4": ("q", "scale", "min")}
+# stored type of a 2-D weight that goes through linear() -> the PackedLinear dtype it loads as
+PACKED_LINEAR = {q.Q8_0: "q8", q.Q4_0: "int4", q.Q4_1: "int4", q.Q4_K: "int4", q.Q5_K: "q8", q.Q6_K: "q8"}
+# canonical names (after "model.layers.{i}.") of the weights layers/linear.py's linear() multiplies
+# with: the router (linear_f32, F32 in GGUF files) and the [1, D] shared-expert gate are not packed
+_LINEAR_WEIGHTS = frozenset({
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.shared.gate_proj.weight", "mlp.shared.up_proj.weight", "mlp.shared.down_proj.weight",
+})
+_REQUANTISE_COLUMNS = 1 << 22  # weights re-quantised per step (Q5_K/Q6_K -> q8): bounds the temporaries
 REQUANTISE = "re-quantise the model with llama.cpp's llama-quantize to one moed reads (e.g. Q4_K_M or Q8_0)"
 
 # canonical name (after "model.layers.{i}.") -> llama.cpp name (after "blk.{i}.")
@@ -128,7 +143,8 @@ class GgufCheckpoint:
         return dict(self._shapes)
 
     def weight_dtype(self, name: str) -> torch.dtype:
-        """F32, F16 and BF16 weights keep their dtype; quantised ones are dequantised to bf16."""
+        """``read_weight``'s dtype: F32, F16 and BF16 weights keep their dtype; quantised ones are
+        dequantised to bf16 (a load keeps those of ``packed_weight_dtype`` packed instead)."""
         return NATIVE_DTYPES.get(self.file.tensor(self.weight_keys[name]).ggml_type, torch.bfloat16)
 
     def read_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -138,6 +154,38 @@ class GgufCheckpoint:
         native = NATIVE_DTYPES.get(info.ggml_type)
         tensor = raw.view(native) if native is not None else q.dequantize(raw, info.ggml_type, info.shape)
         return tensor.reshape(self._shapes[name]).to(dtype or self.weight_dtype(name)).contiguous()
+
+    def packed_weight_dtype(self, name: str) -> str | None:
+        """"q8" or "int4" when ``name`` is a quantised weight linear() multiplies with and fits the
+        packed formats (K % 32 == 0, N even); None for anything to load as a tensor."""
+        rel = name.partition(".layers.")[2].partition(".")[2] if ".layers." in name else None
+        if name != "lm_head.weight" and rel not in _LINEAR_WEIGHTS:
+            return None
+        shape = self._shapes[name]
+        if len(shape) != 2 or not can_pack(shape[1], shape[0]):
+            return None
+        return PACKED_LINEAR.get(self.file.tensor(self.weight_keys[name]).ggml_type)
+
+    def read_packed_weight(self, name: str) -> PackedLinear:
+        """One weight ``packed_weight_dtype`` accepts, as a PackedLinear holding ``w [K, N]`` (the
+        Linear weight ``[N, K]`` transposed), converted as the routed experts are (``expert_chunks``)."""
+        target = self.packed_weight_dtype(name)
+        if target is None:
+            raise ValueError(f"weight {quoted(name)} does not load packed; read it with read_weight")
+        info = self.file.tensor(self.weight_keys[name])
+        n, k = self._shapes[name]
+        raw = self.file.read(info.name)
+        if REPACKED_BANK.get(info.ggml_type) == target:  # a 2-D weight is one expert
+            arrays = tuple(t[0] for t in _REPACKERS[target](raw, info.ggml_type, (1, n, k)))
+        else:  # Q5_K / Q6_K: dequantised and re-quantised to q8, a slice of columns at a time
+            w = q.dequantize(raw, info.ggml_type, (n, k))  # [N, K] float32
+            del raw
+            qs, d = torch.empty(k, n, dtype=torch.int8), torch.empty(k // 32, n, dtype=torch.float16)
+            step = max(2, _REQUANTISE_COLUMNS // k)
+            for j in range(0, n, step):
+                qs[:, j:j + step], d[:, j:j + step] = quantize_q8(w[j:j + step].t().contiguous())
+            arrays = (qs, d)
+        return PackedLinear(target, arrays, k, n)
 
     def default_bank_dtype(self) -> str:
         """The runnable bank dtype that keeps the routed experts' stored precision (or the closest).

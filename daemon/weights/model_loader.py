@@ -12,6 +12,7 @@ import torch
 from moed.cache.bank_builder import bank_tensor_specs
 from moed.cache.host_bank import EXPERT_DTYPES, INT4_GROUP_SIZE, ExpertActivation, ExpertBank
 from moed.errors import InvalidRequestError, ModelFormatError
+from moed.layers.packed_linear import PackedLinear
 from moed.models.families import parse_model_config
 from moed.models.model_config import ModelConfig
 from moed.weights.ftw_reader import load_ftw, read_ftw_index
@@ -28,7 +29,7 @@ class LoadedModel:
     path: Path
     format: str  # "hf" | "ftw" | "gguf"
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | PackedLinear]  # PackedLinear: a GGUF's quantised linear() weights
     bank: ExpertBank
     tokenizer_files: dict[str, str] | None = None  # GGUF: tokenizer.json etc. built from its metadata
 
@@ -46,7 +47,8 @@ def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bo
         raise InvalidRequestError(f"weights dtype {weights_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
     loaded = _load(Path(path), experts_dtype, verify, progress, weights_dtype)
     if weights_dtype == "fp32":
-        loaded.weights = {name: t.float() for name, t in loaded.weights.items()}
+        loaded.weights = {name: t.dequantize(torch.float32) if isinstance(t, PackedLinear) else t.float()
+                          for name, t in loaded.weights.items()}
     return loaded
 
 
@@ -64,9 +66,18 @@ def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights
     checkpoint = open_checkpoint(path)
     bank = stream_expert_bank(checkpoint, experts_dtype or checkpoint.default_bank_dtype())
     wanted = torch.float32 if weights_dtype == "fp32" else None
-    weights = {name: checkpoint.read_weight(name, wanted) for name in checkpoint.weight_keys}
+    weights = {name: _read_run_weight(checkpoint, name, wanted) for name in checkpoint.weight_keys}
     tokenizer_files = checkpoint.tokenizer_files() if kind == "gguf" else None
     return LoadedModel(path, kind, checkpoint.config, weights, bank, tokenizer_files)
+
+
+def _read_run_weight(checkpoint: Checkpoint, name: str, wanted: torch.dtype | None) -> torch.Tensor | PackedLinear:
+    """A non-expert weight as the model runs it: a GGUF file's quantised linear() weights stay packed
+    (PackedLinear, ``packed_weight_dtype``) unless a weights dtype was asked for; the rest are tensors."""
+    packed = getattr(checkpoint, "packed_weight_dtype", None)  # GGUF only
+    if wanted is None and packed is not None and packed(name) is not None:
+        return checkpoint.read_packed_weight(name)
+    return checkpoint.read_weight(name, wanted)
 
 
 def read_model_config(path: str | Path) -> ModelConfig:

@@ -7,9 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.native_switch import without_native_kernels
 from moed.cache.bank_builder import build_expert_bank
 from moed.cache.host_bank import ExpertActivation, ExpertBank
 from moed.experts.expert_ffn import run_expert, run_expert_reference
+from moed.kernels.native_cpu import MAX_TOKENS as NATIVE_MAX_TOKENS
+from moed.kernels.native_cpu import native
+from moed.kernels.native_cpu_reference import routed_reference
 
 D, I, LAYERS, EXPERTS = 64, 96, 2, 3
 
@@ -39,10 +43,15 @@ def _bank(dtype: str, kind: str, bias: bool, seed: int = 0) -> ExpertBank:
 def test_matches_reference(dtype: str, kind: str, bias: bool, tokens: int) -> None:
     bank = _bank(dtype, kind, bias)
     x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens))
+    int8_activations = native() is not None and dtype in ("int4", "q8", "mxfp4") and tokens <= NATIVE_MAX_TOKENS
     for fid in (0, bank.flat_id(1, 2)):
         y = run_expert(bank, fid, x)
-        ref = run_expert_reference(bank, fid, x)
         assert y.shape == (tokens, D) and y.dtype == torch.float32
+        if int8_activations:  # the native kernels' int8 activations: checked against their twin's bound
+            want, tol = routed_reference(bank, x, torch.full((tokens, 1), fid), torch.ones(tokens, 1))
+            assert bool(((y.double() - want).abs() <= tol).all())
+            continue
+        ref = run_expert_reference(bank, fid, x)
         torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
 
 
@@ -80,7 +89,9 @@ def test_mxfp4_from_gpt_oss_blocks_matches_transformers_expert(tokens: int) -> N
         with torch.no_grad():
             want = experts._apply_gate(x @ w_gu[fid] + gu_bias[fid]) @ w_dn[fid] + dn_bias[fid]
         assert float((x @ w_gu[fid] + gu_bias[fid]).abs().max()) > experts.limit  # clamps are exercised
-        torch.testing.assert_close(run_expert(bank, fid, x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        with without_native_kernels():  # float32 activations: the repacked bits must give transformers' numbers
+            got = run_expert(bank, fid, x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
         torch.testing.assert_close(run_expert_reference(bank, fid, x), want, rtol=1e-5,
                                    atol=1e-5 * float(want.abs().max()))
 

@@ -4,11 +4,14 @@ experts) give the same greedy tokens, the 4-bit types logits within a stated tol
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
 from helpers.gguf_writer import load_dequantised_into, write_tiny_gguf
+from helpers.native_switch import without_native_kernels
 from helpers.reference_parity import assert_matches_reference
 from moed.engine.runtime import open_runtime
 from moed.weights.converter import convert_model
@@ -19,12 +22,19 @@ EXACT_TOL = 1e-3  # float32 summation order only: the weights are exactly what g
 EXACT = [(T.F32, T.F32, "fp32"), (T.F16, T.F16, "fp32"), (T.BF16, T.BF16, "bf16"), (T.Q8_0, T.Q8_0, "q8")]
 
 
-def _compare(path, reference, *, tol: float, tokens_equal: bool, bank_dtype: str, **load):
+def _compare(path, reference, *, tol: float, tokens_equal: bool, bank_dtype: str, native: bool | None = None,
+             **load):
+    """``native``: run the experts on the native kernels (int8 activations for quantised banks); by
+    default only where the check is not an exact one (exact checks run the float32-activation kernels)."""
     runtime = open_runtime(path, weights_dtype="fp32", **load)
+    if native is None:
+        native = tol > EXACT_TOL or bank_dtype in ("fp32", "bf16")
     try:
         assert runtime.loaded.format == "gguf" and runtime.loaded.bank.dtype == bank_dtype
         assert runtime.tokenizer is not None  # built from the GGUF metadata
-        return assert_matches_reference(runtime, reference, tol=tol, tokens_equal=tokens_equal, steps=STEPS, seed=3)
+        with contextlib.nullcontext() if native else without_native_kernels():
+            return assert_matches_reference(runtime, reference, tol=tol, tokens_equal=tokens_equal, steps=STEPS,
+                                            seed=3)
     finally:
         runtime.close()
 
@@ -41,6 +51,18 @@ def test_gpt_oss_mxfp4_gguf_keeps_its_experts_and_matches(tmp_path):
     path, _, model = write_tiny_gguf("gpt_oss", tmp_path, expert_type=T.MXFP4, weight_type=T.Q8_0)
     load_dequantised_into(model, "gpt_oss", path)
     _compare(path, model.eval(), tol=EXACT_TOL, tokens_equal=True, bank_dtype="mxfp4")
+
+
+# The native kernels quantise the activations of q8 / mxfp4 / int4 experts to int8 per 32 values, as
+# llama.cpp does for its quantised types: about 1/254 of each group's largest value per activation.
+INT8_ACTIVATION_TOL = 2e-2
+
+
+@pytest.mark.parametrize("family,expert_type,bank_dtype", [("qwen3_moe", T.Q8_0, "q8"), ("gpt_oss", T.MXFP4, "mxfp4")])
+def test_native_int8_activation_experts_stay_within_their_tolerance(family, expert_type, bank_dtype, tmp_path):
+    path, _, model = write_tiny_gguf(family, tmp_path, expert_type=expert_type, weight_type=T.Q8_0)
+    load_dequantised_into(model, family, path)
+    _compare(path, model.eval(), tol=INT8_ACTIVATION_TOL, tokens_equal=False, bank_dtype=bank_dtype, native=True)
 
 
 # 4-bit GGUF types kept as int4 codes: only the bf16 rounding of each group's scale and min

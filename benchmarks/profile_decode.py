@@ -1,0 +1,86 @@
+"""Where the milliseconds of one moed decode step go: attention, router, experts, lm_head, the rest.
+
+    .venv/bin/python benchmarks/profile_decode.py MODEL [--tokens 64] [--threads 2]
+
+MODEL is anything `moed generate --model` takes (a GGUF file, an HF or FTW directory). The script
+wraps the model's parts with timers (perf_counter around attention.forward, the router, the
+expert executor and the lm_head projection), runs a 16-token prompt and `--tokens` greedy decode
+steps, and prints the mean milliseconds per decode step of each part; "other" is the rest of the
+step (norms, embedding, residual adds, sampling, the engine loop: Python and small torch ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+
+import moed.layers.moe as moe_module
+import moed.models.moe_transformer as model_module
+from moed.engine.offline_run import run_offline
+from moed.engine.runtime import open_runtime
+from moed.engine.sampling import SamplingParams
+from moed.kernels.native_cpu import native_status
+from moed.kernels.numba_runtime import configure_threads
+
+totals: collections.Counter = collections.Counter()
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - t0
+    return wrapper
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    configure_threads(args.threads)
+    rt = open_runtime(args.model)
+    model = rt.model
+    for _, attention, _, mlp in model.layers:
+        attention.forward = timed("attention (projections + cache + softmax)", attention.forward)
+        if isinstance(mlp, moe_module.MoeLayer):
+            mlp.executor = type("Timed", (), {"run": staticmethod(timed("routed experts", mlp.executor.run))})()
+    moe_module.route = timed("router", moe_module.route)
+    model_module.linear = timed("lm_head", model_module.linear)
+    prompt = [(7 * i + 11) % (model.config.vocab_size - 100) + 50 for i in range(16)]
+    run_offline(rt, [prompt], [SamplingParams(max_tokens=4, ignore_eos=True)], context_length=64)  # warm-up
+    totals.clear()
+    t0 = time.perf_counter()
+    (done,) = run_offline(rt, [prompt], [SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)],
+                          context_length=args.tokens + 32)
+    wall = time.perf_counter() - t0
+    prefill = done.usage.ttft_s
+    decode_s = wall - prefill
+    # the prefill step is in the totals too: take it out proportionally is not possible, so run it alone
+    totals_all = dict(totals)
+    totals.clear()
+    run_offline(rt, [prompt], [SamplingParams(max_tokens=1, ignore_eos=True)], context_length=args.tokens + 32)
+    prefill_parts = dict(totals)
+    steps = args.tokens
+    print(f"{args.model}: {steps} decode steps, {decode_s / steps * 1e3:.2f} ms/step "
+          f"({steps / decode_s:.1f} tok/s); backend {native_status()}")
+    print("| part | ms/step | share |\n|---|---:|---:|")
+    parts = {k: (v - prefill_parts.get(k, 0.0)) / steps for k, v in totals_all.items()}
+    step_ms = decode_s / steps
+    for name, sec in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {sec * 1e3:.2f} | {sec / step_ms:.0%} |")
+    other = step_ms - sum(parts.values())
+    print(f"| other (norms, embedding, adds, sampling, engine loop) | {other * 1e3:.2f} | {other / step_ms:.0%} |")
+    print(json.dumps({"ms_per_step": step_ms * 1e3, **{k: v * 1e3 for k, v in parts.items()}}), file=sys.stderr)
+    rt.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

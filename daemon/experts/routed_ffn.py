@@ -1,0 +1,54 @@
+"""All routed experts of one MoE layer on the CPU in one native call (decode and small batches).
+
+The CPU executor (every expert), the hybrid executor's CPU branch (the set C), the emulated
+device's slots and calibration all come here, so the speed calibration measures is the speed the
+engine gets. Per column the native kernels' arithmetic does not depend on which other experts or
+columns share the call, so one expert gives the same bits alone or with others.
+
+Without the native library (no compiler at install, ``MOED_NATIVE=0``), or above
+``native_cpu.MAX_TOKENS`` tokens, each expert runs through ``expert_ffn.run_expert`` (numba at
+decode, torch GEMMs at prefill).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moed.cache.host_bank import ExpertBank
+from moed.experts.executor import merge_expert_outputs
+from moed.experts.expert_ffn import run_expert
+from moed.kernels.native_cpu import MAX_TOKENS, descriptor_of, native
+
+def uses_native(num_tokens: int) -> bool:
+    return 0 < num_tokens <= MAX_TOKENS and native() is not None
+
+
+def run_routed(bank: ExpertBank, hidden: torch.Tensor, flat_ids: torch.Tensor,
+               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``hidden [N, D]`` float32, ``flat_ids [N, A]`` (bank flat ids; -1 = not run here) ->
+    ``(per_slot [N, A, D], y)``: per_slot holds each run slot's expert output (other rows are
+    unspecified); ``y [N, D]`` is the weighted sum over the run slots in ascending slot order
+    (the executor contract) when ``weights [N, A]`` is given, else None."""
+    if hidden.dim() != 2 or hidden.shape[1] != bank.hidden_size or hidden.dtype != torch.float32:
+        raise ValueError(f"hidden must be float32 [N, {bank.hidden_size}], got {hidden.dtype} {tuple(hidden.shape)}")
+    n, a = flat_ids.shape
+    per_slot = torch.empty(n, a, bank.hidden_size, dtype=torch.float32)
+    lib = native()
+    if lib is not None and 0 < n <= MAX_TOKENS:
+        y = lib.moe(descriptor_of(bank), hidden, flat_ids, weights, per_slot=per_slot, merge=weights is not None)
+        return per_slot, y
+    # fallback: one expert at a time
+    flat = flat_ids.reshape(-1)
+    run = flat >= 0
+    rows = per_slot.view(-1, bank.hidden_size)
+    for fid in torch.unique(flat[run]).tolist():
+        picks = torch.nonzero(flat == fid).reshape(-1)
+        rows[picks] = run_expert(bank, fid, hidden[picks // a].contiguous())
+    y = None
+    if weights is not None:
+        if bool(run.all()):
+            y = merge_expert_outputs(per_slot, weights)
+        else:  # only the run slots count
+            masked = torch.where(run.view(n, a, 1), per_slot, torch.zeros(()))
+            y = merge_expert_outputs(masked, torch.where(run.view(n, a), weights, torch.zeros(())))
+    return per_slot, y
