@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_vs_llamacpp.py --llama-python /tmp/llvenv/bin/python \
         --llama-cpp-dir /tmp/llamacpp-gguf/llama_cpp_python-0.3.36/vendor/llama.cpp \
         [--layers 6] [--types bf16,q8_0,q4_1] [--decode-tokens 64] [--prefill-tokens 1024] [--threads 2] \
-        [--workdir /tmp/bench-vs-llamacpp] [--repeats 2]
+        [--workdir /tmp/bench-vs-llamacpp] [--repeats 2] [--busy] [--moed-threads 2,4]
 
 Setup (once): llama.cpp as a peer is llama-cpp-python 0.3.36 in its own venv
 (`python3 -m venv /tmp/llvenv && /tmp/llvenv/bin/pip install llama-cpp-python==0.3.36`, ~8 min
@@ -19,7 +19,11 @@ Q4_1 -> moed int4 (the 4-bit codes kept, 5 bits/weight like Q4_1). Non-expert we
 llama.cpp runs them in the file's type, moed dequantises quantised ones to bf16 (said in the
 table). Each measurement runs in a fresh process, llama.cpp and moed alternately, `--repeats`
 times; the table shows the best of the repeats. Decode: `--decode-tokens` greedy tokens after a
-16-token prompt; prefill: a `--prefill-tokens` prompt (tok/s of the whole prompt). Not part of CI.
+16-token prompt; prefill: a `--prefill-tokens` prompt (tok/s of the whole prompt). `--busy` also
+measures both engines' decode with one core kept busy by another program (`python3 -c "while True:
+pass"`, started before and killed after each such run), as on a shared desktop. `--moed-threads`
+adds moed decode rows with that many kernel threads (MOED_CPU_THREADS / torch / numba), to show
+what oversubscribing 2 cores costs. Not part of CI.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from moed.engine.sampling import SamplingParams
 path, threads, decode_n, prefill_n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 configure_threads(threads)
 rt = open_runtime(path)
+from moed.kernels.native_cpu import native_status
 vocab = rt.model.config.vocab_size
 prompt = [(7 * i + 11) % (vocab - 100) + 50 for i in range(prefill_n)]
 run_offline(rt, [prompt[:16]], [SamplingParams(max_tokens=2, ignore_eos=True)], context_length=64)  # warm-up
@@ -73,7 +78,7 @@ prefill_tok_s = prefill_n / done.usage.ttft_s
 (done,) = run_offline(rt, [prompt[:16]], [SamplingParams(max_tokens=decode_n + 1, ignore_eos=True)],
                       context_length=decode_n + 32)
 print(json.dumps({"prefill_tok_s": prefill_tok_s, "decode_tok_s": done.usage.decode_tok_s,
-                  "bank": rt.loaded.bank.dtype,
+                  "bank": rt.loaded.bank.dtype, "backend": native_status(),
                   "weights": sorted({str(t.dtype).replace("torch.", "") for t in rt.loaded.weights.values()})}))
 rt.close()
 """
@@ -81,9 +86,17 @@ rt.close()
 QUANT_IDS = {"q8_0": 7, "q4_1": 3, "q4_0": 2, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "mxfp4_moe": 38}
 
 
-def run_json(python: str, code: str, *args, env: dict | None = None) -> dict:
-    out = subprocess.run([python, "-c", code, *map(str, args)], check=True, capture_output=True, text=True,
-                         env={**os.environ, **(env or {})})
+def run_json(python: str, code: str, *args, env: dict | None = None, busy: bool = False) -> dict:
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        if hog is not None:
+            time.sleep(0.5)  # let it take its core
+        out = subprocess.run([python, "-c", code, *map(str, args)], check=True, capture_output=True, text=True,
+                             env={**os.environ, **(env or {})})
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -131,6 +144,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workdir", default="/tmp/bench-vs-llamacpp")
+    ap.add_argument("--busy", action="store_true", help="also measure decode with one core kept busy")
+    ap.add_argument("--moed-threads", default="", help="extra moed decode runs with these thread counts")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     work = Path(args.workdir)
@@ -139,10 +154,19 @@ def main() -> int:
     rows = []
     for qtype in args.types.split(","):
         path = to_gguf(args, hf, work, qtype)
-        best = {"llama.cpp": {}, "moed": {}}
+        best = {"llama.cpp": {}, "moed": {}, "llama.cpp busy": {}, "moed busy": {}}
+        runs = [("llama.cpp", args.llama_python, LLAMA_RUN, args.threads, False),
+                ("moed", str(MOED_PY), MOED_RUN, args.threads, False)]
+        if args.busy:
+            runs += [("llama.cpp busy", args.llama_python, LLAMA_RUN, args.threads, True),
+                     ("moed busy", str(MOED_PY), MOED_RUN, args.threads, True)]
+        for n in filter(None, args.moed_threads.split(",")):
+            best[f"moed {n} threads"] = {}
+            runs.append((f"moed {n} threads", str(MOED_PY), MOED_RUN, int(n), False))
         for _ in range(args.repeats):  # alternately, each in a fresh process
-            for engine, python, code in (("llama.cpp", args.llama_python, LLAMA_RUN), ("moed", str(MOED_PY), MOED_RUN)):
-                r = run_json(python, code, path, args.threads, args.decode_tokens, args.prefill_tokens)
+            for engine, python, code, threads, busy in runs:
+                env = {"MOED_CPU_THREADS": str(threads)} if python == str(MOED_PY) else None
+                r = run_json(python, code, path, threads, args.decode_tokens, args.prefill_tokens, env=env, busy=busy)
                 for key, value in r.items():
                     if isinstance(value, float):
                         best[engine][key] = max(best[engine].get(key, 0.0), value)
@@ -160,6 +184,22 @@ def main() -> int:
         print(f"| {qtype} | {size / 1e9:.2f} | {mo['bank']} / {'+'.join(mo['weights'])} | {ll['decode_tok_s']:.1f} "
               f"| {mo['decode_tok_s']:.1f} | {mo['decode_tok_s'] / ll['decode_tok_s']:.2f}x | {ll['prefill_tok_s']:.0f} "
               f"| {mo['prefill_tok_s']:.0f} | {mo['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x |")
+    if args.busy:
+        print("\nDecode with one of the cores kept busy by another program (`python3 -c \"while True: pass\"`):\n")
+        print("| GGUF type | llama.cpp quiet | busy | busy/quiet | moed quiet | busy | busy/quiet | moed/llama.cpp busy |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for qtype, _, best in rows:
+            lq, lb = best["llama.cpp"]["decode_tok_s"], best["llama.cpp busy"]["decode_tok_s"]
+            mq, mb = best["moed"]["decode_tok_s"], best["moed busy"]["decode_tok_s"]
+            print(f"| {qtype} | {lq:.1f} | {lb:.1f} | {lb / lq:.2f} | {mq:.1f} | {mb:.1f} | {mb / mq:.2f} | {mb / lb:.2f}x |")
+    extra = [k for k in rows[0][2] if k.endswith(" threads")] if rows else []
+    if extra:
+        print("\nmoed decode tok/s by kernel thread count (the machine's cores: default):\n")
+        print("| GGUF type | default | " + " | ".join(extra) + " |")
+        print("|---|---:|" + "---:|" * len(extra))
+        for qtype, _, best in rows:
+            print(f"| {qtype} | {best['moed']['decode_tok_s']:.1f} | "
+                  + " | ".join(f"{best[k]['decode_tok_s']:.1f}" for k in extra) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps([{"type": q, "bytes": s, **b} for q, s, b in rows], indent=2))
     return 0
