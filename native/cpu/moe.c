@@ -511,7 +511,12 @@ int moed_cpu_matmul(void *h, int dtype, const moed_matrix *w, const float *x, in
     j.dtype = dtype;
     j.w = *w;
     j.T = T;
-    j.c = chunks_of(dtype, w->K, w->N);
+    /* one matrix alone: always 8 row blocks (fewer for small K), however narrow, so that even a
+     * k/v projection is spread over the threads */
+    j.c.rows = (w->K + 7) / 8;
+    j.c.rows = (j.c.rows + MOED_GROUP - 1) / MOED_GROUP * MOED_GROUP;
+    if (j.c.rows >= w->K) j.c.rows = w->K;
+    j.c.count = (w->K + j.c.rows - 1) / j.c.rows;
     const int64_t half = w->N / 2, min_width = 2048;
     j.strips = half / min_width > 0 ? half / min_width : 1;
     j.width = (half + j.strips - 1) / j.strips;
