@@ -203,3 +203,22 @@ def test_without_the_library_the_numba_kernels_run_and_say_so():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("numba (native kernels unavailable: disabled by MOED_NATIVE=0)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_call_on_matrices_cut_into_several_row_blocks(dtype, isa):
+    """Real expert shapes (SmolLM2's 576 x 1536 and Qwen3-30B-A3B's 2048 x 768): each matrix is cut
+    into several row blocks whose partial sums (and the down blocks' own activations) must add up."""
+    from moed.kernels.native_cpu import descriptor_of
+
+    for d, inter in ((576, 1536), (2048, 768)):
+        gen = torch.Generator().manual_seed(d)
+        bank = build_expert_bank(torch.randn(4, d, 2 * inter, generator=gen) / d**0.5,
+                                 torch.randn(4, inter, d, generator=gen) / inter**0.5,
+                                 num_moe_layers=1, num_experts=4, dtype=dtype, activation=ExpertActivation())
+        x = torch.randn(2, d, generator=gen)
+        ids = torch.tensor([[0, 1], [1, 3]], dtype=torch.int32)
+        w = torch.tensor([[0.6, 0.4], [0.5, 0.5]])
+        y = LIB.moe(descriptor_of(bank), x, ids, w)
+        want, tol = routed_reference(bank, x, ids, w)
+        assert float(((y.double() - want).abs() / tol).max()) <= 1.0, (dtype, isa, d, inter)
