@@ -222,3 +222,26 @@ def test_moe_call_on_matrices_cut_into_several_row_blocks(dtype, isa):
         y = LIB.moe(descriptor_of(bank), x, ids, w)
         want, tol = routed_reference(bank, x, ids, w)
         assert float(((y.double() - want).abs() / tol).max()) <= 1.0, (dtype, isa, d, inter)
+
+
+@pytest.mark.parametrize("value", ["x", "0", "-2", "1.5"])
+def test_a_bad_thread_count_is_refused_by_name(value, monkeypatch):
+    from moed.kernels.cpu_threads import cpu_threads, usable_cores
+
+    monkeypatch.setenv("MOED_CPU_THREADS", value)
+    with pytest.raises(ValueError, match="MOED_CPU_THREADS"):
+        cpu_threads()
+    monkeypatch.setenv("MOED_CPU_THREADS", "3")
+    assert cpu_threads() == 3
+    monkeypatch.delenv("MOED_CPU_THREADS")
+    assert cpu_threads() == usable_cores() >= 1
+
+
+def test_an_unknown_isa_falls_back_to_numba_and_says_why():
+    code = "from moed.kernels.native_cpu import native, native_status; assert native() is None; print(native_status())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MOED_NATIVE_ISA": "sse9"},
+                         capture_output=True, text=True, timeout=300)
+    if LIB is None:
+        pytest.skip("native CPU kernels not built")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "MOED_NATIVE_ISA='sse9' is not one of scalar, avx2, avx512" in out.stdout
