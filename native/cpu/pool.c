@@ -30,6 +30,8 @@ struct moed_pool {
     moed_task_fn fn;
     void *ctx;
     int64_t ntasks;
+    void *scratch;           /* moed_pool_scratch's buffer */
+    size_t scratch_size;
 };
 
 typedef struct { moed_pool *pool; int index; } worker_arg;
@@ -165,6 +167,15 @@ void moed_pool_run(moed_pool *p, moed_task_fn fn, void *ctx, int64_t ntasks) {
     }
 }
 
+void *moed_pool_scratch(moed_pool *p, size_t bytes) {
+    if (bytes <= p->scratch_size) return p->scratch;
+    free(p->scratch);
+    size_t size = bytes + bytes / 4;  /* some room: sizes vary a little with the routing */
+    p->scratch = malloc(size);
+    p->scratch_size = p->scratch ? size : 0;
+    return p->scratch;
+}
+
 void moed_pool_destroy(moed_pool *p) {
     if (!p) return;
     pthread_mutex_lock(&p->lock);
@@ -176,5 +187,6 @@ void moed_pool_destroy(moed_pool *p) {
     pthread_cond_destroy(&p->done_cv);
     pthread_mutex_destroy(&p->lock);
     free(p->threads);
+    free(p->scratch);
     free(p);
 }

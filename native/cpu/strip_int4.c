@@ -96,9 +96,15 @@ static inline int32_t i4_load_i32(const int8_t *p) {
  * row: a misaligned block's second line is the next block's first). The k-major rows of a strip
  * are strided, which the hardware prefetchers follow poorly. Prefetching the scale rows as well
  * measured much slower (Zen 5), so they are left to the hardware. */
+#ifndef I4_PF_GROUPS
+#define I4_PF_GROUPS 1
+#endif
+#ifndef I4_PF_HINT
+#define I4_PF_HINT _MM_HINT_T1 /* into L2: measured 5-15% faster than into L1 (Zen 5) */
+#endif
 static inline void i4_prefetch_next(const uint8_t *wp, int64_t N2) {
-    const uint8_t *pf = wp + MOED_GROUP * N2;
-    for (int k = 0; k < MOED_GROUP; k++) _mm_prefetch((const char *)(pf + k * N2), _MM_HINT_T0);
+    const uint8_t *pf = wp + I4_PF_GROUPS * MOED_GROUP * N2;
+    for (int k = 0; k < MOED_GROUP; k++) _mm_prefetch((const char *)(pf + k * N2), I4_PF_HINT);
 }
 
 /* write the un-permuted accumulators of one block (2*vw floats: lo then hi) for cw columns */
