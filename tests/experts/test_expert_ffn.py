@@ -11,6 +11,7 @@ from helpers.native_switch import without_native_kernels
 from moed.cache.bank_builder import build_expert_bank
 from moed.cache.host_bank import ExpertActivation, ExpertBank
 from moed.experts.expert_ffn import run_expert, run_expert_reference
+from moed.kernels.expert_matmul import DIRECT_MAX_TOKENS
 from moed.kernels.native_cpu import MAX_TOKENS as NATIVE_MAX_TOKENS
 from moed.kernels.native_cpu import native
 from moed.kernels.native_cpu_reference import routed_reference
@@ -52,7 +53,14 @@ def test_matches_reference(dtype: str, kind: str, bias: bool, tokens: int) -> No
             assert bool(((y.double() - want).abs() <= tol).all())
             continue
         ref = run_expert_reference(bank, fid, x)
-        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+        tol = _prefill_tol(dtype, tokens)
+        torch.testing.assert_close(y, ref, rtol=tol, atol=tol * float(ref.abs().max()))
+
+
+def _prefill_tol(dtype: str, tokens: int) -> float:
+    """Prefill (more than DIRECT_MAX_TOKENS tokens) multiplies every bank but fp32 in bf16: x, weights,
+    gate_up and down outputs rounded to bf16 (2**-9 each), through two GEMMs and the activation."""
+    return 2.0**-6 if tokens > DIRECT_MAX_TOKENS and dtype != "fp32" else 1e-4
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 20])
@@ -91,7 +99,8 @@ def test_mxfp4_from_gpt_oss_blocks_matches_transformers_expert(tokens: int) -> N
         assert float((x @ w_gu[fid] + gu_bias[fid]).abs().max()) > experts.limit  # clamps are exercised
         with without_native_kernels():  # float32 activations: the repacked bits must give transformers' numbers
             got = run_expert(bank, fid, x)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        tol = _prefill_tol("mxfp4", tokens)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
         torch.testing.assert_close(run_expert_reference(bank, fid, x), want, rtol=1e-5,
                                    atol=1e-5 * float(want.abs().max()))
 

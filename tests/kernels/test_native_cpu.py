@@ -94,6 +94,43 @@ def test_strips_match_their_twins_on_odd_shapes(dtype, isa):
                     _check(hi, want_hi, b_hi, what + " hi")
 
 
+@pytest.mark.parametrize("dtype", ("bf16", "q8"))
+def test_the_reused_work_buffer_does_not_leak_between_calls(dtype):
+    """The pool keeps one work buffer across calls (grown when a call needs more): a small call after a
+    big one, and a big one after a small one, give the bits of the same call in a fresh pool. Tokens
+    that share experts share the once-per-token int8 activations: each must still see its own."""
+    if LIB is None:
+        pytest.skip("native CPU kernels not built")
+    from moed.kernels.native_cpu import NativeCpu, descriptor_of
+
+    bank = _bank(dtype, "silu", False, d=256, inter=320)
+    desc = descriptor_of(bank)
+    gen = torch.Generator().manual_seed(9)
+    calls = []
+    for tokens, top_k in ((16, 4), (1, 2), (16, 4), (3, 1)):
+        x = torch.randn(tokens, bank.hidden_size, generator=gen) * (1 + torch.arange(tokens)).view(-1, 1)
+        ids = torch.randint(0, bank.num_slots, (tokens, top_k), generator=gen, dtype=torch.int32)
+        ids[:, 0] = 0  # every token through expert 0: its rows come from different tokens
+        calls.append((x, ids, torch.rand(tokens, top_k, generator=gen)))
+    got = [LIB.moe(desc, *c) for c in calls]
+    for c, g in zip(calls, got):
+        fresh = NativeCpu(LIB.path, num_threads=2)
+        try:
+            assert torch.equal(fresh.moe(desc, *c), g)
+        finally:
+            fresh.close()
+
+
+def test_torch_gets_huge_pages_for_large_allocations_unless_told_not_to():
+    code = "import moed, os; print(os.environ['THP_MEM_ALLOC_ENABLE'])"
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "THP_MEM_ALLOC_ENABLE": "0"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_results_do_not_depend_on_the_thread_count(dtype):
     """Each matrix is cut into row blocks by its shape alone and the blocks are added in order, so
