@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from moed.errors import ModelFormatError, quoted
+from moed.weights.direct_io import writable_view
 from moed.weights.file_checks import require_regular_file
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors itself refuses headers above 100 MB
@@ -81,7 +82,8 @@ class SafetensorsFiles:
     def get(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """The tensor, read now into memory of its own (as ``dtype``; None keeps the stored dtype)."""
         entry = self._entry(name)
-        buf = bytearray(entry.size)
+        raw = torch.empty(entry.size, dtype=torch.uint8)  # torch's allocator: huge pages (see gguf_file.py)
+        buf = writable_view(raw)
         try:
             with open(entry.file, "rb", buffering=0) as f:
                 got = os.preadv(f.fileno(), [buf], entry.offset) if entry.size else 0
@@ -90,7 +92,7 @@ class SafetensorsFiles:
         if got != entry.size:
             raise ModelFormatError(f"{entry.file}: tensor {quoted(name)} is cut short ({got} of {entry.size} bytes); {CORRUPT}")
         if entry.size:
-            tensor = torch.frombuffer(buf, dtype=entry.dtype).reshape(entry.shape)
+            tensor = raw.view(entry.dtype).reshape(entry.shape)
         else:
             tensor = torch.empty(entry.shape, dtype=entry.dtype)
         if dtype is not None and tensor.dtype != dtype:
