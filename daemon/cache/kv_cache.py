@@ -23,6 +23,10 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for entries in self.layers for t in entries.values())
 
+    def entry(self, layer: int, name: str) -> torch.Tensor:
+        """The whole ``[slots, max_len, ...]`` store of one entry (kernels that write and read in place)."""
+        return self.layers[layer][name]
+
     def write(self, layer: int, name: str, values: torch.Tensor, slots: list[int], starts: list[int],
               lengths: list[int]) -> None:
         """values [B, T, ...]: store the first ``lengths[b]`` tokens of row b at ``starts[b]`` of its slot."""

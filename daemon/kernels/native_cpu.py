@@ -6,6 +6,7 @@ path) loaded with ctypes; it owns one persistent thread pool. Three entry points
 - ``moe(bank, x, flat_ids, weights)``: every routed expert of one MoE layer in one call (gate_up,
   activation, down, the weighted sum in ascending slot order), reading the bank by flat id;
 - ``dense_bf16(x, weight)``: ``x @ weight.T`` for bf16 ``nn.Linear`` weights (attention, lm_head);
+  ``dense_bf16_many(x, weights)`` does several that share ``x`` (q, k, v) in one call;
 - ``strip(...)``: one strip kernel with a chosen ISA, for the tests against the torch twins
   (moed.kernels.native_cpu_reference).
 
@@ -28,11 +29,12 @@ import torch
 
 from moed.kernels.cpu_threads import cpu_threads
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 ISA_NAMES = ("scalar", "avx2", "avx512")
 DTYPE_CODES = {"fp32": 0, "bf16": 1, "int4": 2, "q8": 3, "mxfp4": 4}
 ACT_CODES = {"silu": 0, "gpt_oss": 1}
 SPIN_NS = int(float(os.environ.get("MOED_SPIN_US", "30")) * 1000)  # idle threads spin this long, then sleep
+MAX_DENSE = 8  # weights per dense_bf16_many call (MOED_DENSE_MAX in moe.c)
 MAX_TOKENS = 16  # the native MoE path serves decode and small batches; more tokens go to torch GEMMs
 
 
@@ -81,6 +83,18 @@ class BankDescriptor:
     num_slots: int
 
 
+class _AttnDecode(ctypes.Structure):  # moed_attn_decode_args (native/cpu/attn_decode.h)
+    _fields_ = [("B", ctypes.c_int32), ("H", ctypes.c_int32), ("Hk", ctypes.c_int32), ("Dh", ctypes.c_int32),
+                ("Dv", ctypes.c_int32), ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("rot_dim", ctypes.c_int32), ("interleaved", ctypes.c_int32),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("max_len", ctypes.c_int64),
+                ("slot", ctypes.c_void_p), ("start", ctypes.c_void_p), ("pos", ctypes.c_void_p),
+                ("length", ctypes.c_void_p), ("num_keys", ctypes.c_int64), ("window", ctypes.c_int64),
+                ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p), ("out", ctypes.c_void_p)]
+
+
 class NativeCpu:
     """The loaded library and its thread pool. Calls are serialised (one pool, one job at a time)."""
 
@@ -105,10 +119,14 @@ class NativeCpu:
         lib.moed_cpu_strip.restype = c_int
         lib.moed_cpu_dense_bf16.argtypes = [vp, vp, c_i64, c_i64, vp, c_int, vp]
         lib.moed_cpu_dense_bf16.restype = c_int
+        lib.moed_cpu_dense_bf16_many.argtypes = [vp, c_int, vp, vp, c_i64, vp, c_int, vp]
+        lib.moed_cpu_dense_bf16_many.restype = c_int
         lib.moed_cpu_moe.argtypes = [vp, ctypes.POINTER(_Bank), vp, c_int, c_int, vp, vp, vp, vp]
         lib.moed_cpu_moe.restype = c_int
         lib.moed_cpu_matmul.argtypes = [vp, c_int, ctypes.POINTER(_Matrix), vp, c_int, vp]
         lib.moed_cpu_matmul.restype = c_int
+        lib.moed_cpu_attn_decode.argtypes = [vp, ctypes.POINTER(_AttnDecode)]
+        lib.moed_cpu_attn_decode.restype = c_int
         self.detected_isa = ISA_NAMES[lib.moed_cpu_detected_isa()]
         if isa is not None and isa not in ISA_NAMES:
             raise ValueError(f"MOED_NATIVE_ISA={isa!r} is not one of {', '.join(ISA_NAMES)}")
@@ -144,18 +162,69 @@ class NativeCpu:
     # ------------------------------------------------------------------ dense
     def dense_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x [T, K]`` float32 @ ``weight [N, K]`` bf16 ``.T`` -> ``[T, N]`` float32 (fp32 accumulation)."""
+        return self.dense_bf16_many(x, (weight,))[0]
+
+    def dense_bf16_many(self, x: torch.Tensor, weights: "tuple[torch.Tensor, ...] | list[torch.Tensor]"
+                        ) -> list[torch.Tensor]:
+        """``[x @ w.T for w in weights]`` in one call (x prepared once, the rows of all the weights
+        shared out over the threads): bit for bit what separate ``dense_bf16`` calls give."""
         x = _f32_rows(x, "x")
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous() \
-                or weight.shape[1] != x.shape[1]:
-            raise ValueError(f"weight must be contiguous bf16 [N, {x.shape[1]}], got {weight.dtype} {tuple(weight.shape)}")
-        n, k = weight.shape
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        count = len(weights)
+        if not 1 <= count <= MAX_DENSE:
+            raise ValueError(f"dense_bf16_many takes 1 to {MAX_DENSE} weights, got {count}")
+        for weight in weights:
+            if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous() \
+                    or weight.shape[1] != x.shape[1] or weight.device.type != "cpu":
+                raise ValueError(f"weight must be contiguous bf16 [N, {x.shape[1]}] in host memory, "
+                                 f"got {weight.dtype} {tuple(weight.shape)}")
+        ys = [torch.empty(x.shape[0], w.shape[0], dtype=torch.float32) for w in weights]
+        ptrs = (ctypes.c_void_p * count)(*(w.data_ptr() for w in weights))
+        rows = (ctypes.c_int64 * count)(*(w.shape[0] for w in weights))
+        outs = (ctypes.c_void_p * count)(*(y.data_ptr() for y in ys))
         with self._lock:
-            rc = self._lib.moed_cpu_dense_bf16(self._pool, weight.data_ptr(), n, k, x.data_ptr(), x.shape[0],
-                                               y.data_ptr())
+            rc = self._lib.moed_cpu_dense_bf16_many(self._pool, count, ptrs, rows, x.shape[1], x.data_ptr(),
+                                                    x.shape[0], outs)
         if rc != 0:
-            raise ValueError(f"moed_cpu_dense_bf16 refused its arguments (rc {rc})")
-        return y
+            raise ValueError(f"moed_cpu_dense_bf16_many refused its arguments (rc {rc})")
+        return ys
+
+    # ------------------------------------------------------------------ decode attention
+    def attn_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, rot_dim: int,
+                    interleaved: bool, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slots: list[int], starts: list[int], positions: list[int],
+                    lengths: list[int], num_keys: int, window: int | None, scale: float,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+        """One new token per row: q [B, H*Dh], k [B, Hk*Dh], v [B, Hk*Dv] float32 -> attention output
+        [B, H*Dv] (the input of o_proj), storing the normalised, rotated k and v in the caches
+        [slots, max_len, Hk, Dh|Dv] (float32) at ``starts``. See native/cpu/attn_decode.h."""
+        rows = q.shape[0]
+        dh, dv = q.shape[1] // num_heads, v.shape[1] // num_kv_heads
+        f32 = [q, k, v, cos, sin, k_cache, v_cache] + [t for t in (q_norm, k_norm, sinks) if t is not None]
+        if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in f32):
+            raise ValueError("attn_decode: tensors must be contiguous float32 in host memory")
+        slots_max = k_cache.shape[0]
+        if (q.shape != (rows, num_heads * dh) or k.shape != (rows, num_kv_heads * dh)
+                or v.shape != (rows, num_kv_heads * dv) or k_cache.shape[2:] != (num_kv_heads, dh)
+                or v_cache.shape[:3] != k_cache.shape[:3] or v_cache.shape[3] != dv
+                or any(not 0 <= s < slots_max for s in slots) or len(slots) != rows
+                or cos.shape != (rows, rot_dim // 2) or sin.shape != cos.shape
+                or (q_norm is not None and q_norm.shape != (dh,)) or (k_norm is not None and k_norm.shape != (dh,))
+                or (sinks is not None and sinks.shape != (num_heads,))):
+            raise ValueError("attn_decode: inconsistent shapes")
+        out = torch.empty(rows, num_heads * dv, dtype=torch.float32)
+        ints = torch.tensor([slots, starts, positions], dtype=torch.int64)
+        lens = torch.tensor(lengths, dtype=torch.int32)
+        args = _AttnDecode(rows, num_heads, num_kv_heads, dh, dv, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                           _ptr(q_norm), _ptr(k_norm), eps, rot_dim, int(interleaved), cos.data_ptr(),
+                           sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+                           ints[0].data_ptr(), ints[1].data_ptr(), ints[2].data_ptr(), lens.data_ptr(),
+                           num_keys, window or 0, scale, _ptr(sinks), out.data_ptr())
+        with self._lock:
+            rc = self._lib.moed_cpu_attn_decode(self._pool, ctypes.byref(args))
+        if rc != 0:
+            raise ValueError(f"moed_cpu_attn_decode refused its arguments (rc {rc})")
+        return out
 
     # ------------------------------------------------------------------ one matrix in a bank format
     def matmul(self, dtype: str, arrays: tuple[torch.Tensor, ...], k: int, n: int, x: torch.Tensor) -> torch.Tensor:

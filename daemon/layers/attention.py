@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from moed.cache.kv_cache import KVCache
+from moed.kernels.native_cpu import native
 from moed.layers.layer_config import AttentionConfig
-from moed.layers.linear import linear
+from moed.layers.linear import linear, linear_many
 from moed.layers.norms import rms_norm
 from moed.layers.rotary import RotaryEmbedding
 from moed.runner.forward_batch import ForwardBatch
@@ -52,6 +53,7 @@ class MhaAttention:
         self.bq, self.bk, self.bv, self.bo = (get(f"{p}_proj.bias") for p in "qkvo")
         self.q_norm, self.k_norm = get("q_norm.weight"), get("k_norm.weight")
         self.sinks = get("sinks")
+        self._native_f32: tuple | None = None  # q_norm, k_norm, sinks as float32 for the native kernel
 
     @staticmethod
     def cache_entries_for(cfg: AttentionConfig) -> dict[str, tuple[int, ...]]:
@@ -65,11 +67,15 @@ class MhaAttention:
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         cfg = self.cfg
         bsz, steps, _ = x.shape
-        q, k, v = linear(x, self.wq, self.bq), linear(x, self.wk, self.bk), linear(x, self.wv, self.bv)
+        q, k, v = linear_many(x, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
         if cfg.qk_norm == "full":  # OLMoE normalises the whole projection
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        if steps == 1:
+            out = self._native_decode(q, k, v, batch, cache, cos_sin)
+            if out is not None:
+                return linear(out.view(bsz, 1, -1), self.wo, self.bo)
         q = q.view(bsz, steps, cfg.num_heads, cfg.head_dim)
         k = k.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim)
@@ -83,6 +89,33 @@ class MhaAttention:
         values = cache.read(self.layer, "v", batch.slots, batch.num_keys).transpose(1, 2)
         out = attend(q, keys, values, batch.attention_mask(self.window), cfg.scaling, self.sinks)
         return linear(out, self.wo, self.bo)
+
+    def _native_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                       cache: KVCache, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+        """One new token per row on the CPU: norms, rotary, cache write and attention in one native call
+        (native/cpu/attn_decode.c; the torch code below is its reference). None when it does not apply."""
+        lib = native()
+        if lib is None or q.device.type != "cpu":
+            return None
+        k_store, v_store = cache.entry(self.layer, "k"), cache.entry(self.layer, "v")
+        if k_store.dtype != torch.float32 or v_store.dtype != torch.float32:
+            return None
+        if self._native_f32 is None:
+            f32 = lambda t: None if t is None else t.detach().float().contiguous()  # noqa: E731
+            per_head = self.cfg.qk_norm == "per_head"
+            self._native_f32 = (f32(self.q_norm) if per_head else None, f32(self.k_norm) if per_head else None,
+                                f32(self.sinks))
+        q_norm, k_norm, sinks = self._native_f32
+        cos, sin = (t[:, 0].float().contiguous() for t in cos_sin)
+        rows = q.shape[0]
+        return lib.attn_decode(
+            q.reshape(rows, -1).float().contiguous(), k.reshape(rows, -1).float().contiguous(),
+            v.reshape(rows, -1).float().contiguous(), num_heads=self.cfg.num_heads,
+            num_kv_heads=self.cfg.num_kv_heads, q_norm=q_norm, k_norm=k_norm, eps=self.eps,
+            rot_dim=self.rotary.dim, interleaved=self.rotary.interleaved, cos=cos, sin=sin, k_cache=k_store,
+            v_cache=v_store, slots=batch.slots, starts=batch.starts, positions=batch.positions[:, 0].tolist(),
+            lengths=batch.lengths, num_keys=batch.num_keys, window=self.window, scale=self.cfg.scaling,
+            sinks=sinks)
 
     def _rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         dim = self.rotary.dim

@@ -2,7 +2,8 @@
 
 With float32 weights it is plain F.linear. With bf16 weights in host memory and a few rows (decode,
 small batches) it is the native bf16 GEMV (moed.kernels.native_cpu: float32 activations, bf16
-weights widened exactly, fp32 accumulation, near the memory bandwidth). Otherwise, with bf16/fp16
+weights widened exactly, fp32 accumulation, near the memory bandwidth; ``linear_many`` runs several
+weights that share x, an attention layer's q/k/v, in one native call). Otherwise, with bf16/fp16
 weights, the activations are rounded to the weights' dtype and multiplied there (oneDNN/cuBLAS
 accumulate in float32) and the result comes back as float32: what llama.cpp does for bf16 weights,
 at half the bytes per weight of float32. The bias, if any, is added in float32.
@@ -40,6 +41,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         out = F.linear(x.to(weight.dtype), weight).float()
     return out if bias is None else out + bias.float()
+
+
+def linear_many(x: torch.Tensor, weights: tuple, biases: tuple) -> list[torch.Tensor]:
+    """``[linear(x, w, b) for w, b in zip(weights, biases)]``; bf16 weights at decode go to the native
+    kernel in one call (an attention layer's q, k and v: x prepared once, one dispatch), same bits."""
+    rows = _native_rows(x, weights[0])
+    if rows and all(_native_rows(x, w) for w in weights[1:]):
+        flat = x.reshape(rows, x.shape[-1]).float()
+        outs = native().dense_bf16_many(flat, weights)
+        return [out.view(*x.shape[:-1], w.shape[0]) if b is None else out.view(*x.shape[:-1], w.shape[0]) + b.float()
+                for out, w, b in zip(outs, weights, biases)]
+    return [linear(x, w, b) for w, b in zip(weights, biases)]
 
 
 def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

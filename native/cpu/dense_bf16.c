@@ -1,5 +1,7 @@
 /* dense bf16 kernels (see moed_cpu.h): W bf16 bits [rows][K] row-major, x float [T][K],
- * y[t*ldy + r] = dot(W[r, :], x[t, :]) for r in [r0, r1); any K.
+ * y[t*ldy + r] = dot(W[r, :], x[t, :]) for r in [r0, r1); any K. The caller prepares x once per
+ * call (moed_dense_prepare: the ISA's split layout, shared by every task and every matrix of a
+ * fused q/k/v call) so a task only streams its rows.
  *
  * Vectorised along K: a block of R rows x TB tokens of accumulators, each row read once from
  * memory per token block (the later token blocks of a row block find it in L1/L2). bf16 -> fp32
@@ -17,12 +19,12 @@
 #define MOED_DENSE_PF 1 /* prefetch the next row block at the same k while computing this one */
 #endif
 
-void moed_dense_bf16_scalar(const uint16_t *W, const float *x, int T, int64_t K, int64_t r0, int64_t r1,
-                            float *y, int64_t ldy) {
+void moed_dense_bf16_scalar(const uint16_t *W, const float *x, int64_t Kp, int T, int64_t K, int64_t r0,
+                            int64_t r1, float *y, int64_t ldy) {
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *wr = W + r * K;
         for (int t = 0; t < T; t++) {
-            const float *xt = x + (int64_t)t * K;
+            const float *xt = x + (int64_t)t * Kp;
             float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
             int64_t k = 0;
             for (; k + 4 <= K; k += 4) {
@@ -37,30 +39,43 @@ void moed_dense_bf16_scalar(const uint16_t *W, const float *x, int T, int64_t K,
     }
 }
 
+/* chunk of k of the split layout per ISA (scalar: x as it is) */
+static int64_t dense_chunk(int isa) { return isa == MOED_ISA_AVX512 ? 32 : isa == MOED_ISA_AVX2 ? 16 : 1; }
+
+int64_t moed_dense_row_length(int isa, int64_t K) {
+    const int64_t C = dense_chunk(isa);
+    return (K + C - 1) / C * C;
+}
+
+/* x [T][K] -> xs [T][Kp] (Kp = moed_dense_row_length): per chunk of C k, the C/2 even k then the
+ * C/2 odd k, zeros past K; the SIMD paths then load them straight. */
+void moed_dense_prepare(int isa, const float *x, int T, int64_t K, float *xs) {
+    const int64_t C = dense_chunk(isa), Kp = moed_dense_row_length(isa, K), H = C / 2;
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (int64_t)t * K;
+        float *o = xs + (int64_t)t * Kp;
+        if (C == 1) {
+            memcpy(o, xt, sizeof(float) * (size_t)K);
+            continue;
+        }
+        int64_t c = 0;
+        for (; c + C <= K; c += C)
+            for (int64_t i = 0; i < H; i++) {
+                o[c + i] = xt[c + 2 * i];
+                o[c + H + i] = xt[c + 2 * i + 1];
+            }
+        for (; c < Kp; c += C)
+            for (int64_t i = 0; i < C; i++) {
+                const int64_t k = c + (i < H ? 2 * i : 2 * (i - H) + 1);
+                o[c + i] = k < K ? xt[k] : 0.0f;
+            }
+    }
+}
+
 #if MOED_X86
 #include <immintrin.h>
 
 #define MOED_INLINE static inline __attribute__((always_inline))
-
-/* x [T][K] -> xs [T][Kp] (Kp = K rounded up to a multiple of C): per chunk of C k, the C/2 even k
- * then the C/2 odd k, zeros past K; the SIMD paths then load them straight. */
-static float *dense_split_x(const float *x, int T, int64_t K, int C, int64_t *Kp_out) {
-    const int64_t Kp = (K + C - 1) / C * C;
-    float *xs = (float *)malloc((size_t)T * (size_t)Kp * sizeof(float) + 64);
-    if (!xs) return NULL;
-    for (int t = 0; t < T; t++) {
-        const float *xt = x + (int64_t)t * K;
-        float *o = xs + (int64_t)t * Kp;
-        for (int64_t c = 0; c < Kp; c += C)
-            for (int i = 0; i < C; i++) {
-                const int64_t k = c + (i < C / 2 ? 2 * i : 2 * (i - C / 2) + 1);
-                o[c + i] = k < K ? xt[k] : 0.0f;
-            }
-    }
-    *Kp_out = Kp;
-    return xs;
-}
-
 
 /* ------------------------------------------------------------------------------------------ AVX2 */
 #pragma GCC push_options
@@ -126,14 +141,8 @@ MOED_INLINE void dense_blk_avx2(const uint16_t *w, const float *xs, int64_t K, i
             y[t * ldy + r] = dense_hsum_avx2(TB == 1 ? _mm256_add_ps(acc[r][0], acc2[r]) : acc[r][t]);
 }
 
-void moed_dense_bf16_avx2(const uint16_t *W, const float *x, int T, int64_t K, int64_t r0, int64_t r1,
-                          float *y, int64_t ldy) {
-    int64_t Kp;
-    float *xs = dense_split_x(x, T, K, 16, &Kp);
-    if (!xs) {
-        moed_dense_bf16_scalar(W, x, T, K, r0, r1, y, ldy);
-        return;
-    }
+void moed_dense_bf16_avx2(const uint16_t *W, const float *xs, int64_t Kp, int T, int64_t K, int64_t r0,
+                          int64_t r1, float *y, int64_t ldy) {
     int64_t r = r0;
     for (; r < r1; r += 4) {
         const int full = r + 4 <= r1;
@@ -154,7 +163,6 @@ void moed_dense_bf16_avx2(const uint16_t *W, const float *x, int T, int64_t K, i
                     dense_blk_avx2(W + q * K, xs + t * Kp, K, Kp, y + (int64_t)t * ldy + q, ldy, 1, 1);
         }
     }
-    free(xs);
 }
 
 #pragma GCC pop_options
@@ -226,31 +234,24 @@ MOED_INLINE void dense_blk_avx512(const uint16_t *w, const float *xs, int64_t K,
         }                                                                                          \
     } while (0)
 
-void moed_dense_bf16_avx512(const uint16_t *W, const float *x, int T, int64_t K, int64_t r0, int64_t r1,
-                            float *y, int64_t ldy) {
-    int64_t Kp;
-    float *xs = dense_split_x(x, T, K, 32, &Kp);
-    if (!xs) {
-        moed_dense_bf16_scalar(W, x, T, K, r0, r1, y, ldy);
-        return;
-    }
+void moed_dense_bf16_avx512(const uint16_t *W, const float *xs, int64_t Kp, int T, int64_t K, int64_t r0,
+                            int64_t r1, float *y, int64_t ldy) {
     int64_t r = r0;
     for (; r + 4 <= r1; r += 4) DENSE_AVX512_TOKENS(4, W + r * K, y + r);
     for (; r < r1; r++) DENSE_AVX512_TOKENS(1, W + r * K, y + r);
-    free(xs);
 }
 
 #pragma GCC pop_options
 
 #else /* not x86: the SIMD names run the portable code */
 
-void moed_dense_bf16_avx2(const uint16_t *W, const float *x, int T, int64_t K, int64_t r0, int64_t r1,
-                          float *y, int64_t ldy) {
-    moed_dense_bf16_scalar(W, x, T, K, r0, r1, y, ldy);
+void moed_dense_bf16_avx2(const uint16_t *W, const float *x, int64_t Kp, int T, int64_t K, int64_t r0,
+                          int64_t r1, float *y, int64_t ldy) {
+    moed_dense_bf16_scalar(W, x, Kp, T, K, r0, r1, y, ldy);
 }
-void moed_dense_bf16_avx512(const uint16_t *W, const float *x, int T, int64_t K, int64_t r0, int64_t r1,
-                            float *y, int64_t ldy) {
-    moed_dense_bf16_scalar(W, x, T, K, r0, r1, y, ldy);
+void moed_dense_bf16_avx512(const uint16_t *W, const float *x, int64_t Kp, int T, int64_t K, int64_t r0,
+                            int64_t r1, float *y, int64_t ldy) {
+    moed_dense_bf16_scalar(W, x, Kp, T, K, r0, r1, y, ldy);
 }
 
 #endif

@@ -65,7 +65,7 @@ static int quantised(int dtype) { return dtype == MOED_INT4 || dtype == MOED_Q8 
 void *moed_cpu_create(int nthreads, int64_t spin_ns) { return moed_pool_create(nthreads, spin_ns); }
 void moed_cpu_destroy(void *h) { moed_pool_destroy((moed_pool *)h); }
 int moed_cpu_threads(void *h) { return moed_pool_threads((moed_pool *)h); }
-int moed_cpu_abi_version(void) { return 1; }
+int moed_cpu_abi_version(void) { return 2; }
 
 /* ------------------------------------------------------------------------------ one strip */
 /* for the tests: one strip of one matrix, with a chosen ISA; returns 0, or -1 on bad arguments */
@@ -92,29 +92,58 @@ int moed_cpu_strip(int dtype, int isa, const moed_matrix *w, const float *x, int
 }
 
 /* ------------------------------------------------------------------------------ dense bf16 */
+/* Several matrices that share their input (an attention layer's q, k and v) in one call: the
+ * rows of all of them are cut into tasks of about the same size, x is prepared once. Each output
+ * is one task's dot product, so the result does not depend on how the rows were cut. */
+#define MOED_DENSE_MAX 8
 typedef struct {
-    const uint16_t *W; const float *x; int T; int64_t K, N, rows_per_task; float *y; moed_dense_fn fn;
+    int count;
+    const uint16_t *W[MOED_DENSE_MAX]; int64_t N[MOED_DENSE_MAX]; float *y[MOED_DENSE_MAX];
+    int64_t first_task[MOED_DENSE_MAX + 1];  /* tasks of matrix m: [first_task[m], first_task[m+1]) */
+    const float *xs; int64_t Kp; int T; int64_t K, rows_per_task; moed_dense_fn fn;
 } dense_job;
 
 static void dense_task(void *ctx, int64_t task, int thread) {
     (void)thread;
     dense_job *j = (dense_job *)ctx;
-    int64_t r0 = task * j->rows_per_task, r1 = r0 + j->rows_per_task;
-    if (r1 > j->N) r1 = j->N;
-    j->fn(j->W, j->x, j->T, j->K, r0, r1, j->y, j->N);
+    int m = 0;
+    while (task >= j->first_task[m + 1]) m++;
+    int64_t r0 = (task - j->first_task[m]) * j->rows_per_task, r1 = r0 + j->rows_per_task;
+    if (r1 > j->N[m]) r1 = j->N[m];
+    j->fn(j->W[m], j->xs, j->Kp, j->T, j->K, r0, r1, j->y[m], j->N[m]);
 }
 
 static int64_t tasks_for(moed_pool *p) { return 12 * (int64_t)moed_pool_threads(p); }
 
-/* y[T][N] = x[T][K] @ W[N][K]^T, W bf16 bits row-major (torch's Linear weight) */
-int moed_cpu_dense_bf16(void *h, const uint16_t *W, int64_t N, int64_t K, const float *x, int T, float *y) {
-    if (!h || N < 1 || K < 1 || T < 1) return -1;
+/* y_m[T][N_m] = x[T][K] @ W_m[N_m][K]^T for m < count, W_m bf16 bits row-major (torch's Linear weight) */
+int moed_cpu_dense_bf16_many(void *h, int count, const uint16_t *const *W, const int64_t *N, int64_t K,
+                             const float *x, int T, float *const *y) {
+    if (!h || count < 1 || count > MOED_DENSE_MAX || K < 1 || T < 1) return -1;
     moed_pool *p = (moed_pool *)h;
-    int64_t per = (N + tasks_for(p) - 1) / tasks_for(p);
+    dense_job j;
+    j.count = count;
+    int64_t rows = 0;
+    for (int m = 0; m < count; m++) {
+        if (!W[m] || !y[m] || N[m] < 1) return -1;
+        j.W[m] = W[m]; j.N[m] = N[m]; j.y[m] = y[m];
+        rows += N[m];
+    }
+    int64_t per = (rows + tasks_for(p) - 1) / tasks_for(p);
     if (per < 16) per = 16;
-    dense_job j = {W, x, T, K, N, per, y, dense_table[moed_cpu_isa()]};
-    moed_pool_run(p, dense_task, &j, (N + per - 1) / per);
+    j.first_task[0] = 0;
+    for (int m = 0; m < count; m++) j.first_task[m + 1] = j.first_task[m] + (N[m] + per - 1) / per;
+    const int isa = moed_cpu_isa();
+    j.Kp = moed_dense_row_length(isa, K);
+    float *xs = (float *)moed_pool_scratch(p, sizeof(float) * (size_t)(T * j.Kp) + 64);
+    if (!xs) return -2;
+    moed_dense_prepare(isa, x, T, K, xs);
+    j.xs = xs; j.T = T; j.K = K; j.rows_per_task = per; j.fn = dense_table[isa];
+    moed_pool_run(p, dense_task, &j, j.first_task[count]);
     return 0;
+}
+
+int moed_cpu_dense_bf16(void *h, const uint16_t *W, int64_t N, int64_t K, const float *x, int T, float *y) {
+    return moed_cpu_dense_bf16_many(h, 1, &W, &N, K, x, T, &y);
 }
 
 /* ------------------------------------------------------------------------------ MoE layer */

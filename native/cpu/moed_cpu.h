@@ -63,10 +63,13 @@ typedef struct {
 typedef void (*moed_strip_fn)(const moed_matrix *w, const moed_act *a, int64_t j0, int64_t j1,
                               float *lo, float *hi, int64_t ld);
 
-/* dense row-major weights (attention, lm_head, router): y[t*ldy + r] = sum_k x[t*K + k] * W[r*K + k]
- * for rows r in [r0, r1); W is bf16 bits [rows][K], x float [T][K]; any K. */
-typedef void (*moed_dense_fn)(const uint16_t *W, const float *x, int T, int64_t K, int64_t r0, int64_t r1,
-                              float *y, int64_t ldy);
+/* dense row-major weights (attention, lm_head, router): y[t*ldy + r] = sum_k x[t][k] * W[r*K + k]
+ * for rows r in [r0, r1); W is bf16 bits [rows][K]; any K. xs is x prepared by moed_dense_prepare
+ * for the same ISA, rows of Kp = moed_dense_row_length(isa, K) floats. */
+typedef void (*moed_dense_fn)(const uint16_t *W, const float *xs, int64_t Kp, int T, int64_t K, int64_t r0,
+                              int64_t r1, float *y, int64_t ldy);
+int64_t moed_dense_row_length(int isa, int64_t K);
+void moed_dense_prepare(int isa, const float *x, int T, int64_t K, float *xs);
 
 /* One function per (dtype, isa); the scalar ones are the portable path and always exist. A
  * file compiled without SIMD support (non-x86) defines the avx2/avx512 names as NULL-returning
@@ -86,9 +89,9 @@ void moed_strip_q8_avx512(const moed_matrix *, const moed_act *, int64_t, int64_
 void moed_strip_mxfp4_scalar(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
 void moed_strip_mxfp4_avx2(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
 void moed_strip_mxfp4_avx512(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
-void moed_dense_bf16_scalar(const uint16_t *, const float *, int, int64_t, int64_t, int64_t, float *, int64_t);
-void moed_dense_bf16_avx2(const uint16_t *, const float *, int, int64_t, int64_t, int64_t, float *, int64_t);
-void moed_dense_bf16_avx512(const uint16_t *, const float *, int, int64_t, int64_t, int64_t, float *, int64_t);
+void moed_dense_bf16_scalar(const uint16_t *, const float *, int64_t, int, int64_t, int64_t, int64_t, float *, int64_t);
+void moed_dense_bf16_avx2(const uint16_t *, const float *, int64_t, int, int64_t, int64_t, int64_t, float *, int64_t);
+void moed_dense_bf16_avx512(const uint16_t *, const float *, int64_t, int, int64_t, int64_t, int64_t, float *, int64_t);
 
 /* int8 activations of T rows (see above); K % 32 == 0 */
 void moed_quantize_act(const float *x, int T, int64_t K, int8_t *xq, float *xs, float *xsum);

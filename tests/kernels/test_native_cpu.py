@@ -166,6 +166,24 @@ def test_dense_bf16_matches_float64(shape, isa):
         _check(got, want, x.double().abs() @ w.double().abs().T, f"dense {n}x{k} T={t} {isa}")
 
 
+@pytest.mark.parametrize("k", [33, 2048])
+def test_dense_bf16_many_is_separate_calls_bit_for_bit(k, isa):
+    """q, k and v in one call: x prepared once, rows of all three shared out; same bits as one by one."""
+    gen = torch.Generator().manual_seed(k)
+    weights = [torch.randn(n, k, generator=gen).bfloat16() for n in (300, 17, 40)]
+    for t in (1, 3):
+        x = torch.randn(t, k, generator=gen)
+        many = LIB.dense_bf16_many(x, weights)
+        assert [tuple(y.shape) for y in many] == [(t, 300), (t, 17), (t, 40)]
+        for got, w in zip(many, weights):
+            assert torch.equal(got, LIB.dense_bf16(x, w))
+            _check(got, x.double() @ w.double().T, x.double().abs() @ w.double().abs().T, f"many {k} T={t} {isa}")
+    with pytest.raises(ValueError, match="1 to 8"):
+        LIB.dense_bf16_many(x, [])
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        LIB.dense_bf16_many(x, [weights[0], weights[1].float()])
+
+
 def _bank(dtype: str, kind: str, bias: bool, d: int = 96, inter: int = 160, layers: int = 2, experts: int = 6):
     gen = torch.Generator().manual_seed(11)
     n = layers * experts

@@ -1,0 +1,117 @@
+/* Decode attention over the persistent pool: tasks (row, key/value head), one per ISA variant of
+ * the same source (attn_decode_body.h with 4, 8 or 16 floats per vector). The contract is
+ * moed.layers.attention's torch path for one new token per row (tests/kernels/test_attn_decode.py
+ * compares them): per-head RMSNorm of q and k, rotary on the first R dims, the new k (rotated)
+ * and v stored at the row's cache index, softmax(scale q.k) over keys j < num_keys with j <= pos
+ * (and j > pos - window), an optional sink logit per head, the weighted sum of the values. */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <string.h>
+
+#include "attn_decode.h"
+#include "moed_cpu.h"
+#include "moed_pool.h"
+
+int64_t moed_attn_work_floats(const moed_attn_decode_args *a) {
+    const int64_t G = a->H / a->Hk;
+    return G * a->Dh + 2 * (int64_t)a->Dh + G * a->Dv + G * (a->num_keys > 0 ? a->num_keys : 1) + 16;
+}
+
+#define VW 4
+#define ATTN_HSUM(s) (((s)[0] + (s)[2]) + ((s)[1] + (s)[3]))
+#define ATTN_VEC attn_vec_scalar
+#define ATTN_LOAD attn_load_scalar
+#define ATTN_PREP attn_prep_scalar
+#define ATTN_TASK moed_attn_task_scalar
+#include "attn_decode_body.h"
+#undef VW
+#undef ATTN_HSUM
+#undef ATTN_VEC
+#undef ATTN_LOAD
+#undef ATTN_PREP
+#undef ATTN_TASK
+
+#if MOED_X86
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+static inline __attribute__((always_inline)) float attn_hsum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define VW 8
+#define ATTN_HSUM(s) attn_hsum_avx2((__m256)(s))
+#define ATTN_VEC attn_vec_avx2
+#define ATTN_LOAD attn_load_avx2
+#define ATTN_PREP attn_prep_avx2
+#define ATTN_TASK moed_attn_task_avx2
+#include "attn_decode_body.h"
+#undef VW
+#undef ATTN_HSUM
+#undef ATTN_VEC
+#undef ATTN_LOAD
+#undef ATTN_PREP
+#undef ATTN_TASK
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx2,fma")
+#define VW 16
+#define ATTN_HSUM(s) _mm512_reduce_add_ps((__m512)(s))
+#define ATTN_VEC attn_vec_avx512
+#define ATTN_LOAD attn_load_avx512
+#define ATTN_PREP attn_prep_avx512
+#define ATTN_TASK moed_attn_task_avx512
+#include "attn_decode_body.h"
+#undef VW
+#undef ATTN_HSUM
+#undef ATTN_VEC
+#undef ATTN_LOAD
+#undef ATTN_PREP
+#undef ATTN_TASK
+#pragma GCC pop_options
+#else
+void moed_attn_task_avx2(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work) {
+    moed_attn_task_scalar(a, b, g, work);
+}
+void moed_attn_task_avx512(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work) {
+    moed_attn_task_scalar(a, b, g, work);
+}
+#endif
+
+int moed_cpu_isa(void);
+static const moed_attn_task_fn attn_table[3] = {moed_attn_task_scalar, moed_attn_task_avx2, moed_attn_task_avx512};
+
+typedef struct {
+    const moed_attn_decode_args *a;
+    moed_attn_task_fn fn;
+    float *work;
+    int64_t per_thread;
+} attn_job;
+
+static void attn_task(void *ctx, int64_t task, int thread) {
+    attn_job *j = (attn_job *)ctx;
+    j->fn(j->a, task / j->a->Hk, task % j->a->Hk, j->work + (int64_t)thread * j->per_thread);
+}
+
+int moed_cpu_attn_decode(void *h, const moed_attn_decode_args *a) {
+    if (!h || !a || a->B < 1 || a->H < 1 || a->Hk < 1 || a->H % a->Hk || a->Dh < 1 || a->Dv < 1 ||
+        a->rot_dim < 0 || a->rot_dim > a->Dh || a->rot_dim % 2 || a->max_len < 1 || a->num_keys < 0 ||
+        a->num_keys > a->max_len || !a->q || !a->k || !a->v || !a->k_cache || !a->v_cache || !a->out ||
+        !a->slot || !a->start || !a->pos || !a->length || (a->rot_dim && (!a->cos || !a->sin)))
+        return -1;
+    for (int b = 0; b < a->B; b++)
+        if (a->length[b] && (a->start[b] < 0 || a->start[b] >= a->max_len || a->slot[b] < 0)) return -1;
+    moed_pool *p = (moed_pool *)h;
+    attn_job j;
+    j.a = a;
+    j.fn = attn_table[moed_cpu_isa()];
+    j.per_thread = (moed_attn_work_floats(a) + 15) / 16 * 16;
+    j.work = (float *)moed_pool_scratch(p, sizeof(float) * (size_t)(j.per_thread * moed_pool_threads(p)));
+    if (!j.work) return -2;
+    moed_pool_run(p, attn_task, &j, (int64_t)a->B * a->Hk);
+    return 0;
+}

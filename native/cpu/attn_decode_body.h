@@ -1,0 +1,123 @@
+/* The decode attention task, written once with GCC vector extensions of VW floats and included by
+ * attn_decode.c under each ISA's target pragma (ATTN_TASK names the function, ATTN_HSUM sums the
+ * lanes of a vector). One task = one row
+ * b and one key/value head g: normalise and rotate k, store k and v in the cache, then for each of
+ * the H/Hk query heads of g: normalise and rotate q, scores over the visible keys, softmax (with
+ * the sink), the weighted sum of the values. Each key and value row is read once for all the
+ * query heads of its group. */
+typedef float ATTN_VEC __attribute__((vector_size(VW * 4)));
+
+static inline __attribute__((always_inline)) ATTN_VEC ATTN_LOAD(const float *p) {
+    ATTN_VEC v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* x[0..n) *= rsqrt(mean(x^2) + eps) * w, then rotate the first R dims (cos/sin of R/2) */
+static inline __attribute__((always_inline)) void ATTN_PREP(float *x, const float *src, int n, const float *w,
+                                                            float eps, int R, int inter, const float *cs,
+                                                            const float *sn, float *tmp) {
+    memcpy(x, src, sizeof(float) * (size_t)n);
+    if (w) {
+        float ss = 0.0f;
+        for (int d = 0; d < n; d++) ss += x[d] * x[d];
+        const float r = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int d = 0; d < n; d++) x[d] = w[d] * (x[d] * r);
+    }
+    if (R > 0) {
+        const int h = R / 2;
+        for (int i = 0; i < h; i++) {
+            const float x1 = inter ? x[2 * i] : x[i], x2 = inter ? x[2 * i + 1] : x[h + i];
+            tmp[i] = x1 * cs[i] - x2 * sn[i];
+            tmp[h + i] = x2 * cs[i] + x1 * sn[i];
+        }
+        memcpy(x, tmp, sizeof(float) * (size_t)R);
+    }
+}
+
+void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work) {
+    const int G = a->H / a->Hk, Dh = a->Dh, Dv = a->Dv, R = a->rot_dim;
+    float *out = a->out + b * (int64_t)a->H * Dv + g * (int64_t)G * Dv;
+    if (!a->length[b]) {
+        memset(out, 0, sizeof(float) * (size_t)G * (size_t)Dv);
+        return;
+    }
+    const int64_t L = a->num_keys;
+    float *qs = work, *kx = qs + (int64_t)G * Dh, *tmp = kx + Dh, *acc = tmp + Dh, *sc = acc + (int64_t)G * Dv;
+    const float *cs = a->cos + b * (int64_t)(R / 2), *sn = a->sin + b * (int64_t)(R / 2);
+    const int64_t kstride = (int64_t)a->Hk * Dh, vstride = (int64_t)a->Hk * Dv;
+    float *kc = a->k_cache + a->slot[b] * a->max_len * kstride + g * (int64_t)Dh;
+    float *vc = a->v_cache + a->slot[b] * a->max_len * vstride + g * (int64_t)Dv;
+    /* the new key and value into the cache */
+    ATTN_PREP(kx, a->k + b * kstride + g * (int64_t)Dh, Dh, a->k_norm, a->eps, R, a->interleaved, cs, sn, tmp);
+    memcpy(kc + a->start[b] * kstride, kx, sizeof(float) * (size_t)Dh);
+    memcpy(vc + a->start[b] * vstride, a->v + b * vstride + g * (int64_t)Dv, sizeof(float) * (size_t)Dv);
+    for (int i = 0; i < G; i++)
+        ATTN_PREP(qs + (int64_t)i * Dh, a->q + b * (int64_t)a->H * Dh + (g * (int64_t)G + i) * Dh, Dh, a->q_norm,
+                  a->eps, R, a->interleaved, cs, sn, tmp);
+    /* visible keys [j0, j1) */
+    const int64_t p = a->pos[b];
+    int64_t j0 = 0, j1 = p + 1 < L ? p + 1 : L;
+    if (a->window > 0 && p - a->window + 1 > 0) j0 = p - a->window + 1;
+    const int64_t n = j1 > j0 ? j1 - j0 : 0;
+    /* scores [G][n]: four query heads at a time share each load of k_j (four independent sums) */
+    for (int64_t j = 0; j < n; j++) {
+        const float *kj = kc + (j0 + j) * kstride;
+        int i = 0;
+        for (; i + 4 <= G; i += 4) {
+            const float *q0 = qs + (int64_t)i * Dh;
+            ATTN_VEC s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+            int d = 0;
+            for (; d + VW <= Dh; d += VW) {
+                const ATTN_VEC kv = ATTN_LOAD(kj + d);
+                s0 += ATTN_LOAD(q0 + d) * kv;
+                s1 += ATTN_LOAD(q0 + Dh + d) * kv;
+                s2 += ATTN_LOAD(q0 + 2 * Dh + d) * kv;
+                s3 += ATTN_LOAD(q0 + 3 * Dh + d) * kv;
+            }
+            float t[4] = {ATTN_HSUM(s0), ATTN_HSUM(s1), ATTN_HSUM(s2), ATTN_HSUM(s3)};
+            for (; d < Dh; d++)
+                for (int u = 0; u < 4; u++) t[u] += q0[u * Dh + d] * kj[d];
+            for (int u = 0; u < 4; u++) sc[(int64_t)(i + u) * n + j] = t[u] * a->scale;
+        }
+        for (; i < G; i++) {
+            const float *qi = qs + (int64_t)i * Dh;
+            ATTN_VEC s0 = {0};
+            int d = 0;
+            for (; d + VW <= Dh; d += VW) s0 += ATTN_LOAD(qi + d) * ATTN_LOAD(kj + d);
+            float t = ATTN_HSUM(s0);
+            for (; d < Dh; d++) t += qi[d] * kj[d];
+            sc[(int64_t)i * n + j] = t * a->scale;
+        }
+    }
+    /* softmax per query head (the sink joins the normaliser only) */
+    for (int i = 0; i < G; i++) {
+        float *si = sc + (int64_t)i * n;
+        const float sink = a->sinks ? a->sinks[g * G + i] : -INFINITY;
+        float m = sink;
+        for (int64_t j = 0; j < n; j++) m = si[j] > m ? si[j] : m;
+        float z = a->sinks ? expf(sink - m) : 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            si[j] = expf(si[j] - m);
+            z += si[j];
+        }
+        const float inv = z > 0.0f ? 1.0f / z : 0.0f;
+        for (int64_t j = 0; j < n; j++) si[j] *= inv;
+    }
+    /* out[i] = sum_j p[i][j] v[j] */
+    memset(acc, 0, sizeof(float) * (size_t)G * (size_t)Dv);
+    for (int64_t j = 0; j < n; j++) {
+        const float *vj = vc + (j0 + j) * vstride;
+        for (int i = 0; i < G; i++) {
+            float *oi = acc + (int64_t)i * Dv;
+            const float w = sc[(int64_t)i * n + j];
+            int d = 0;
+            for (; d + VW <= Dv; d += VW) {
+                ATTN_VEC o = ATTN_LOAD(oi + d) + w * ATTN_LOAD(vj + d);
+                memcpy(oi + d, &o, sizeof o);
+            }
+            for (; d < Dv; d++) oi[d] += w * vj[d];
+        }
+    }
+    memcpy(out, acc, sizeof(float) * (size_t)G * (size_t)Dv);
+}
