@@ -1,12 +1,15 @@
 """moed's native CPU kernels (native/cpu/*.c, built by `pip install`): loading, ISA choice, calls.
 
 The library is plain C (SIMD per function, chosen at run time: AVX-512, AVX2 or a portable scalar
-path) loaded with ctypes; it owns one persistent thread pool. Three entry points:
+path) loaded with ctypes; it owns one persistent thread pool. Entry points:
 
 - ``moe(bank, x, flat_ids, weights)``: every routed expert of one MoE layer in one call (gate_up,
   activation, down, the weighted sum in ascending slot order), reading the bank by flat id;
 - ``dense_bf16(x, weight)``: ``x @ weight.T`` for bf16 ``nn.Linear`` weights (attention, lm_head);
   ``dense_bf16_many(x, weights)`` does several that share ``x`` (q, k, v) in one call;
+- ``rows_many(dtype, matrices, x)``: the same for q8/int4 weights in the rows layout (a quantised
+  GGUF's attention and lm_head, kernels/rows_format.py), activations quantised to int8 once;
+- ``attn_decode(...)``: decode attention after the projections (norms, rotary, KV write, softmax);
 - ``strip(...)``: one strip kernel with a chosen ISA, for the tests against the torch twins
   (moed.kernels.native_cpu_reference).
 
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 
 from moed.kernels.cpu_threads import cpu_threads
+from moed.kernels.rows_format import rows_shapes
 
 ABI_VERSION = 2
 ISA_NAMES = ("scalar", "avx2", "avx512")
@@ -123,8 +127,8 @@ class NativeCpu:
         lib.moed_cpu_dense_bf16_many.restype = c_int
         lib.moed_cpu_moe.argtypes = [vp, ctypes.POINTER(_Bank), vp, c_int, c_int, vp, vp, vp, vp]
         lib.moed_cpu_moe.restype = c_int
-        lib.moed_cpu_matmul.argtypes = [vp, c_int, ctypes.POINTER(_Matrix), vp, c_int, vp]
-        lib.moed_cpu_matmul.restype = c_int
+        lib.moed_cpu_rows_many.argtypes = [vp, c_int, c_int, vp, vp, c_int, vp]
+        lib.moed_cpu_rows_many.restype = c_int
         lib.moed_cpu_attn_decode.argtypes = [vp, ctypes.POINTER(_AttnDecode)]
         lib.moed_cpu_attn_decode.restype = c_int
         self.detected_isa = ISA_NAMES[lib.moed_cpu_detected_isa()]
@@ -227,25 +231,39 @@ class NativeCpu:
         return out
 
     # ------------------------------------------------------------------ one matrix in a bank format
-    def matmul(self, dtype: str, arrays: tuple[torch.Tensor, ...], k: int, n: int, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, K]`` float32 @ one matrix ``[K, N]`` stored as ``arrays`` (moed_cpu.h's layout of
-        ``dtype``, without the expert dimension) -> ``[T, N]`` float32. The caller keeps ``arrays``
-        contiguous (checked)."""
+    def rows_many(self, dtype: str, matrices: "list[tuple[torch.Tensor, ...]] | tuple", x: torch.Tensor
+                  ) -> list[torch.Tensor]:
+        """``x [T, K]`` float32 times each ``[N, K]`` matrix stored as ``arrays`` in the rows layout of
+        ``dtype`` (kernels/rows_format.py: q8 or int4) -> ``[x @ w.T]`` float32 ``[T, N]`` each. One
+        call: x is quantised to int8 once for all (an attention layer's q, k and v)."""
         x = _f32_rows(x, "x")
-        if x.shape[1] != k:
-            raise ValueError(f"x must be [T, {k}], got {tuple(x.shape)}")
-        if any(not t.is_contiguous() or t.device.type != "cpu" for t in arrays):
-            raise ValueError("matrix arrays must be contiguous and in host memory")
-        m = _Matrix(arrays[0].data_ptr(), _ptr(arrays[1]) if len(arrays) > 1 else None,
-                    _ptr(arrays[2]) if len(arrays) > 2 else None, k, n)
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        if dtype not in ("q8", "int4"):
+            raise ValueError(f"rows_many: dtype must be q8 or int4, got {dtype!r}")
+        count = len(matrices)
+        if not 1 <= count <= MAX_DENSE:
+            raise ValueError(f"rows_many takes 1 to {MAX_DENSE} matrices, got {count}")
+        k = x.shape[1]
+        mats, ys = [], []
+        for arrays in matrices:
+            shapes = rows_shapes(dtype, k, arrays[0].shape[0])
+            if len(arrays) != len(shapes) or any(
+                    tuple(t.shape) != shape or t.dtype != tdtype or not t.is_contiguous() or t.device.type != "cpu"
+                    for t, (shape, tdtype) in zip(arrays, shapes)):
+                raise ValueError(f"rows_many: a {dtype} matrix for x [T, {k}] must be contiguous host arrays "
+                                 f"{[(list(s), str(d)) for s, d in shapes]}")
+            n = arrays[0].shape[0]
+            mats.append(_Matrix(arrays[0].data_ptr(), arrays[1].data_ptr(),
+                                arrays[2].data_ptr() if len(arrays) > 2 else None, k, n))
+            ys.append(torch.empty(x.shape[0], n, dtype=torch.float32))
+        ptrs = (ctypes.POINTER(_Matrix) * count)(*(ctypes.pointer(m) for m in mats))
+        outs = (ctypes.c_void_p * count)(*(y.data_ptr() for y in ys))
         with self._lock:
-            rc = self._lib.moed_cpu_matmul(self._pool, DTYPE_CODES[dtype], ctypes.byref(m), x.data_ptr(), x.shape[0],
-                                           y.data_ptr())
+            rc = self._lib.moed_cpu_rows_many(self._pool, DTYPE_CODES[dtype], count, ptrs, x.data_ptr(), x.shape[0],
+                                              outs)
         if rc != 0:
-            raise MemoryError("the native matmul ran out of memory") if rc == -2 else \
-                ValueError(f"moed_cpu_matmul refused its arguments (rc {rc})")
-        return y
+            raise MemoryError("the native rows kernel ran out of memory") if rc == -2 else \
+                ValueError(f"moed_cpu_rows_many refused its arguments (rc {rc})")
+        return ys
 
     # ------------------------------------------------------------------ MoE
     def moe(self, bank: BankDescriptor, x: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor | None,

@@ -44,8 +44,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_many(x: torch.Tensor, weights: tuple, biases: tuple) -> list[torch.Tensor]:
-    """``[linear(x, w, b) for w, b in zip(weights, biases)]``; bf16 weights at decode go to the native
-    kernel in one call (an attention layer's q, k and v: x prepared once, one dispatch), same bits."""
+    """``[linear(x, w, b) for w, b in zip(weights, biases)]``; bf16 weights at decode, or PackedLinear
+    weights of one dtype, go to the native kernel in one call (an attention layer's q, k and v: x
+    prepared or quantised once, one dispatch), the same bits as one by one."""
+    if all(isinstance(w, PackedLinear) for w in weights):
+        k = x.shape[-1]
+        outs = PackedLinear.matmul_many(tuple(weights), x.reshape(-1, k))
+        return [out.view(*x.shape[:-1], w.out_features) if b is None else out.view(*x.shape[:-1], w.out_features)
+                + b.float() for out, w, b in zip(outs, weights, biases)]
     rows = _native_rows(x, weights[0])
     if rows and all(_native_rows(x, w) for w in weights[1:]):
         flat = x.reshape(rows, x.shape[-1]).float()

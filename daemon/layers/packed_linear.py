@@ -2,14 +2,15 @@
 
 A GGUF file's quantised attention / lm_head / shared-expert weights load into this (see
 weights/gguf_checkpoint.py) so that decode reads 4.5-8.5 bits per weight, as llama.cpp does,
-rather than the 16 of a bf16 dequantisation. The matrix is held k-major, ``w [K, N]`` (the
-transpose of torch's Linear weight ``[N, K]``), in the layouts of kernels/q8_format.py
-(``qs`` int8 [K, N], ``d`` float16 [K/32, N]) and kernels/int4_format.py (``q`` uint8 [K, N/2],
-``scale``/``min`` bf16 [K/32, N]).
+rather than the 16 of a bf16 dequantisation. The matrix is held row by row like torch's Linear
+weight ``[N, K]``, in the rows layouts of kernels/rows_format.py (q8: ``qs`` int8 [N, K], ``d``
+float16 [N, K/32]; int4: ``q`` uint8 [N, K/2], ``scale``/``min`` bf16 [N, K/32]): a GEMV then
+streams each row front to back. ``from_kn`` takes the k-major arrays the bank repackers make.
 
 ``matmul`` runs the native kernel (int8-quantised activations per 32, like llama.cpp's Q8
-activations) for 1..MAX_TOKENS rows; for more rows (prefill), or without the native library, it
-dequantises to float32 with the torch reference and multiplies in float32.
+activations) for 1..MAX_TOKENS rows (``matmul_many``: q, k and v in one call); for more rows
+(prefill), or without the native library, it dequantises with the torch reference and
+multiplies in bf16 (prefill) or float32.
 """
 
 from __future__ import annotations
@@ -17,22 +18,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from moed.kernels.int4_format import dequantize_int4
 from moed.kernels.native_cpu import MAX_TOKENS, native
-from moed.kernels.q8_format import dequantize_q8
+from moed.kernels.rows_format import dequantize_rows, rows_from_kn, rows_shapes
 
 GROUP = 32  # weights per scale along K, both formats
 PACKED_DTYPES = ("q8", "int4")
 
 
 def packed_shapes(dtype: str, k: int, n: int) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
-    """The (shape, dtype) of each array of a ``[K, N]`` matrix in ``dtype``, in ``arrays`` order."""
-    if dtype == "q8":
-        return ((k, n), torch.int8), ((k // GROUP, n), torch.float16)
-    if dtype == "int4":
-        return ((k, n // 2), torch.uint8), ((k // GROUP, n), torch.bfloat16), ((k // GROUP, n), torch.bfloat16)
-    raise ValueError(f"packed linear dtype {dtype!r} is not one of {', '.join(PACKED_DTYPES)}")
+    """The (shape, dtype) of each array of a ``[N, K]`` weight in ``dtype``, in ``arrays`` order."""
+    if dtype not in PACKED_DTYPES:
+        raise ValueError(f"packed linear dtype {dtype!r} is not one of {', '.join(PACKED_DTYPES)}")
+    return rows_shapes(dtype, k, n)
 
 
 def packed_nbytes(dtype: str, k: int, n: int) -> int:
@@ -61,10 +60,10 @@ def weight_nbytes(weight: "torch.Tensor | PackedLinear") -> int:
 
 @dataclass(frozen=True, eq=False)
 class PackedLinear:
-    """Stands in for a Linear weight ``[out_features, in_features]`` stored packed as ``w [K, N]``."""
+    """Stands in for a Linear weight ``[out_features, in_features]`` stored packed, row by row."""
 
     dtype: str  # "q8" | "int4"
-    arrays: tuple[torch.Tensor, ...]  # q8: (qs, d); int4: (q, scale, min)
+    arrays: tuple[torch.Tensor, ...]  # rows layout; q8: (qs, d); int4: (q, scale, min)
     in_features: int  # K
     out_features: int  # N
 
@@ -80,6 +79,14 @@ class PackedLinear:
                 raise ValueError(f"packed linear {self.dtype} [{n}, {k}]: array should be contiguous {tdtype} "
                                  f"{list(shape)}, got {t.dtype} {list(t.shape)}")
 
+    @classmethod
+    def from_kn(cls, dtype: str, arrays: tuple[torch.Tensor, ...], in_features: int, out_features: int
+                ) -> "PackedLinear":
+        """From the k-major arrays of ``w [K, N]`` (kernels/q8_format.py, int4_format.py), moved exactly."""
+        if dtype not in PACKED_DTYPES:
+            raise ValueError(f"packed linear dtype {dtype!r} is not one of {', '.join(PACKED_DTYPES)}")
+        return cls(dtype, rows_from_kn(dtype, arrays), in_features, out_features)
+
     @property
     def shape(self) -> torch.Size:
         """``(N, K)``, a Linear weight's shape (so shape checks treat both alike)."""
@@ -92,29 +99,30 @@ class PackedLinear:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.arrays)
 
-    def _dequantized_kn(self) -> torch.Tensor:
-        """float32 ``[K, N]`` (exact: the formats' products fit float32)."""
-        if self.dtype == "q8":
-            return dequantize_q8(*self.arrays)
-        return dequantize_int4(*self.arrays)
-
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The weight as a Linear weight ``[N, K]`` in ``dtype`` (contiguous)."""
-        return self._dequantized_kn().t().to(dtype).contiguous()
+        """The weight as a Linear weight ``[N, K]`` in ``dtype`` (contiguous; float32 is exact)."""
+        return dequantize_rows(self.dtype, self.arrays, dtype)
+
+    def _native_ok(self, x: torch.Tensor) -> bool:
+        return 0 < x.shape[0] <= MAX_TOKENS and x.device.type == "cpu" and self.device.type == "cpu" \
+            and native() is not None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, K]`` -> ``x @ w`` float32 ``[T, N]``."""
-        if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"packed linear: x must be [T, {self.in_features}], got {tuple(x.shape)}")
+        """``x [T, K]`` -> ``x @ w.T`` float32 ``[T, N]``."""
+        return self.matmul_many((self,), x)[0]
+
+    @staticmethod
+    def matmul_many(weights: "tuple[PackedLinear, ...]", x: torch.Tensor) -> list[torch.Tensor]:
+        """``[w.matmul(x) for w in weights]``, one native call when they share a dtype (q, k, v)."""
+        first = weights[0]
+        if x.dim() != 2 or any(w.in_features != x.shape[1] for w in weights):
+            raise ValueError(f"packed linear: x must be [T, {first.in_features}], got {tuple(x.shape)}")
         x = x.float()
-        rows = x.shape[0]
-        if 0 < rows <= MAX_TOKENS and x.device.type == "cpu" and self.device.type == "cpu":
-            lib = native()
-            if lib is not None:
-                return lib.matmul(self.dtype, self.arrays, self.in_features, self.out_features, x.contiguous())
-        w = self._dequantized_kn().to(x.device)
-        if rows > MAX_TOKENS:
+        if first._native_ok(x) and all(w.dtype == first.dtype and w.device.type == "cpu" for w in weights):
+            return native().rows_many(first.dtype, [w.arrays for w in weights], x.contiguous())
+        if x.shape[0] > MAX_TOKENS:
             # prefill: a bf16 GEMM (twice the speed of float32 here), activations rounded to bf16 like
             # every bf16 projection's (layers/linear.py)
-            return (x.to(torch.bfloat16) @ w.to(torch.bfloat16)).float()
-        return x @ w
+            xb = x.to(torch.bfloat16)
+            return [F.linear(xb, w.dequantize(torch.bfloat16).to(x.device)).float() for w in weights]
+        return [F.linear(x, w.dequantize(torch.float32).to(x.device)) for w in weights]

@@ -167,8 +167,8 @@ class GgufCheckpoint:
         return PACKED_LINEAR.get(self.file.tensor(self.weight_keys[name]).ggml_type)
 
     def read_packed_weight(self, name: str) -> PackedLinear:
-        """One weight ``packed_weight_dtype`` accepts, as a PackedLinear holding ``w [K, N]`` (the
-        Linear weight ``[N, K]`` transposed), converted as the routed experts are (``expert_chunks``)."""
+        """One weight ``packed_weight_dtype`` accepts, as a PackedLinear (rows layout), converted as the
+        routed experts are (``expert_chunks``)."""
         target = self.packed_weight_dtype(name)
         if target is None:
             raise ValueError(f"weight {quoted(name)} does not load packed; read it with read_weight")
@@ -177,15 +177,16 @@ class GgufCheckpoint:
         raw = self.file.read(info.name)
         if REPACKED_BANK.get(info.ggml_type) == target:  # a 2-D weight is one expert
             arrays = tuple(t[0] for t in _REPACKERS[target](raw, info.ggml_type, (1, n, k)))
-        else:  # Q5_K / Q6_K: dequantised and re-quantised to q8, a slice of columns at a time
-            w = q.dequantize(raw, info.ggml_type, (n, k))  # [N, K] float32
-            del raw
-            qs, d = torch.empty(k, n, dtype=torch.int8), torch.empty(k // 32, n, dtype=torch.float16)
-            step = max(2, _REQUANTISE_COLUMNS // k)
-            for j in range(0, n, step):
-                qs[:, j:j + step], d[:, j:j + step] = quantize_q8(w[j:j + step].t().contiguous())
-            arrays = (qs, d)
-        return PackedLinear(target, arrays, k, n)
+            return PackedLinear.from_kn(target, arrays, k, n)
+        # Q5_K / Q6_K: dequantised and re-quantised to q8, a slice of rows at a time
+        w = q.dequantize(raw, info.ggml_type, (n, k))  # [N, K] float32
+        del raw
+        qs, d = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 32, dtype=torch.float16)
+        step = max(2, _REQUANTISE_COLUMNS // k)
+        for j in range(0, n, step):
+            part_qs, part_d = quantize_q8(w[j:j + step].t().contiguous())  # k-major [K, rows]
+            qs[j:j + step], d[j:j + step] = part_qs.t(), part_d.t()
+        return PackedLinear(target, (qs, d), k, n)
 
     def default_bank_dtype(self) -> str:
         """The runnable bank dtype that keeps the routed experts' stored precision (or the closest).

@@ -15,7 +15,7 @@ from moed.cache.host_bank import ExpertActivation
 from moed.kernels.int4_format import quantize_int4
 from moed.kernels.mxfp4_format import quantize_mxfp4
 from moed.kernels.native_cpu import library_path, native
-from moed.kernels.native_cpu_reference import routed_reference, strip_reference
+from moed.kernels.native_cpu_reference import matrix_product, routed_reference, strip_reference
 from moed.kernels.q8_format import quantize_q8
 
 DTYPES = ("fp32", "bf16", "int4", "q8", "mxfp4")
@@ -182,6 +182,42 @@ def test_dense_bf16_many_is_separate_calls_bit_for_bit(k, isa):
         LIB.dense_bf16_many(x, [])
     with pytest.raises(ValueError, match="contiguous bf16"):
         LIB.dense_bf16_many(x, [weights[0], weights[1].float()])
+
+
+@pytest.mark.parametrize("dtype", ["q8", "int4"])
+@pytest.mark.parametrize("shape", [(1, 32), (5, 96), (131, 288), (64, 2048), (520, 256)])  # N, K
+def test_rows_kernels_match_their_twin(dtype, shape, isa):
+    """The rows-layout GEMV (dense projections of a quantised GGUF) against the k-major twin on the
+    same numbers: K with group counts that are not multiples of 8, odd N, T from 1 to 16."""
+    from moed.kernels.rows_format import rows_from_kn, rows_to_kn
+
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * k)
+    n_even = n + n % 2  # the k-major formats pair columns; the rows layout does not need it
+    arrays = rows_from_kn(dtype, _matrix(dtype, k, n_even, gen))
+    arrays = tuple(t[:n].contiguous() for t in arrays)
+    kn = rows_to_kn(dtype, tuple(torch.cat([t, t[:n_even - n]]) for t in arrays))
+    for t in (1, 2, 7, 16):
+        x = torch.randn(t, k, generator=gen)
+        x[:, 3] = 0.0
+        (got,) = LIB.rows_many(dtype, [arrays], x)
+        want, bound = matrix_product(dtype, kn, x)
+        err = (got.double() - want[:, :n]).abs()
+        assert bool((err <= 1e-5 * bound[:, :n] + 1e-30).all()), f"rows {dtype} {shape} T={t} {isa}: {float(err.max())}"
+
+
+def test_rows_many_checks_its_arrays():
+    from moed.kernels.rows_format import rows_from_kn
+
+    gen = torch.Generator().manual_seed(1)
+    arrays = rows_from_kn("q8", _matrix("q8", 64, 8, gen))
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="contiguous host arrays"):
+        LIB.rows_many("q8", [arrays], torch.randn(1, 96))  # K of x does not match
+    with pytest.raises(ValueError, match="contiguous host arrays"):
+        LIB.rows_many("int4", [arrays], x)
+    with pytest.raises(ValueError, match="q8 or int4"):
+        LIB.rows_many("bf16", [arrays], x)
 
 
 def _bank(dtype: str, kind: str, bias: bool, d: int = 96, inter: int = 160, layers: int = 2, experts: int = 6):

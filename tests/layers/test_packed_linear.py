@@ -35,7 +35,7 @@ def _packed(dtype: str, seed: int = 0) -> PackedLinear:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(K, N, generator=g) * 0.05
     arrays = quantize_q8(w) if dtype == "q8" else quantize_int4(w)
-    return PackedLinear(dtype, tuple(arrays), K, N)
+    return PackedLinear.from_kn(dtype, tuple(arrays), K, N)
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor, *, native_path: bool) -> torch.Tensor:
@@ -99,6 +99,20 @@ def test_shape_bytes_and_dequantize(dtype):
     assert torch.equal(bf, weight.dequantize(torch.float32).to(torch.bfloat16))
     with pytest.raises(ValueError, match="N even"):
         PackedLinear(dtype, weight.arrays, K, N + 1)
+    with pytest.raises(ValueError, match="array should be"):  # k-major arrays are not the rows layout
+        PackedLinear(dtype, tuple(quantize_q8(torch.randn(K, N)) if dtype == "q8" else quantize_int4(torch.randn(K, N))),
+                     K, N)
+
+
+def test_q_k_v_in_one_call_equal_one_by_one():
+    if native() is None:
+        pytest.skip("native kernels not built")
+    for dtype in ("q8", "int4"):
+        weights = tuple(_packed(dtype, seed=s) for s in range(3))
+        x = torch.randn(2, K)
+        many = PackedLinear.matmul_many(weights, x)
+        for got, w in zip(many, weights):
+            assert torch.equal(got, w.matmul(x))
 
 
 # ---- GGUF loading ----------------------------------------------------------------------------------
@@ -139,13 +153,13 @@ def test_a_q8_0_gguf_loads_attention_and_lm_head_packed_bit_for_bit(q8_gguf):
         assert isinstance(weights["model.embed_tokens.weight"], torch.Tensor)
         assert weights["model.embed_tokens.weight"].dtype == torch.bfloat16
         assert weights["model.layers.0.mlp.router.weight"].dtype == torch.float32
-        # the packed arrays are the file's Q8_0 blocks: d and qs exactly
+        # the packed arrays are the file's Q8_0 blocks, row by row as in the file: d and qs exactly
         name = "model.layers.0.self_attn.q_proj.weight"
         qs, d = weights[name].arrays
         info = gg.file.tensor(gg.weight_keys[name])
         blocks = gg.file.read(info.name).view(info.shape[0], info.shape[1] // 32, 34)  # [N, K/32, 34]
-        assert torch.equal(d, blocks[..., :2].contiguous().view(torch.float16).squeeze(-1).t())
-        assert torch.equal(qs, blocks[..., 2:].contiguous().view(torch.int8).reshape(info.shape).t())
+        assert torch.equal(d, blocks[..., :2].contiguous().view(torch.float16).squeeze(-1))
+        assert torch.equal(qs, blocks[..., 2:].contiguous().view(torch.int8).reshape(info.shape))
     finally:
         runtime.close()
 
