@@ -129,6 +129,8 @@ class NativeCpu:
         lib.moed_cpu_moe.restype = c_int
         lib.moed_cpu_rows_many.argtypes = [vp, c_int, c_int, vp, vp, c_int, vp]
         lib.moed_cpu_rows_many.restype = c_int
+        lib.moed_cpu_rows_to_bf16.argtypes = [vp, c_int, ctypes.POINTER(_Matrix), vp]
+        lib.moed_cpu_rows_to_bf16.restype = c_int
         lib.moed_cpu_attn_decode.argtypes = [vp, ctypes.POINTER(_AttnDecode)]
         lib.moed_cpu_attn_decode.restype = c_int
         self.detected_isa = ISA_NAMES[lib.moed_cpu_detected_isa()]
@@ -264,6 +266,24 @@ class NativeCpu:
             raise MemoryError("the native rows kernel ran out of memory") if rc == -2 else \
                 ValueError(f"moed_cpu_rows_many refused its arguments (rc {rc})")
         return ys
+
+    def rows_to_bf16(self, dtype: str, arrays: tuple[torch.Tensor, ...], k: int) -> torch.Tensor:
+        """One rows-layout matrix dequantised to bf16 ``[N, K]`` (for prefill GEMMs): bit for bit
+        ``rows_format.dequantize_rows(dtype, arrays, torch.bfloat16)``, on the pool's threads."""
+        if dtype not in ("q8", "int4"):
+            raise ValueError(f"rows_to_bf16: dtype must be q8 or int4, got {dtype!r}")
+        n = arrays[0].shape[0]
+        shapes = rows_shapes(dtype, k, n)
+        if len(arrays) != len(shapes) or any(tuple(t.shape) != shape or t.dtype != tdtype or not t.is_contiguous()
+                                             or t.device.type != "cpu" for t, (shape, tdtype) in zip(arrays, shapes)):
+            raise ValueError(f"rows_to_bf16: a {dtype} [{n}, {k}] matrix must be contiguous host arrays")
+        m = _Matrix(arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr() if len(arrays) > 2 else None, k, n)
+        out = torch.empty(n, k, dtype=torch.bfloat16)
+        with self._lock:
+            rc = self._lib.moed_cpu_rows_to_bf16(self._pool, DTYPE_CODES[dtype], ctypes.byref(m), out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"moed_cpu_rows_to_bf16 refused its arguments (rc {rc})")
+        return out
 
     # ------------------------------------------------------------------ MoE
     def moe(self, bank: BankDescriptor, x: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor | None,

@@ -103,6 +103,14 @@ class PackedLinear:
         """The weight as a Linear weight ``[N, K]`` in ``dtype`` (contiguous; float32 is exact)."""
         return dequantize_rows(self.dtype, self.arrays, dtype)
 
+    def dequantize_bf16(self) -> torch.Tensor:
+        """``dequantize(torch.bfloat16)``, by the native library when there is one (the same bits,
+        on all cores: prefill dequantises every projection once per chunk)."""
+        lib = native()
+        if lib is not None and self.device.type == "cpu":
+            return lib.rows_to_bf16(self.dtype, self.arrays, self.in_features)
+        return self.dequantize(torch.bfloat16)
+
     def _native_ok(self, x: torch.Tensor) -> bool:
         return 0 < x.shape[0] <= MAX_TOKENS and x.device.type == "cpu" and self.device.type == "cpu" \
             and native() is not None
@@ -124,5 +132,5 @@ class PackedLinear:
             # prefill: a bf16 GEMM (twice the speed of float32 here), activations rounded to bf16 like
             # every bf16 projection's (layers/linear.py)
             xb = x.to(torch.bfloat16)
-            return [F.linear(xb, w.dequantize(torch.bfloat16).to(x.device)).float() for w in weights]
+            return [F.linear(xb, w.dequantize_bf16().to(x.device)).float() for w in weights]
         return [F.linear(x, w.dequantize(torch.float32).to(x.device)) for w in weights]

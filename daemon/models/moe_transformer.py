@@ -59,6 +59,7 @@ class MoeTransformer:
         x = F.embedding(batch.input_ids, self.embed).float()  # [B, T, D] (the table may be bf16)
         cos_sin = self.rotary.cos_sin(batch.positions)
         valid = batch.valid
+        all_valid = all(n == valid.shape[1] for n in batch.lengths)
         begin_step = getattr(self.executor, "begin_step", None)
         if begin_step is not None:  # executors that trace routing or plan by phase want to know
             rows = valid.nonzero()[:, 0].tolist()
@@ -68,10 +69,13 @@ class MoeTransformer:
             x = x + attention.forward(rms_norm(x, input_norm, eps), batch, cache, cos_sin)
             h = rms_norm(x, post_norm, eps)
             if isinstance(mlp, MoeLayer):
-                # route real tokens only: padding must not reach experts (or caches and traces)
-                out = torch.zeros_like(h)
-                out[valid] = mlp.forward(h[valid])
-                x = x + out
+                if all_valid:  # decode and unpadded prefill: every row is a real token
+                    x = x + mlp.forward(h.view(-1, h.shape[-1])).view(h.shape)
+                else:
+                    # route real tokens only: padding must not reach experts (or caches and traces)
+                    out = torch.zeros_like(h)
+                    out[valid] = mlp.forward(h[valid])
+                    x = x + out
             else:
                 x = x + mlp.forward(h)
         if last_only:

@@ -344,3 +344,57 @@ int moed_cpu_rows_many(void *h, int dtype, int count, const moed_matrix *const *
     moed_pool_run(p, rows_task, &j, j.first_task[count]);
     return 0;
 }
+
+/* ----------------------------------------------------------------------------- to bf16 (prefill) */
+/* out[n][k] = the weight rounded to bf16 (nearest even), computed in float32 exactly as the torch
+ * reference does (q8: qs * d, one product; int4: code * scale, then + min: two roundings). */
+static inline uint16_t rows_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);  /* branch-free: the loops vectorise */
+}
+
+typedef struct { int dtype; const moed_matrix *w; uint16_t *out; int64_t rows_per_task; } dequant_job;
+
+static void dequant_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    const dequant_job *j = (const dequant_job *)ctx;
+    const int64_t K = j->w->K, G = K / MOED_GROUP;
+    const int64_t r0 = task * j->rows_per_task, r1 = r0 + j->rows_per_task < j->w->N ? r0 + j->rows_per_task : j->w->N;
+    for (int64_t r = r0; r < r1; r++) {
+        uint16_t *o = j->out + r * K;
+        if (j->dtype == MOED_Q8) {
+            const int8_t *qs = (const int8_t *)j->w->w + r * K;
+            const uint16_t *d = (const uint16_t *)j->w->s + r * G;
+            for (int64_t g = 0; g < G; g++) {
+                const float s = moed_f16_to_f32(d[g]);
+                for (int i = 0; i < MOED_GROUP; i++) o[g * MOED_GROUP + i] = rows_to_bf16((float)qs[g * MOED_GROUP + i] * s);
+            }
+        } else {
+            const uint8_t *q = (const uint8_t *)j->w->w + r * (K / 2);
+            const uint16_t *sc = (const uint16_t *)j->w->s + r * G, *mn = (const uint16_t *)j->w->m + r * G;
+            for (int64_t g = 0; g < G; g++) {
+                const float s = bf16f(sc[g]), m = bf16f(mn[g]);
+                for (int i = 0; i < 16; i++) {
+                    const uint8_t b = q[g * 16 + i];
+                    float lo = (float)(b & 15) * s, hi = (float)(b >> 4) * s;
+                    o[g * MOED_GROUP + i] = rows_to_bf16(lo + m);
+                    o[g * MOED_GROUP + 16 + i] = rows_to_bf16(hi + m);
+                }
+            }
+        }
+    }
+}
+
+int moed_cpu_rows_to_bf16(void *h, int dtype, const moed_matrix *w, uint16_t *out) {
+    if (!h || !w || !out || (dtype != MOED_Q8 && dtype != MOED_INT4) || w->K < MOED_GROUP || w->K % MOED_GROUP ||
+        w->N < 1 || !w->w || !w->s || (dtype == MOED_INT4 && !w->m))
+        return -1;
+    moed_pool *p = (moed_pool *)h;
+    dequant_job j = {dtype, w, out, 0};
+    const int64_t tasks = 8 * (int64_t)moed_pool_threads(p);
+    j.rows_per_task = (w->N + tasks - 1) / tasks;
+    moed_pool_run(p, dequant_task, &j, (w->N + j.rows_per_task - 1) / j.rows_per_task);
+    return 0;
+}
