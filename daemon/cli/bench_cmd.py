@@ -40,6 +40,16 @@ def run_bench(args: argparse.Namespace) -> int:
             raise InvalidRequestError(f"--shapes: {', '.join(packed)} need D and I to be multiples of "
                                       f"{INT4_GROUP_SIZE}, got {hidden}x{inter}")
     rows = bench_kernels(shapes, dtypes)
+    if getattr(args, "dense", ""):
+        from moed.experts.kernel_bench import bench_dense
+
+        dense = parse_shapes(args.dense)  # N x K
+        if any(k % INT4_GROUP_SIZE or n % 2 for n, k in dense):
+            raise InvalidRequestError(f"--dense: N must be even and K a multiple of {INT4_GROUP_SIZE}, got {args.dense}")
+        try:
+            rows += bench_dense(dense)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0
 

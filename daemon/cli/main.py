@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--dtypes", default=",".join(EXPERT_DTYPES),
                          help=f"comma-separated bank dtypes to measure (default: all of {', '.join(EXPERT_DTYPES)})")
     kernels.add_argument("--shapes", default="576x1536,2048x768", help="expert shapes DxI, comma separated")
+    kernels.add_argument("--dense", default="", metavar="NxK,...",
+                         help="also the dense projection GEMVs (bf16, and a quantised GGUF's q8/int4 rows) "
+                              "on [N, K] weights, e.g. 4096x2048 (Qwen3-30B-A3B's q_proj)")
     kernels.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     bw = bench_sub.add_parser("bw", help="calibrate: measure B_P and B_H for a model on this machine")

@@ -125,6 +125,73 @@ def bench_kernels(
     return rows
 
 
+DENSE_DTYPES = ("bf16", "q8", "int4")  # a checkpoint's dense projections: bf16, or a quantised GGUF's rows
+
+
+def _dense_matrices(n: int, k: int, dtype: str, total_bytes: int, seed: int) -> tuple[list, int]:
+    """Enough distinct ``[N, K]`` weights in ``dtype`` (layers/linear.py's bf16, PackedLinear's rows
+    layouts) to fill ``total_bytes``, so each pass reads them from DRAM; and the bytes of one."""
+    from moed.kernels.int4_format import quantize_int4
+    from moed.kernels.q8_format import quantize_q8
+    from moed.kernels.rows_format import rows_from_kn
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if dtype == "bf16":
+        one: tuple[torch.Tensor, ...] = (w.bfloat16(),)
+    else:
+        one = rows_from_kn(dtype, (quantize_q8 if dtype == "q8" else quantize_int4)(w.t().contiguous()))
+    nbytes = sum(t.numel() * t.element_size() for t in one)
+    count = max(2, total_bytes // nbytes)
+    return [tuple(t.clone() for t in one) for _ in range(count)], nbytes
+
+
+def bench_dense(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str] = DENSE_DTYPES, *, tokens: int = 1,
+                total_bytes: int = 512 * 2**20, read_bytes: int = 128 * 2**20, trials: int = 8,
+                seed: int = 0) -> list[dict[str, Any]]:
+    """GB/s of the native dense GEMVs (attention projections, lm_head: ``dense_bf16_many`` for bf16,
+    ``rows_many`` for q8/int4) on ``[N, K]`` weights, one matrix per call as at decode, alternating
+    with read-bandwidth passes like ``bench_kernels``. Rows as ``bench_kernels``'s with ``hidden`` =
+    K, ``intermediate`` = N, ``experts`` = matrices, ``dtype`` prefixed ``dense ``. Needs the native
+    library (ValueError otherwise)."""
+    from moed.kernels.native_cpu import native
+
+    lib = native()
+    if lib is None:
+        raise ValueError(f"the dense GEMV benchmark needs the native CPU kernels ({native_status()})")
+    buf = np.ones(read_bytes // 4, dtype=np.float32)
+    buf_4k = torch.ones(read_bytes // 4).numpy()
+    _read_pass(buf)
+    rows: list[dict[str, Any]] = []
+    for dtype in dtypes:
+        for n, k in shapes:
+            mats, nbytes = _dense_matrices(n, k, dtype, total_bytes, seed)
+            x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed))
+
+            def one_pass() -> float:
+                t0 = time.perf_counter()
+                for arrays in mats:
+                    if dtype == "bf16":
+                        lib.dense_bf16_many(x, arrays)
+                    else:
+                        lib.rows_many(dtype, [arrays], x)
+                return time.perf_counter() - t0
+
+            one_pass()
+            best_pass, best_read, best_4k = math.inf, math.inf, math.inf
+            for _ in range(trials):
+                best_read = min(best_read, _read_pass(buf))
+                best_4k = min(best_4k, _read_pass(buf_4k))
+                best_pass = min(best_pass, one_pass())
+            weight_gbps = nbytes * len(mats) / best_pass / 1e9
+            read_gbps = buf.nbytes / best_read / 1e9
+            rows.append(dict(dtype=f"dense {dtype}", hidden=k, intermediate=n, tokens=tokens, experts=len(mats),
+                             bytes_per_expert=nbytes, us_per_expert=best_pass / len(mats) * 1e6,
+                             weight_gbps=weight_gbps, read_gbps=read_gbps, read_4k_gbps=buf_4k.nbytes / best_4k / 1e9,
+                             ratio=weight_gbps / read_gbps))
+            del mats
+    return rows
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """Rows of ``bench_kernels`` as a markdown table."""
     lines = [

@@ -40,3 +40,21 @@ def test_a_small_run_measures_q8_and_mxfp4(capsys, monkeypatch) -> None:
     rows = json.loads(capsys.readouterr().out)
     assert [r["dtype"] for r in rows] == ["q8", "mxfp4"]
     assert all(r["weight_gbps"] > 0 and r["hidden"] == 64 and r["intermediate"] == 32 for r in rows)
+
+
+def test_dense_gemvs_are_measured_on_request(capsys, monkeypatch) -> None:
+    from moed.experts import kernel_bench
+    from moed.kernels.native_cpu import native
+
+    if native() is None:
+        pytest.skip("native CPU kernels not built")
+    monkeypatch.setattr(kernel_bench, "bench_kernels", lambda shapes, dtypes: [])
+    real = kernel_bench.bench_dense
+    monkeypatch.setattr(kernel_bench, "bench_dense",
+                        lambda shapes: real(shapes, total_bytes=2**20, read_bytes=8 * 2**20, trials=1))
+    assert main(["bench", "kernels", "--dtypes", "bf16", "--shapes", "64x32", "--dense", "96x64", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["dtype"] for r in rows] == ["dense bf16", "dense q8", "dense int4"]
+    assert all(r["weight_gbps"] > 0 and r["hidden"] == 64 and r["intermediate"] == 96 for r in rows)
+    assert main(["bench", "kernels", "--dense", "96x40"]) != 0
+    assert "multiple of 32" in capsys.readouterr().err

@@ -206,6 +206,20 @@ def test_rows_kernels_match_their_twin(dtype, shape, isa):
         assert bool((err <= 1e-5 * bound[:, :n] + 1e-30).all()), f"rows {dtype} {shape} T={t} {isa}: {float(err.max())}"
 
 
+@pytest.mark.parametrize("dtype", ["q8", "int4"])
+def test_rows_to_bf16_is_the_torch_dequantisation_bit_for_bit(dtype):
+    """Prefill dequantises each quantised projection per chunk: the native one must be the reference."""
+    from moed.kernels.rows_format import dequantize_rows, rows_from_kn
+
+    gen = torch.Generator().manual_seed(2)
+    arrays = rows_from_kn(dtype, _matrix(dtype, 96, 70, gen))
+    got = LIB.rows_to_bf16(dtype, arrays, 96)
+    assert got.dtype == torch.bfloat16 and tuple(got.shape) == (70, 96)
+    assert torch.equal(got, dequantize_rows(dtype, arrays, torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous host arrays"):
+        LIB.rows_to_bf16(dtype, arrays, 64)
+
+
 def test_rows_many_checks_its_arrays():
     from moed.kernels.rows_format import rows_from_kn
 
