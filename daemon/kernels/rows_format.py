@@ -51,13 +51,20 @@ def _kn_codes(q: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
     return q[:, j0:j1] & 0x0F if j1 <= half else q[:, j0 - half:j1 - half] >> 4
 
 
+def _transposed(arrays: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.t().contiguous() for t in arrays)
+
+
+def _check(dtype: str) -> None:
+    if dtype not in ROWS_DTYPES:
+        raise ValueError(f"rows layout dtype {dtype!r} is not one of {', '.join(ROWS_DTYPES)}")
+
+
 def rows_from_kn(dtype: str, arrays: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """k-major arrays of one ``[K, N]`` matrix -> its rows-layout arrays (the same numbers)."""
-    if dtype == "q8":
-        qs, d = arrays
-        return qs.t().contiguous(), d.t().contiguous()
-    if dtype != "int4":
-        raise ValueError(f"rows layout dtype {dtype!r} is not one of {', '.join(ROWS_DTYPES)}")
+    _check(dtype)
+    if dtype == "q8":  # (qs, d): plain transposes
+        return _transposed(arrays)
     q, scale, mn = arrays
     k, n = q.shape[0], q.shape[1] * 2
     out = torch.empty(n, k // 2, dtype=torch.uint8)
@@ -66,20 +73,18 @@ def rows_from_kn(dtype: str, arrays: tuple[torch.Tensor, ...]) -> tuple[torch.Te
         for j0 in range(lo, hi, _SLICE):
             j1 = min(hi, j0 + _SLICE)
             out[j0:j1] = _pack_rows(_kn_codes(q, j0, j1).t().contiguous())
-    return out, scale.t().contiguous(), mn.t().contiguous()
+    return (out, *_transposed((scale, mn)))
 
 
 def rows_to_kn(dtype: str, arrays: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """The inverse of ``rows_from_kn``."""
+    _check(dtype)
     if dtype == "q8":
-        qs, d = arrays
-        return qs.t().contiguous(), d.t().contiguous()
-    if dtype != "int4":
-        raise ValueError(f"rows layout dtype {dtype!r} is not one of {', '.join(ROWS_DTYPES)}")
+        return _transposed(arrays)
     q, scale, mn = arrays
     codes = _unpack_rows(q).t()  # [K, N]
     half = codes.shape[1] // 2
-    return (codes[:, :half] | (codes[:, half:] << 4)).contiguous(), scale.t().contiguous(), mn.t().contiguous()
+    return ((codes[:, :half] | (codes[:, half:] << 4)).contiguous(), *_transposed((scale, mn)))
 
 
 def dequantize_rows(dtype: str, arrays: tuple[torch.Tensor, ...], dtype_out: torch.dtype = torch.float32
@@ -96,6 +101,6 @@ def dequantize_rows(dtype: str, arrays: tuple[torch.Tensor, ...], dtype_out: tor
             codes = _unpack_rows(part[0]).float().reshape(part[0].shape[0], k // GROUP, GROUP)
             w = (codes * part[1].float()[..., None] + part[2].float()[..., None]).reshape(-1, k)
         else:
-            raise ValueError(f"rows layout dtype {dtype!r} is not one of {', '.join(ROWS_DTYPES)}")
+            _check(dtype)
         out[r0:r0 + _SLICE] = w
     return out

@@ -24,37 +24,19 @@ int64_t moed_attn_work_floats(const moed_attn_decode_args *a) {
 #define ATTN_PREP attn_prep_scalar
 #define ATTN_TASK moed_attn_task_scalar
 #include "attn_decode_body.h"
-#undef VW
-#undef ATTN_HSUM
-#undef ATTN_VEC
-#undef ATTN_LOAD
-#undef ATTN_PREP
-#undef ATTN_TASK
 
 #if MOED_X86
-#include <immintrin.h>
+#include "moed_simd.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
-static inline __attribute__((always_inline)) float attn_hsum_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #define VW 8
-#define ATTN_HSUM(s) attn_hsum_avx2((__m256)(s))
+#define ATTN_HSUM(s) moed_hsum_avx2((__m256)(s))
 #define ATTN_VEC attn_vec_avx2
 #define ATTN_LOAD attn_load_avx2
 #define ATTN_PREP attn_prep_avx2
 #define ATTN_TASK moed_attn_task_avx2
 #include "attn_decode_body.h"
-#undef VW
-#undef ATTN_HSUM
-#undef ATTN_VEC
-#undef ATTN_LOAD
-#undef ATTN_PREP
-#undef ATTN_TASK
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -66,12 +48,6 @@ static inline __attribute__((always_inline)) float attn_hsum_avx2(__m256 v) {
 #define ATTN_PREP attn_prep_avx512
 #define ATTN_TASK moed_attn_task_avx512
 #include "attn_decode_body.h"
-#undef VW
-#undef ATTN_HSUM
-#undef ATTN_VEC
-#undef ATTN_LOAD
-#undef ATTN_PREP
-#undef ATTN_TASK
 #pragma GCC pop_options
 #else
 void moed_attn_task_avx2(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work) {

@@ -121,3 +121,10 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     }
     memcpy(out, acc, sizeof(float) * (size_t)G * (size_t)Dv);
 }
+
+#undef VW
+#undef ATTN_HSUM
+#undef ATTN_VEC
+#undef ATTN_LOAD
+#undef ATTN_PREP
+#undef ATTN_TASK

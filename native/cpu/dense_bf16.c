@@ -73,20 +73,13 @@ void moed_dense_prepare(int isa, const float *x, int T, int64_t K, float *xs) {
 }
 
 #if MOED_X86
-#include <immintrin.h>
+#include "moed_simd.h"
 
 #define MOED_INLINE static inline __attribute__((always_inline))
 
 /* ------------------------------------------------------------------------------------------ AVX2 */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-
-MOED_INLINE float dense_hsum_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* 16 bf16 (n valid, n < 16; the rest read as 0) without reading past them */
 MOED_INLINE __m256i dense_load16_part(const uint16_t *p, int64_t n) {
@@ -138,7 +131,7 @@ MOED_INLINE void dense_blk_avx2(const uint16_t *w, const float *xs, int64_t K, i
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int t = 0; t < TB; t++)
-            y[t * ldy + r] = dense_hsum_avx2(TB == 1 ? _mm256_add_ps(acc[r][0], acc2[r]) : acc[r][t]);
+            y[t * ldy + r] = moed_hsum_avx2(TB == 1 ? _mm256_add_ps(acc[r][0], acc2[r]) : acc[r][t]);
 }
 
 void moed_dense_bf16_avx2(const uint16_t *W, const float *xs, int64_t Kp, int T, int64_t K, int64_t r0,

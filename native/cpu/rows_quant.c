@@ -65,16 +65,9 @@ void moed_rows_int4_scalar(const moed_matrix *w, const moed_act *a, int64_t r0, 
 }
 
 #if MOED_X86
-#include <immintrin.h>
+#include "moed_simd.h"
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-
-static inline __attribute__((always_inline)) float rows_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* the per-group factors d[g] * xs[g] (q8: fp16 d) or scale[g] * xs[g] (int4: bf16) of 8 groups */
 static inline __attribute__((always_inline)) __m256 rows_f16x8(const uint16_t *p) {
@@ -122,7 +115,7 @@ void moed_rows_q8_avx2(const moed_matrix *w, const moed_act *a, int64_t r0, int6
                     }
                 }
             }
-            for (int r = 0; r < R; r++) y[(int64_t)t * ldy + rb + r] = rows_hsum(acc[r]);
+            for (int r = 0; r < R; r++) y[(int64_t)t * ldy + rb + r] = moed_hsum_avx2(acc[r]);
         }
     }
 }
@@ -165,7 +158,7 @@ void moed_rows_int4_avx2(const moed_matrix *w, const moed_act *a, int64_t r0, in
                     }
                 }
             }
-            for (int r = 0; r < R; r++) y[(int64_t)t * ldy + rb + r] = rows_hsum(acc[r]) + (rows_hsum(accm[r]) + tail[r]);
+            for (int r = 0; r < R; r++) y[(int64_t)t * ldy + rb + r] = moed_hsum_avx2(acc[r]) + (moed_hsum_avx2(accm[r]) + tail[r]);
         }
     }
 }
@@ -264,7 +257,7 @@ void moed_rows_int4_avx512(const moed_matrix *w, const moed_act *a, int64_t r0, 
                 }
             }
             for (int r = 0; r < R; r++)
-                y[(int64_t)t * ldy + rb + r] = _mm512_reduce_add_ps(acc[r]) + rows_hsum(accm[r]);
+                y[(int64_t)t * ldy + rb + r] = _mm512_reduce_add_ps(acc[r]) + moed_hsum_avx2(accm[r]);
         }
     }
 }
