@@ -9,6 +9,7 @@ path) loaded with ctypes; it owns one persistent thread pool. Entry points:
   ``dense_bf16_many(x, weights)`` does several that share ``x`` (q, k, v) in one call;
 - ``rows_many(dtype, matrices, x)``: the same for q8/int4 weights in the rows layout (a quantised
   GGUF's attention and lm_head, kernels/rows_format.py), activations quantised to int8 once;
+- ``route(...)``: the softmax / top-k-softmax router at decode (logits, softmax, top-k) in one call;
 - ``attn_decode(...)``: decode attention after the projections (norms, rotary, KV write, softmax);
 - ``strip(...)``: one strip kernel with a chosen ISA, for the tests against the torch twins
   (moed.kernels.native_cpu_reference).
@@ -129,6 +130,8 @@ class NativeCpu:
         lib.moed_cpu_moe.restype = c_int
         lib.moed_cpu_rows_many.argtypes = [vp, c_int, c_int, vp, vp, c_int, vp]
         lib.moed_cpu_rows_many.restype = c_int
+        lib.moed_cpu_route.argtypes = [vp, vp, c_i64, c_i64, vp, vp, c_i64, c_int, c_int, c_int, vp, vp]
+        lib.moed_cpu_route.restype = c_int
         lib.moed_cpu_rows_to_bf16.argtypes = [vp, c_int, ctypes.POINTER(_Matrix), vp]
         lib.moed_cpu_rows_to_bf16.restype = c_int
         lib.moed_cpu_attn_decode.argtypes = [vp, ctypes.POINTER(_AttnDecode)]
@@ -193,6 +196,33 @@ class NativeCpu:
         if rc != 0:
             raise ValueError(f"moed_cpu_dense_bf16_many refused its arguments (rc {rc})")
         return ys
+
+    # ------------------------------------------------------------------ router
+    ROUTER_KINDS = {"softmax": 0, "topk_softmax": 1}
+
+    def route(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str, top_k: int,
+              renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [N, D]`` float32, router ``weight [E, D]`` float32 -> ``(ids int64 [N, A], weights float32
+        [N, A])`` as ``moed.layers.moe.route`` computes them for ``scoring`` softmax / topk_softmax."""
+        x = _f32_rows(x, "x")
+        if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_contiguous() \
+                or weight.shape[1] != x.shape[1] or weight.device.type != "cpu":
+            raise ValueError(f"router weight must be contiguous float32 [E, {x.shape[1]}] in host memory")
+        if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (weight.shape[0],)
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"router bias must be contiguous float32 [{weight.shape[0]}]")
+        if scoring not in self.ROUTER_KINDS:
+            raise ValueError(f"router scoring {scoring!r} is not one of {', '.join(self.ROUTER_KINDS)}")
+        n, e = x.shape[0], weight.shape[0]
+        ids = torch.empty(n, top_k, dtype=torch.int64)
+        weights = torch.empty(n, top_k, dtype=torch.float32)
+        with self._lock:
+            rc = self._lib.moed_cpu_route(self._pool, x.data_ptr(), n, x.shape[1], weight.data_ptr(), _ptr(bias), e,
+                                          self.ROUTER_KINDS[scoring], top_k, int(renormalise), ids.data_ptr(),
+                                          weights.data_ptr())
+        if rc != 0:
+            raise ValueError(f"moed_cpu_route refused its arguments (rc {rc})")
+        return ids, weights
 
     # ------------------------------------------------------------------ decode attention
     def attn_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_heads: int, num_kv_heads: int,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from moed.experts.executor import ExpertExecutor
+from moed.kernels.native_cpu import MAX_TOKENS, native
 from moed.layers.dense_mlp import DenseMlp
 from moed.layers.linear import linear, linear_f32
 from moed.layers.layer_config import MoeConfig
@@ -16,6 +17,10 @@ from moed.layers.layer_config import MoeConfig
 def route(cfg: MoeConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
           score_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D] -> (topk_ids [N, A] int64, topk_weights [N, A] f32)."""
+    if cfg.scoring in ("softmax", "topk_softmax") and _native_router(x, weight, bias):
+        # decode: logits, softmax and top-k in one native call (native/cpu/router.c; this code is its reference)
+        return native().route(x, weight, bias, cfg.scoring, cfg.top_k,
+                              cfg.scoring == "softmax" and bool(cfg.norm_topk_prob))
     # routing decides which experts run: always float32, whatever dtype the router is stored in
     logits = linear_f32(x, weight, bias)  # [N, E]
     if cfg.scoring == "topk_softmax":  # gpt-oss: softmax over the chosen logits only
@@ -42,6 +47,13 @@ def route(cfg: MoeConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, weights * cfg.routed_scaling_factor
+
+
+def _native_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (0 < x.shape[0] <= MAX_TOKENS and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
+            and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.is_contiguous()
+            and weight.device.type == "cpu" and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and native() is not None)
 
 
 class MoeLayer:

@@ -1,0 +1,64 @@
+"""The native router (native/cpu/router.c) against moed.layers.moe.route's torch code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moed.layers.moe as moe_module
+from moed.kernels.native_cpu import native
+from moed.layers.layer_config import MoeConfig
+
+LIB = native()
+pytestmark = pytest.mark.skipif(LIB is None, reason="native CPU kernels not built")
+
+
+@pytest.fixture(params=("scalar", "avx2", "avx512"))
+def isa(request):
+    if request.param not in LIB.available_isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    previous = LIB.set_isa(request.param)
+    yield request.param
+    LIB.set_isa(previous)
+
+
+# (experts, top-k, D, scoring, renormalise, bias): Qwen3-MoE, Mixtral, OLMoE-like, gpt-oss
+CASES = [(128, 8, 2048, "softmax", True, False), (8, 2, 96, "softmax", True, False),
+         (64, 8, 70, "softmax", False, False), (32, 4, 48, "topk_softmax", False, True)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}-E{c[0]}-k{c[1]}-D{c[2]}")
+def test_native_route_matches_torch(case, isa, monkeypatch):
+    experts, top_k, d, scoring, renorm, has_bias = case
+    gen = torch.Generator().manual_seed(experts + d)
+    cfg = MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=16, scoring=scoring, norm_topk_prob=renorm)
+    weight = torch.randn(experts, d, generator=gen) * 0.1  # logits of a few units, as real routers give
+    bias = torch.randn(experts, generator=gen) if has_bias else None
+    for tokens in (1, 3, 16):
+        x = torch.randn(tokens, d, generator=gen)
+        calls = []
+        real = LIB.route
+        with monkeypatch.context() as m:
+            m.setattr(LIB, "route", lambda *a, **k: calls.append(1) or real(*a, **k))
+            ids, weights = moe_module.route(cfg, x, weight, bias, None)
+        assert calls == [1], "decode routing did not take the native path"
+        with monkeypatch.context() as m:
+            m.setattr(moe_module, "native", lambda: None)
+            want_ids, want_weights = moe_module.route(cfg, x, weight, bias, None)
+        assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+        assert torch.equal(ids, want_ids), (ids, want_ids)
+        torch.testing.assert_close(weights, want_weights, rtol=2e-5, atol=1e-6)
+
+
+def test_ties_go_to_the_lower_expert_and_bad_arguments_are_refused():
+    weight = torch.zeros(6, 32)
+    weight[4] = 1.0
+    ids, weights = LIB.route(torch.ones(1, 32), weight, None, "softmax", 3, True)
+    assert ids.tolist() == [[4, 0, 1]]
+    torch.testing.assert_close(weights.sum(), torch.tensor(1.0))
+    with pytest.raises(ValueError, match="float32"):
+        LIB.route(torch.ones(1, 32), weight.bfloat16(), None, "softmax", 3, True)
+    with pytest.raises(ValueError, match="scoring"):
+        LIB.route(torch.ones(1, 32), weight, None, "sigmoid", 3, True)
+    with pytest.raises(ValueError, match="refused"):
+        LIB.route(torch.ones(1, 32), weight, None, "softmax", 7, True)  # more than E experts
