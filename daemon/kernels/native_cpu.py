@@ -130,6 +130,8 @@ class NativeCpu:
         lib.moed_cpu_moe.restype = c_int
         lib.moed_cpu_rows_many.argtypes = [vp, c_int, c_int, vp, vp, c_int, vp]
         lib.moed_cpu_rows_many.restype = c_int
+        lib.moed_add_rms_norm.argtypes = [vp, vp, vp, c_int, c_i64, c_i64, ctypes.c_float, vp, vp]
+        lib.moed_add_rms_norm.restype = c_int
         lib.moed_cpu_route.argtypes = [vp, vp, c_i64, c_i64, vp, vp, c_i64, c_int, c_int, c_int, vp, vp]
         lib.moed_cpu_route.restype = c_int
         lib.moed_cpu_rows_to_bf16.argtypes = [vp, c_int, ctypes.POINTER(_Matrix), vp]
@@ -196,6 +198,28 @@ class NativeCpu:
         if rc != 0:
             raise ValueError(f"moed_cpu_dense_bf16_many refused its arguments (rc {rc})")
         return ys
+
+    # ------------------------------------------------------------------ norms
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [..., D]`` (+ ``delta``) float32 -> ``(x + delta, rms_norm(x + delta, weight))``; without
+        ``delta`` the first is ``x`` itself. Runs on the calling thread (no pool, no lock needed)."""
+        d = x.shape[-1]
+        ok = x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
+        ok = ok and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous() \
+            and tuple(weight.shape) == (d,) and weight.device.type == "cpu"
+        if delta is not None:
+            ok = ok and delta.dtype == torch.float32 and delta.is_contiguous() and delta.shape == x.shape
+        if not ok:
+            raise ValueError("add_rms_norm: contiguous float32 x (and delta) [..., D] and a [D] float32/bf16 weight")
+        h = torch.empty_like(x)
+        out = torch.empty_like(x) if delta is not None else x
+        rc = self._lib.moed_add_rms_norm(x.data_ptr(), _ptr(delta), weight.data_ptr(), int(weight.dtype == torch.bfloat16),
+                                         x.numel() // d, d, eps, out.data_ptr() if delta is not None else None,
+                                         h.data_ptr())
+        if rc != 0:
+            raise ValueError(f"moed_add_rms_norm refused its arguments (rc {rc})")
+        return out, h
 
     # ------------------------------------------------------------------ router
     ROUTER_KINDS = {"softmax": 0, "topk_softmax": 1}

@@ -18,7 +18,7 @@ from moed.layers.dense_mlp import DenseMlp
 from moed.layers.linear import linear
 from moed.layers.mla_attention import MlaAttention
 from moed.layers.moe import MoeLayer
-from moed.layers.norms import rms_norm
+from moed.layers.norms import add_rms_norm, rms_norm
 from moed.layers.rotary import RotaryEmbedding
 from moed.models.model_config import ModelConfig
 from moed.models.weight_spec import expected_weight_shapes
@@ -66,8 +66,8 @@ class MoeTransformer:
             begin_step("prefill" if max(batch.lengths) > 1 else "decode", [batch.slots[r] for r in rows],
                        batch.positions[valid].tolist())
         for input_norm, attention, post_norm, mlp in self.layers:
-            x = x + attention.forward(rms_norm(x, input_norm, eps), batch, cache, cos_sin)
-            h = rms_norm(x, post_norm, eps)
+            x, h = add_rms_norm(x, attention.forward(rms_norm(x, input_norm, eps), batch, cache, cos_sin),
+                                post_norm, eps)
             if isinstance(mlp, MoeLayer):
                 if all_valid:  # decode and unpadded prefill: every row is a real token
                     x = x + mlp.forward(h.view(-1, h.shape[-1])).view(h.shape)
