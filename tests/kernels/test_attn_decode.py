@@ -17,15 +17,6 @@ LIB = native()
 pytestmark = pytest.mark.skipif(LIB is None, reason="native CPU kernels not built")
 
 
-@pytest.fixture(params=("scalar", "avx2", "avx512"))
-def isa(request):
-    if request.param not in LIB.available_isas():
-        pytest.skip(f"this CPU has no {request.param}")
-    previous = LIB.set_isa(request.param)
-    yield request.param
-    LIB.set_isa(previous)
-
-
 # (heads, kv heads, head dim, qk norm, rotated dims, interleaved, window, sinks, bias)
 CASES = {
     "qwen3": (8, 2, 64, "per_head", 64, False, None, False, False),

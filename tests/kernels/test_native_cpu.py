@@ -34,17 +34,6 @@ def test_the_library_is_built_where_a_compiler_is():
 needs_lib = pytest.mark.skipif(LIB is None, reason="native CPU kernels not built")
 
 
-@pytest.fixture(params=("scalar", "avx2", "avx512"))
-def isa(request):
-    if LIB is None:
-        pytest.skip("native CPU kernels not built")
-    if request.param not in LIB.available_isas():
-        pytest.skip(f"this CPU has no {request.param}")
-    previous = LIB.set_isa(request.param)
-    yield request.param
-    LIB.set_isa(previous)
-
-
 def _matrix(dtype: str, k: int, n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     w = torch.randn(k, n, generator=gen)
     w[:, 1::7] *= 20  # columns of different magnitudes: scales differ per column

@@ -13,15 +13,6 @@ LIB = native()
 pytestmark = pytest.mark.skipif(LIB is None, reason="native CPU kernels not built")
 
 
-@pytest.fixture(params=("scalar", "avx2", "avx512"))
-def isa(request):
-    if request.param not in LIB.available_isas():
-        pytest.skip(f"this CPU has no {request.param}")
-    previous = LIB.set_isa(request.param)
-    yield request.param
-    LIB.set_isa(previous)
-
-
 # (experts, top-k, D, scoring, renormalise, bias): Qwen3-MoE, Mixtral, OLMoE-like, gpt-oss
 CASES = [(128, 8, 2048, "softmax", True, False), (8, 2, 96, "softmax", True, False),
          (64, 8, 70, "softmax", False, False), (32, 4, 48, "topk_softmax", False, True)]
