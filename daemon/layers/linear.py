@@ -47,18 +47,15 @@ def linear_many(x: torch.Tensor, weights: tuple, biases: tuple) -> list[torch.Te
     """``[linear(x, w, b) for w, b in zip(weights, biases)]``; bf16 weights at decode, or PackedLinear
     weights of one dtype, go to the native kernel in one call (an attention layer's q, k and v: x
     prepared or quantised once, one dispatch), the same bits as one by one."""
+    flat = x.reshape(-1, x.shape[-1])
     if all(isinstance(w, PackedLinear) for w in weights):
-        k = x.shape[-1]
-        outs = PackedLinear.matmul_many(tuple(weights), x.reshape(-1, k))
-        return [out.view(*x.shape[:-1], w.out_features) if b is None else out.view(*x.shape[:-1], w.out_features)
-                + b.float() for out, w, b in zip(outs, weights, biases)]
-    rows = _native_rows(x, weights[0])
-    if rows and all(_native_rows(x, w) for w in weights[1:]):
-        flat = x.reshape(rows, x.shape[-1]).float()
-        outs = native().dense_bf16_many(flat, weights)
-        return [out.view(*x.shape[:-1], w.shape[0]) if b is None else out.view(*x.shape[:-1], w.shape[0]) + b.float()
-                for out, w, b in zip(outs, weights, biases)]
-    return [linear(x, w, b) for w, b in zip(weights, biases)]
+        outs = PackedLinear.matmul_many(tuple(weights), flat)
+    elif _native_rows(x, weights[0]) and all(_native_rows(x, w) for w in weights[1:]):
+        outs = native().dense_bf16_many(flat.float(), weights)
+    else:
+        return [linear(x, w, b) for w, b in zip(weights, biases)]
+    lead = x.shape[:-1]
+    return [out.view(*lead, -1) if b is None else out.view(*lead, -1) + b.float() for out, b in zip(outs, biases)]
 
 
 def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -258,3 +258,21 @@ def test_other_quantised_types_pack_as_the_experts_do(tmp_path, weight_type, dty
 
 def est_equals_load(path, runtime) -> bool:
     return estimate_load(path).weight_bytes == sum(weight_nbytes(t) for t in runtime.loaded.weights.values())
+
+
+def test_linear_many_equals_linear_one_by_one():
+    """q, k and v through linear_many (one native call for bf16 or packed weights) give linear's bits."""
+    from moed.layers.linear import linear_many
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 1, K, generator=gen)
+    bf16 = tuple(torch.randn(n, K, generator=gen).bfloat16() for n in (64, 32, 32))
+    packed = tuple(_packed(dtype, seed=s) for s, dtype in enumerate(("int4", "int4", "int4")))
+    mixed = (bf16[0], packed[1], torch.randn(N, K, generator=gen))
+    for weights in (bf16, packed, mixed):
+        biases = (torch.randn(weights[0].shape[0], generator=gen), None, None)
+        many = linear_many(x, weights, biases)
+        for got, w, b in zip(many, weights, biases):
+            want = linear(x, w, b)
+            assert got.shape == want.shape == (2, 1, w.shape[0])
+            assert torch.equal(got, want)
