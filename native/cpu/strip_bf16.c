@@ -14,8 +14,9 @@
 #define MOED_STRIP_KC 8 /* rows of K per chunk: each chunk sweeps the whole strip width (DRAM/TLB locality) */
 #endif
 #ifndef MOED_STRIP_KC1
-/* T <= 2 (decode): 2 rows per chunk. Fewer concurrent row streams measured 1.5x faster from DRAM on
- * one thread (Zen 5: 20 -> 31 GB/s), the same on two; the accumulators' extra L1 traffic is cheap */
+/* 2 <= T <= 4 (AVX-512; T == 2 on AVX2): 2 rows per chunk. Fewer concurrent row streams measured
+ * 1.5x faster from DRAM on one thread (Zen 5: 20 -> 31 GB/s), the same on two; the accumulators'
+ * extra L1 traffic is cheap. T == 1 sweeps the rows one by one instead (bf16_sweep_avx2). */
 #define MOED_STRIP_KC1 2
 #endif
 #ifndef MOED_STRIP_HINT
@@ -23,6 +24,12 @@
 #endif
 #ifndef MOED_STRIP_PF
 #define MOED_STRIP_PF 16 /* software prefetch distance, rows of K (0: none) */
+#endif
+#ifndef MOED_SWEEP_COLS
+#define MOED_SWEEP_COLS 1024 /* T == 1: columns of lo and of hi per sweep (8 KiB of accumulators) */
+#endif
+#ifndef MOED_SWEEP_PF
+#define MOED_SWEEP_PF 4096 /* T == 1: software prefetch distance along the stream, bytes */
 #endif
 
 void moed_strip_bf16_scalar(const moed_matrix *mw, const moed_act *a, int64_t j0, int64_t j1,
@@ -47,9 +54,6 @@ void moed_strip_bf16_scalar(const moed_matrix *mw, const moed_act *a, int64_t j0
 }
 
 #if MOED_X86
-#ifndef BF16_NU1
-#define BF16_NU1 2
-#endif
 #include <immintrin.h>
 
 #define MOED_INLINE static inline __attribute__((always_inline))
@@ -157,6 +161,55 @@ MOED_INLINE void bf16_blk_avx2(const uint16_t *wl, const uint16_t *wh, int64_t N
         }
 }
 
+/* T == 1: the rows of the block front to back, each row's lo columns then its hi columns, so
+ * the matrix is read as one contiguous stream (the lo/hi blocks above read 4 streams 1.5-4 KiB
+ * apart). The accumulators live in L1 in the kernel's split even/odd layout (no shuffles per
+ * row), MOED_SWEEP_COLS columns of lo and of hi at a time; each column still adds its rows in k
+ * order with one FMA each, so the bits are those of the blocks. In-process A/B on Zen 5, 2
+ * threads, 8 experts a call: 33-35 -> 39-41 GB/s (the speed of the same bytes in row-major). */
+MOED_INLINE void bf16_sweep_unit_avx2(const uint16_t *r, float *ac, __m256 xb, int64_t n, const int MASKED) {
+    const __m256i himask = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256i raw = MASKED ? bf16_load16_part(r, n) : _mm256_loadu_si256((const __m256i *)r);
+    __m256 e = _mm256_load_ps(ac), o = _mm256_load_ps(ac + 8);
+    e = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)), xb, e);
+    o = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(raw, himask)), xb, o);
+    _mm256_store_ps(ac, e);
+    _mm256_store_ps(ac + 8, o);
+}
+
+static void bf16_sweep_avx2(const uint16_t *w, int64_t K, int64_t N, int64_t j0, int64_t W, const float *x,
+                            float *lo, float *hi) {
+    float acc[2 * MOED_SWEEP_COLS] __attribute__((aligned(64)));
+    const int64_t H = N / 2;
+    for (int64_t c0 = 0; c0 < W; c0 += MOED_SWEEP_COLS) {
+        const int64_t cw = W - c0 < MOED_SWEEP_COLS ? W - c0 : MOED_SWEEP_COLS, full = cw / 16 * 16;
+        const int64_t used = (cw + 15) / 16 * 16;
+        for (int64_t i = 0; i < used; i += 8) {
+            _mm256_store_ps(acc + i, _mm256_setzero_ps());
+            _mm256_store_ps(acc + MOED_SWEEP_COLS + i, _mm256_setzero_ps());
+        }
+        for (int64_t k = 0; k < K; k++) {
+            const __m256 xb = _mm256_set1_ps(x[k]);
+            for (int h = 0; h < 2; h++) {
+                const uint16_t *r = w + k * N + j0 + c0 + h * H;
+                float *ac = acc + h * MOED_SWEEP_COLS;
+                int64_t c = 0;
+                for (; c < full; c += 16) {
+                    if ((c & 31) == 0) _mm_prefetch((const char *)(r + c) + MOED_SWEEP_PF, MOED_STRIP_HINT);
+                    bf16_sweep_unit_avx2(r + c, ac + c, xb, 16, 0);
+                }
+                if (c < cw) bf16_sweep_unit_avx2(r + c, ac + c, xb, cw - c, 1);
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            float *out = (h ? hi : lo) + c0;
+            const float *ac = acc + h * MOED_SWEEP_COLS;
+            for (int64_t c = 0; c < cw; c += 16)
+                bf16_store16_avx2(out + c, _mm256_load_ps(ac + c), _mm256_load_ps(ac + c + 8), cw - c, c + 16 > cw);
+        }
+    }
+}
+
 #define BF16_AVX2_CALL(NU, TB)                                                                     \
     do {                                                                                           \
         if (rem >= 16 * (NU))                                                                      \
@@ -170,8 +223,12 @@ void moed_strip_bf16_avx2(const moed_matrix *mw, const moed_act *a, int64_t j0, 
     const uint16_t *w = (const uint16_t *)mw->w;
     const int64_t K = mw->K, N = mw->N, H = N / 2, W = j1 - j0, xK = a->K;
     const int T = a->T;
-    /* T == 1: 32 columns of lo + 32 of hi (8 accumulators); else 16 + 16 columns x 2 tokens */
-    const int64_t CB = T == 1 ? 32 : 16;
+    if (T == 1) {
+        bf16_sweep_avx2(w, K, N, j0, W, a->x, lo, hi);
+        return;
+    }
+    /* 16 columns of lo + 16 of hi x 2 tokens */
+    const int64_t CB = 16;
     const int64_t KC = T <= 2 ? MOED_STRIP_KC1 : MOED_STRIP_KC;
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kn = K - k0 < KC ? K - k0 : KC;
@@ -179,12 +236,6 @@ void moed_strip_bf16_avx2(const moed_matrix *mw, const moed_act *a, int64_t j0, 
         for (int64_t c0 = 0; c0 < W; c0 += CB) {
             const int64_t rem = W - c0;
             const uint16_t *wl = w + k0 * N + j0 + c0, *wh = wl + H;
-            if (T == 1) {
-                const float *xp = a->x + k0;
-                float *ol = lo + c0, *oh = hi + c0;
-                BF16_AVX2_CALL(2, 1);
-                continue;
-            }
             int t0 = 0;
             for (; t0 + 2 <= T; t0 += 2) {
                 const float *xp = a->x + (int64_t)t0 * xK + k0;
@@ -296,6 +347,52 @@ MOED_INLINE void bf16_blk_avx512(const uint16_t *wl, const uint16_t *wh, int64_t
         }
 }
 
+/* T == 1: one contiguous stream, accumulators in L1 (see bf16_sweep_avx2) */
+MOED_INLINE void bf16_sweep_unit_avx512(const uint16_t *r, float *ac, __m512 xb, __mmask32 m, const int MASKED) {
+    const __m512i himask = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i raw = MASKED ? _mm512_maskz_loadu_epi16(m, r) : _mm512_loadu_si512((const void *)r);
+    __m512 e = _mm512_load_ps(ac), o = _mm512_load_ps(ac + 16);
+    e = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), xb, e);
+    o = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(raw, himask)), xb, o);
+    _mm512_store_ps(ac, e);
+    _mm512_store_ps(ac + 16, o);
+}
+
+static void bf16_sweep_avx512(const uint16_t *w, int64_t K, int64_t N, int64_t j0, int64_t W, const float *x,
+                              float *lo, float *hi) {
+    float acc[2 * MOED_SWEEP_COLS] __attribute__((aligned(64)));
+    const int64_t H = N / 2;
+    for (int64_t c0 = 0; c0 < W; c0 += MOED_SWEEP_COLS) {
+        const int64_t cw = W - c0 < MOED_SWEEP_COLS ? W - c0 : MOED_SWEEP_COLS, full = cw / 32 * 32;
+        const int64_t used = (cw + 31) / 32 * 32;
+        const __mmask32 tail = bf16_mask32(cw - full);
+        for (int64_t i = 0; i < used; i += 16) {
+            _mm512_store_ps(acc + i, _mm512_setzero_ps());
+            _mm512_store_ps(acc + MOED_SWEEP_COLS + i, _mm512_setzero_ps());
+        }
+        for (int64_t k = 0; k < K; k++) {
+            const __m512 xb = _mm512_set1_ps(x[k]);
+            for (int h = 0; h < 2; h++) {
+                const uint16_t *r = w + k * N + j0 + c0 + h * H;
+                float *ac = acc + h * MOED_SWEEP_COLS;
+                for (int64_t c = 0; c < full; c += 32) {
+                    _mm_prefetch((const char *)(r + c) + MOED_SWEEP_PF, MOED_STRIP_HINT);
+                    bf16_sweep_unit_avx512(r + c, ac + c, xb, 0, 0);
+                }
+                if (tail) bf16_sweep_unit_avx512(r + full, ac + full, xb, tail, 1);
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            float *out = (h ? hi : lo) + c0;
+            const float *ac = acc + h * MOED_SWEEP_COLS;
+            for (int64_t c = 0; c < full; c += 32)
+                bf16_store32_avx512(out + c, _mm512_load_ps(ac + c), _mm512_load_ps(ac + c + 16), 0, 0);
+            if (tail)
+                bf16_store32_avx512(out + full, _mm512_load_ps(ac + full), _mm512_load_ps(ac + full + 16), tail, 1);
+        }
+    }
+}
+
 #define BF16_AVX512_CALL(NU, TB)                                                                   \
     do {                                                                                           \
         if (rem >= 32 * (NU))                                                                      \
@@ -309,8 +406,12 @@ void moed_strip_bf16_avx512(const moed_matrix *mw, const moed_act *a, int64_t j0
     const uint16_t *w = (const uint16_t *)mw->w;
     const int64_t K = mw->K, N = mw->N, H = N / 2, W = j1 - j0, xK = a->K;
     const int T = a->T;
-    /* T == 1: 64 columns of lo + 64 of hi (8 accumulators); else 32 + 32 columns x 4 tokens */
-    const int64_t CB = T == 1 ? 32 * BF16_NU1 : 32;
+    if (T == 1) {
+        bf16_sweep_avx512(w, K, N, j0, W, a->x, lo, hi);
+        return;
+    }
+    /* 32 columns of lo + 32 of hi x 4 tokens */
+    const int64_t CB = 32;
     const int64_t KC = T <= 4 ? MOED_STRIP_KC1 : MOED_STRIP_KC;
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kn = K - k0 < KC ? K - k0 : KC;
@@ -318,12 +419,6 @@ void moed_strip_bf16_avx512(const moed_matrix *mw, const moed_act *a, int64_t j0
         for (int64_t c0 = 0; c0 < W; c0 += CB) {
             const int64_t rem = W - c0;
             const uint16_t *wl = w + k0 * N + j0 + c0, *wh = wl + H;
-            if (T == 1) {
-                const float *xp = a->x + k0;
-                float *ol = lo + c0, *oh = hi + c0;
-                BF16_AVX512_CALL(BF16_NU1, 1);
-                continue;
-            }
             int t0 = 0;
             for (; t0 + 4 <= T; t0 += 4) {
                 const float *xp = a->x + (int64_t)t0 * xK + k0;

@@ -68,7 +68,7 @@ def test_strips_match_their_twins_on_odd_shapes(dtype, isa):
     gen = torch.Generator().manual_seed(DTYPES.index(dtype))
     ks = (32, 96, 2048) if dtype in ("int4", "q8", "mxfp4") else (1, 7, 33, 100, 2048)
     for k in ks:
-        for n in (2, 18, 130, 1536):
+        for n in (2, 18, 130, 1536, 2200):  # 2200: a strip wider than one T = 1 sweep window (1024)
             arrays = _matrix(dtype, k, n, gen)
             half = n // 2
             for t in (1, 2, 3, 5, 16, 64):
@@ -81,6 +81,24 @@ def test_strips_match_their_twins_on_odd_shapes(dtype, isa):
                     what = f"{dtype} {isa} K={k} N={n} T={t} [{j0},{j1})"
                     _check(lo, want_lo, b_lo, what + " lo")
                     _check(hi, want_hi, b_hi, what + " hi")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_token_gets_the_same_bits_whatever_shares_the_call(dtype, isa):
+    """T = 1 sweeps rows one by one and larger T works in row blocks: each column still adds its
+    rows in k order, so a token's output has the same bits alone or among others (batching does
+    not change a sequence's result)."""
+    gen = torch.Generator().manual_seed(11 + DTYPES.index(dtype))
+    small_k = 33 if dtype in ("fp32", "bf16") else 64
+    for k, n in ((96, 2200), (2048, 1536), (small_k, 130)):
+        arrays = _matrix(dtype, k, n, gen)
+        x = torch.randn(5, k, generator=gen)
+        for j0, j1 in ((0, n // 2), (3, n // 2 - 5)):
+            lo1, hi1 = LIB.strip(dtype, isa, arrays, k, n, x[:1], j0, j1)
+            for t in (2, 3, 5):
+                lo, hi = LIB.strip(dtype, isa, arrays, k, n, x[:t], j0, j1)
+                what = f"{dtype} {isa} K={k} N={n} [{j0},{j1}) T=1 vs T={t}"
+                assert torch.equal(lo[0], lo1[0]) and torch.equal(hi[0], hi1[0]), what
 
 
 @pytest.mark.parametrize("dtype", ("bf16", "q8"))
@@ -143,12 +161,12 @@ def test_results_do_not_depend_on_the_thread_count(dtype):
         single.close()
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (130, 33), (48, 2048), (2048, 100), (3000, 64)])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (130, 33), (48, 2048), (2048, 100), (3000, 64), (7, 96)])
 def test_dense_bf16_matches_float64(shape, isa):
     gen = torch.Generator().manual_seed(shape[0])
     n, k = shape
     w = torch.randn(n, k, generator=gen).bfloat16()
-    for t in (1, 2, 5, 16):
+    for t in (1, 2, 3, 5, 16):
         x = torch.randn(t, k, generator=gen)
         got = LIB.dense_bf16(x, w)
         want = x.double() @ w.double().T
