@@ -6,7 +6,7 @@
  * with the int8 activations of moed_cpu.h (xq, xs, xsum per 32): per row, sum over groups g of
  *   q8  : d[n][g] * xs[g] * (sum_k xq[k] qs[n][k])
  *   int4: scale[n][g] * xs[g] * (sum_k xq[k] code[n][k]) + min[n][g] * xsum[g]
- * Rows are read front to back, a few at a time (the bank's k-major layout reads 32 strided rows
+ * Rows are read front to back, one at a time (the bank's k-major layout reads 32 strided rows
  * per column block, which a lone GEMV cannot stream at full bandwidth). The torch twin is
  * moed.kernels.native_cpu_reference.rows_reference. */
 #define _POSIX_C_SOURCE 200809L
@@ -77,9 +77,14 @@ static inline __attribute__((always_inline)) __m256 rows_bf16x8(const uint16_t *
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-#define ROWS_R 4 /* rows at a time: four streams per thread */
+#ifndef ROWS_R
+/* rows at a time. One: a thread's rows follow each other in memory, so it reads one stream (4
+ * rows were 4 streams, which the prefetchers serve worse: in-process A/B on Zen 5, 2 threads,
+ * the 6-layer bench model's decode step 18.0 -> 16.6 ms at q8_0, 14.4 -> 13.0 ms at q4_1) */
+#define ROWS_R 1
+#endif
 #ifndef ROWS_PF
-#define ROWS_PF 1 /* prefetch the next block of rows at the same k while computing this one */
+#define ROWS_PF 4096 /* software prefetch distance along a thread's stream of rows, bytes (0: none) */
 #endif
 
 void moed_rows_q8_avx2(const moed_matrix *w, const moed_act *a, int64_t r0, int64_t r1, float *y, int64_t ldy) {
@@ -193,7 +198,7 @@ void moed_rows_q8_avx512(const moed_matrix *w, const moed_act *a, int64_t r0, in
                                                          i, i, i, i, i, i, i, i);
                     for (int r = 0; r < R; r++) {
                         const int8_t *qp = (const int8_t *)w->w + (rb + r) * K + k;
-                        if (ROWS_PF) _mm_prefetch((const char *)(qp + ROWS_R * K), _MM_HINT_T0);
+                        if (ROWS_PF) _mm_prefetch((const char *)qp + ROWS_PF, _MM_HINT_T0);
                         const __m512i q = _mm512_loadu_si512((const void *)qp);
                         const __mmask64 neg = _mm512_movepi8_mask(q);
                         const __m512i aq = _mm512_abs_epi8(q);  /* -128 -> 0x80, read as unsigned 128 */
@@ -246,7 +251,7 @@ void moed_rows_int4_avx512(const moed_matrix *w, const moed_act *a, int64_t r0, 
                                                          i + 1, i + 1, i + 1, i + 1, i, i, i, i);
                     for (int r = 0; r < R; r++) {
                         const uint8_t *bp = (const uint8_t *)w->w + (rb + r) * (K / 2) + g * 16;
-                        if (ROWS_PF) _mm_prefetch((const char *)(bp + ROWS_R * (K / 2)), _MM_HINT_T0);
+                        if (ROWS_PF) _mm_prefetch((const char *)bp + ROWS_PF, _MM_HINT_T0);
                         const __m256i b = _mm256_loadu_si256((const __m256i *)bp);
                         const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, low)),
                                                              _mm256_and_si256(_mm256_srli_epi16(b, 4), low), 1);
