@@ -4,9 +4,10 @@
  * fused q/k/v call) so a task only streams its rows.
  *
  * Vectorised along K: up to 2 tokens one row at a time, 3 or more in blocks of 4 rows x up to 4
- * (AVX-512) or 2 (AVX2) tokens (see below; later token blocks find the rows in L1/L2). bf16 -> fp32 with the even/odd trick (a vector of 2n bf16 read
- * as n 32-bit lanes: even k = lane << 16, odd k = lane & 0xFFFF0000); x is split into its even
- * and odd k the same way once per call (moed_dense_prepare). The K tail uses a masked load
+ * (AVX-512) or 2 (AVX2) tokens (see below; later token blocks find the rows in L1/L2). bf16 ->
+ * fp32 with the even/odd trick (a vector of 2n bf16 read as n 32-bit lanes: even k = lane << 16,
+ * odd k = lane & 0xFFFF0000); x is split into its even and odd k the same way once per call
+ * (moed_dense_prepare). The K tail uses a masked load
  * (AVX-512) or a zero-padded copy (AVX2). */
 #include <stdint.h>
 #include <stdlib.h>
