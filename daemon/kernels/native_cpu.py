@@ -1,7 +1,7 @@
 """moed's native CPU kernels (native/cpu/*.c, built by `pip install`): loading, ISA choice, calls.
 
-The library is plain C (SIMD per function, chosen at run time: AVX-512, AVX2 or a portable scalar
-path) loaded with ctypes; it owns one persistent thread pool. Entry points:
+The library is plain C (SIMD per function, chosen at run time: AVX-512 with VNNI (vpdpbusd for the
+int8 strips), AVX-512, AVX2 or a portable scalar path) loaded with ctypes; it owns one persistent thread pool. Entry points:
 
 - ``moe(bank, x, flat_ids, weights)``: every routed expert of one MoE layer in one call (gate_up,
   activation, down, the weighted sum in ascending slot order), reading the bank by flat id;
@@ -15,7 +15,7 @@ path) loaded with ctypes; it owns one persistent thread pool. Entry points:
   (moed.kernels.native_cpu_reference).
 
 Without the library (no compiler at install, ``MOED_NATIVE=0``) ``native()`` is None and the
-callers use the numba kernels. ``MOED_NATIVE_ISA=scalar|avx2|avx512`` caps the ISA (never above
+callers use the numba kernels. ``MOED_NATIVE_ISA=scalar|avx2|avx512|avx512vnni`` caps the ISA (never above
 what the CPU has).
 """
 
@@ -34,8 +34,8 @@ import torch
 from moed.kernels.cpu_threads import cpu_threads
 from moed.kernels.rows_format import rows_shapes
 
-ABI_VERSION = 2
-ISA_NAMES = ("scalar", "avx2", "avx512")
+ABI_VERSION = 3
+ISA_NAMES = ("scalar", "avx2", "avx512", "avx512vnni")
 DTYPE_CODES = {"fp32": 0, "bf16": 1, "int4": 2, "q8": 3, "mxfp4": 4}
 ACT_CODES = {"silu": 0, "gpt_oss": 1}
 SPIN_NS = int(float(os.environ.get("MOED_SPIN_US", "30")) * 1000)  # idle threads spin this long, then sleep

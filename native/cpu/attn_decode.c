@@ -59,7 +59,8 @@ void moed_attn_task_avx512(const moed_attn_decode_args *a, int64_t b, int64_t g,
 #endif
 
 int moed_cpu_isa(void);
-static const moed_attn_task_fn attn_table[3] = {moed_attn_task_scalar, moed_attn_task_avx2, moed_attn_task_avx512};
+static const moed_attn_task_fn attn_table[MOED_NUM_ISAS] = {moed_attn_task_scalar, moed_attn_task_avx2,
+                                                             moed_attn_task_avx512, moed_attn_task_avx512};
 
 typedef struct {
     const moed_attn_decode_args *a;

@@ -40,7 +40,7 @@ void moed_dense_bf16_scalar(const uint16_t *W, const float *x, int64_t Kp, int T
 }
 
 /* chunk of k of the split layout per ISA (scalar: x as it is) */
-static int64_t dense_chunk(int isa) { return isa == MOED_ISA_AVX512 ? 32 : isa == MOED_ISA_AVX2 ? 16 : 1; }
+static int64_t dense_chunk(int isa) { return isa >= MOED_ISA_AVX512 ? 32 : isa == MOED_ISA_AVX2 ? 16 : 1; }
 
 int64_t moed_dense_row_length(int isa, int64_t K) {
     const int64_t C = dense_chunk(isa);

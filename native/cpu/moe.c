@@ -29,7 +29,7 @@ static int detect_isa(void) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return MOED_ISA_AVX512;
+        return __builtin_cpu_supports("avx512vnni") ? MOED_ISA_AVX512VNNI : MOED_ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return MOED_ISA_AVX2;
 #endif
@@ -50,14 +50,16 @@ int moed_cpu_set_isa(int isa) {
 
 int moed_cpu_isa(void) { return chosen_isa < 0 ? moed_cpu_set_isa(-1) : chosen_isa; }
 
-static const moed_strip_fn strip_table[MOED_NUM_DTYPES][3] = {
-    {moed_strip_fp32_scalar, moed_strip_fp32_avx2, moed_strip_fp32_avx512},
-    {moed_strip_bf16_scalar, moed_strip_bf16_avx2, moed_strip_bf16_avx512},
-    {moed_strip_int4_scalar, moed_strip_int4_avx2, moed_strip_int4_avx512},
-    {moed_strip_q8_scalar, moed_strip_q8_avx2, moed_strip_q8_avx512},
-    {moed_strip_mxfp4_scalar, moed_strip_mxfp4_avx2, moed_strip_mxfp4_avx512},
+/* [dtype][isa]: VNNI only changes the int8 strips (fp32 and bf16 use the AVX-512 ones) */
+static const moed_strip_fn strip_table[MOED_NUM_DTYPES][MOED_NUM_ISAS] = {
+    {moed_strip_fp32_scalar, moed_strip_fp32_avx2, moed_strip_fp32_avx512, moed_strip_fp32_avx512},
+    {moed_strip_bf16_scalar, moed_strip_bf16_avx2, moed_strip_bf16_avx512, moed_strip_bf16_avx512},
+    {moed_strip_int4_scalar, moed_strip_int4_avx2, moed_strip_int4_avx512, moed_strip_int4_avx512vnni},
+    {moed_strip_q8_scalar, moed_strip_q8_avx2, moed_strip_q8_avx512, moed_strip_q8_avx512vnni},
+    {moed_strip_mxfp4_scalar, moed_strip_mxfp4_avx2, moed_strip_mxfp4_avx512, moed_strip_mxfp4_avx512vnni},
 };
-static const moed_dense_fn dense_table[3] = {moed_dense_bf16_scalar, moed_dense_bf16_avx2, moed_dense_bf16_avx512};
+static const moed_dense_fn dense_table[MOED_NUM_ISAS] = {moed_dense_bf16_scalar, moed_dense_bf16_avx2,
+                                                         moed_dense_bf16_avx512, moed_dense_bf16_avx512};
 
 static int quantised(int dtype) { return dtype == MOED_INT4 || dtype == MOED_Q8 || dtype == MOED_MXFP4; }
 
@@ -65,7 +67,7 @@ static int quantised(int dtype) { return dtype == MOED_INT4 || dtype == MOED_Q8 
 void *moed_cpu_create(int nthreads, int64_t spin_ns) { return moed_pool_create(nthreads, spin_ns); }
 void moed_cpu_destroy(void *h) { moed_pool_destroy((moed_pool *)h); }
 int moed_cpu_threads(void *h) { return moed_pool_threads((moed_pool *)h); }
-int moed_cpu_abi_version(void) { return 2; }
+int moed_cpu_abi_version(void) { return 3; }
 
 /* ------------------------------------------------------------------------------ one strip */
 /* for the tests: one strip of one matrix, with a chosen ISA; returns 0, or -1 on bad arguments */

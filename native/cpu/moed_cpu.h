@@ -3,7 +3,9 @@
  * Everything here is plain C11 + pthreads, built by `pip install` (setup.py) with the system
  * compiler and loaded with ctypes by moed/kernels/native_cpu.py. SIMD code is compiled per
  * function with GCC/Clang target pragmas (no -march flag), and chosen at run time from what the
- * CPU reports: MOED_ISA_AVX512 (F+BW+VL+DQ), MOED_ISA_AVX2 (AVX2+FMA+F16C), MOED_ISA_SCALAR.
+ * CPU reports: MOED_ISA_AVX512VNNI (AVX-512 + VNNI: the int8 strips use vpdpbusd; every other
+ * kernel is the AVX-512 one), MOED_ISA_AVX512 (F+BW+VL+DQ), MOED_ISA_AVX2 (AVX2+FMA+F16C),
+ * MOED_ISA_SCALAR.
  *
  * Matrix layout (the host expert bank, moed.kernels.*_format): a matrix w[K][N] is k-major
  * ("x @ w"), groups of 32 along K:
@@ -41,7 +43,7 @@
 
 #define MOED_GROUP 32
 
-enum { MOED_ISA_SCALAR = 0, MOED_ISA_AVX2 = 1, MOED_ISA_AVX512 = 2 };
+enum { MOED_ISA_SCALAR = 0, MOED_ISA_AVX2 = 1, MOED_ISA_AVX512 = 2, MOED_ISA_AVX512VNNI = 3, MOED_NUM_ISAS = 4 };
 enum { MOED_FP32 = 0, MOED_BF16 = 1, MOED_INT4 = 2, MOED_Q8 = 3, MOED_MXFP4 = 4, MOED_NUM_DTYPES = 5 };
 
 typedef struct {
@@ -83,12 +85,15 @@ void moed_strip_bf16_avx512(const moed_matrix *, const moed_act *, int64_t, int6
 void moed_strip_int4_scalar(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
 void moed_strip_int4_avx2(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
 void moed_strip_int4_avx512(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
+void moed_strip_int4_avx512vnni(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
 void moed_strip_q8_scalar(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
 void moed_strip_q8_avx2(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
 void moed_strip_q8_avx512(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
+void moed_strip_q8_avx512vnni(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
 void moed_strip_mxfp4_scalar(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
 void moed_strip_mxfp4_avx2(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
 void moed_strip_mxfp4_avx512(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
+void moed_strip_mxfp4_avx512vnni(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, float *, int64_t);
 void moed_dense_bf16_scalar(const uint16_t *, const float *, int64_t, int, int64_t, int64_t, int64_t, float *, int64_t);
 void moed_dense_bf16_avx2(const uint16_t *, const float *, int64_t, int, int64_t, int64_t, int64_t, float *, int64_t);
 void moed_dense_bf16_avx512(const uint16_t *, const float *, int64_t, int, int64_t, int64_t, int64_t, float *, int64_t);

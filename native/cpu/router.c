@@ -71,7 +71,7 @@ int moed_cpu_route(void *h, const float *x, int64_t N, int64_t D, const float *W
     moed_pool *p = (moed_pool *)h;
     float *logits = (float *)moed_pool_scratch(p, sizeof(float) * (size_t)(N * E));
     if (!logits) return -2;
-    static const router_dot_fn dots[3] = {router_dot_scalar, router_dot_avx2, router_dot_avx512};
+    static const router_dot_fn dots[MOED_NUM_ISAS] = {router_dot_scalar, router_dot_avx2, router_dot_avx512, router_dot_avx512};
     router_job j = {x, W, bias, N, E, D, 0, logits, dots[moed_cpu_isa()]};
     const int64_t tasks = 4 * (int64_t)moed_pool_threads(p);
     j.rows_per_task = (E + tasks - 1) / tasks;

@@ -336,8 +336,9 @@ int moed_cpu_rows_many(void *h, int dtype, int count, const moed_matrix *const *
     moed_quantize_act(x, T, K, xq, xs, xs + T * G);
     j.act.T = T; j.act.K = K; j.act.x = x; j.act.xq = xq; j.act.xs = xs; j.act.xsum = xs + T * G;
     const int isa = moed_cpu_isa();
-    static const rows_fn table[2][3] = {{moed_rows_q8_scalar, moed_rows_q8_avx2, moed_rows_q8_avx512},
-                                        {moed_rows_int4_scalar, moed_rows_int4_avx2, moed_rows_int4_avx512}};
+    static const rows_fn table[2][MOED_NUM_ISAS] = {
+        {moed_rows_q8_scalar, moed_rows_q8_avx2, moed_rows_q8_avx512, moed_rows_q8_avx512},
+        {moed_rows_int4_scalar, moed_rows_int4_avx2, moed_rows_int4_avx512, moed_rows_int4_avx512}};
     j.fn = table[dtype == MOED_INT4][isa];
     moed_pool_run(p, rows_task, &j, j.first_task[count]);
     return 0;

@@ -266,6 +266,236 @@ void moed_strip_q8_avx512(const moed_matrix *w, const moed_act *a, int64_t j0, i
 #pragma GCC pop_options
 
 /* ------------------------------------------------------------------------------------------ */
+/* AVX-512 VNNI                                                                               */
+/* vpdpbusd adds the products of 4 adjacent unsigned bytes and 4 signed bytes into one int32:
+ * one instruction per 16 columns x 4 rows, where the path above needs an unpack, a widening and
+ * a madd + add per 16 columns x 2 rows (it is compute-bound on one core: ~20 GB/s from L2). The
+ * 4 rows k..k+3 of 64 columns are interleaved into (k, k+1, k+2, k+3) byte quads per column by
+ * two rounds of in-lane unpacks; the weights are made unsigned by flipping their sign bit
+ * (w + 128), so the sum carries 128 * (sum of the group's xq), which is subtracted (exact). The
+ * int32 sum per group is then the same integer as above and the fp32 steps are the same: same
+ * bits. Inside a unit of 64 columns the lanes are permuted: vector q, 128-bit lane l holds
+ * columns 16l + 4q .. 16l + 4q + 3 (d is permuted the same way; the output rows hold this order
+ * between groups and get the natural one at the last group). */
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+
+/* the 4 x 4 transpose of 128-bit lanes (its own inverse): lane l of out q = lane q of in l */
+static inline __attribute__((always_inline)) void q8_lanes4(__m512 v[4]) {
+    const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+    const __m512 t2 = _mm512_shuffle_f32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+    v[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+    v[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+    v[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+    v[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+}
+
+/* One group g of one unit of 64 columns at column c for TB tokens; xw[t * 8 + q] = the 4 bytes
+ * xq[t][g*32 + 4q ..], xoff[t] = 128 * sum of the group's xq. */
+static inline __attribute__((always_inline)) void q8_group_vnni(const q8_ctx *C, const int TB, int64_t c, int64_t g,
+                                                                const int32_t *xw, const int32_t *xoff, int t0,
+                                                                float *o, int64_t ldo, int first, int last,
+                                                                int64_t pfd) {
+    __m512i acc[4][4];
+    for (int t = 0; t < TB; t++)
+        for (int v = 0; v < 4; v++) acc[t][v] = _mm512_setzero_si512();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int64_t N = C->N;
+    const int8_t *r = C->qs + g * MOED_GROUP * N + c;
+    for (int q = 0; q < MOED_GROUP / 4; q++) {
+        const __m512i r0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)r), flip);
+        const __m512i r1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(r + N)), flip);
+        const __m512i r2 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(r + 2 * N)), flip);
+        const __m512i r3 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(r + 3 * N)), flip);
+        if (pfd) {
+            _mm_prefetch((const char *)(r + pfd), Q8_PFHINT);
+            _mm_prefetch((const char *)(r + N + pfd), Q8_PFHINT);
+            _mm_prefetch((const char *)(r + 2 * N + pfd), Q8_PFHINT);
+            _mm_prefetch((const char *)(r + 3 * N + pfd), Q8_PFHINT);
+        }
+        const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
+        const __m512i e = _mm512_unpacklo_epi8(r2, r3), f = _mm512_unpackhi_epi8(r2, r3);
+        const __m512i w[4] = {_mm512_unpacklo_epi16(a, e), _mm512_unpackhi_epi16(a, e), _mm512_unpacklo_epi16(b, f),
+                              _mm512_unpackhi_epi16(b, f)};
+        for (int t = 0; t < TB; t++) {
+            const __m512i xb = _mm512_set1_epi32(xw[t * 8 + q]);
+            for (int v = 0; v < 4; v++) acc[t][v] = _mm512_dpbusd_epi32(acc[t][v], w[v], xb);
+        }
+        r += 4 * N;
+    }
+    const uint16_t *dp = C->d + g * N + c;
+    __m512 dv[4];
+    for (int l = 0; l < 4; l++) dv[l] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + 16 * l)));
+    q8_lanes4(dv);
+    for (int t = 0; t < TB; t++) {
+        const __m512 s = _mm512_set1_ps(C->xs[(int64_t)(t0 + t) * C->sstride + g]);
+        const __m512i off = _mm512_set1_epi32(xoff[t]);
+        float *op = o + (int64_t)t * ldo;
+        __m512 fv[4];
+        for (int v = 0; v < 4; v++) {
+            fv[v] = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[t][v], off));
+            if (first)
+                fv[v] = _mm512_mul_ps(fv[v], _mm512_mul_ps(dv[v], s));
+            else
+                fv[v] = _mm512_fmadd_ps(fv[v], _mm512_mul_ps(dv[v], s), _mm512_loadu_ps(op + 16 * v));
+        }
+        if (last) q8_lanes4(fv);
+        for (int v = 0; v < 4; v++) _mm512_storeu_ps(op + 16 * v, fv[v]);
+    }
+}
+
+#define Q8_DEFVNNI(NAME, TB)                                                                                     \
+    static void NAME(const q8_ctx *C, int64_t c, int64_t g, const int32_t *xw, const int32_t *xoff, int t0,       \
+                     float *o, int64_t ldo, int first, int last, int64_t pfd) {                                  \
+        q8_group_vnni(C, TB, c, g, xw, xoff, t0, o, ldo, first, last, pfd);                                       \
+    }
+typedef void (*q8_blkvnni_fn)(const q8_ctx *, int64_t, int64_t, const int32_t *, const int32_t *, int, float *,
+                              int64_t, int, int, int64_t);
+Q8_DEFVNNI(q8bv_1, 1)
+Q8_DEFVNNI(q8bv_2, 2)
+Q8_DEFVNNI(q8bv_3, 3)
+Q8_DEFVNNI(q8bv_4, 4)
+static const q8_blkvnni_fn q8_tabvnni[4] = {q8bv_1, q8bv_2, q8bv_3, q8bv_4};
+
+/* One token (decode): the rows of a quad are swept front to back over both halves' columns, the
+ * int32 sums of the group in L1 (acc: the lo units then the hi units, permuted as above), so the
+ * weights are read as 4 streams of adjacent rows instead of 32 short strided pieces per unit (in
+ * a harness alternating both on Zen 5, 2 threads, 500 MB of weights: 10-20% faster than the
+ * AVX-512 path, e.g. 38 -> 45 GB/s). The next quad's lines are prefetched (into L1) while this one
+ * is swept. Whole units of 64 columns: W % 64 == 0 columns from j0 in each half. */
+#ifndef Q8_SWC
+#define Q8_SWC 1024 /* columns per half and sweep window */
+#endif
+#ifndef Q8_SWPF
+#define Q8_SWPF _MM_HINT_T0
+#endif
+static void q8_sweep_vnni(const q8_ctx *C, const moed_act *a, int64_t j0, int64_t W, float *lo, float *hi) {
+    _Alignas(64) int32_t acc[2 * Q8_SWC];
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int64_t N = C->N, H = N / 2, G = C->G, U = W / 64;
+    for (int64_t g = 0; g < G; g++) {
+        const int8_t *xq = a->xq + g * MOED_GROUP;
+        int32_t xw[8], sum = 0;
+        for (int k = 0; k < MOED_GROUP; k++) sum += xq[k];
+        memcpy(xw, xq, MOED_GROUP);
+        const __m512i off = _mm512_set1_epi32(128 * sum);
+        memset(acc, 0, sizeof(int32_t) * (size_t)(2 * W));
+        const int8_t *rg = C->qs + g * MOED_GROUP * N + j0;
+        for (int q = 0; q < MOED_GROUP / 4; q++) {
+            const __m512i xb = _mm512_set1_epi32(xw[q]);
+            const int8_t *rq = rg + 4 * q * N;
+            for (int half = 0; half < 2; half++) {
+                const int8_t *p = rq + half * H;
+                int32_t *ac = acc + half * W;
+                for (int64_t u = 0; u < U; u++, p += 64, ac += 64) {
+                    _mm_prefetch((const char *)(p + 4 * N), Q8_SWPF);
+                    _mm_prefetch((const char *)(p + 5 * N), Q8_SWPF);
+                    _mm_prefetch((const char *)(p + 6 * N), Q8_SWPF);
+                    _mm_prefetch((const char *)(p + 7 * N), Q8_SWPF);
+                    const __m512i r0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)p), flip);
+                    const __m512i r1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + N)), flip);
+                    const __m512i r2 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 2 * N)), flip);
+                    const __m512i r3 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 3 * N)), flip);
+                    const __m512i x0 = _mm512_unpacklo_epi8(r0, r1), x1 = _mm512_unpackhi_epi8(r0, r1);
+                    const __m512i x2 = _mm512_unpacklo_epi8(r2, r3), x3 = _mm512_unpackhi_epi8(r2, r3);
+                    _mm512_store_si512((void *)ac, _mm512_dpbusd_epi32(_mm512_load_si512((const void *)ac),
+                                                                       _mm512_unpacklo_epi16(x0, x2), xb));
+                    _mm512_store_si512((void *)(ac + 16), _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(ac + 16)),
+                                                                              _mm512_unpackhi_epi16(x0, x2), xb));
+                    _mm512_store_si512((void *)(ac + 32), _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(ac + 32)),
+                                                                              _mm512_unpacklo_epi16(x1, x3), xb));
+                    _mm512_store_si512((void *)(ac + 48), _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(ac + 48)),
+                                                                              _mm512_unpackhi_epi16(x1, x3), xb));
+                }
+            }
+        }
+        const __m512 s = _mm512_set1_ps(C->xs[g]);
+        const int first = g == 0, last = g == G - 1;
+        for (int half = 0; half < 2; half++) {
+            const uint16_t *dp = C->d + g * N + half * H + j0;
+            float *op = half ? hi : lo;
+            const int32_t *ac = acc + half * W;
+            for (int64_t u = 0; u < U; u++, dp += 64, op += 64, ac += 64) {
+                __m512 dv[4], fv[4];
+                for (int l = 0; l < 4; l++) dv[l] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + 16 * l)));
+                q8_lanes4(dv);
+                for (int v = 0; v < 4; v++) {
+                    fv[v] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512((const void *)(ac + 16 * v)), off));
+                    if (first)
+                        fv[v] = _mm512_mul_ps(fv[v], _mm512_mul_ps(dv[v], s));
+                    else
+                        fv[v] = _mm512_fmadd_ps(fv[v], _mm512_mul_ps(dv[v], s), _mm512_loadu_ps(op + 16 * v));
+                }
+                if (last) q8_lanes4(fv);
+                for (int v = 0; v < 4; v++) _mm512_storeu_ps(op + 16 * v, fv[v]);
+            }
+        }
+    }
+}
+
+/* columns [c0, c1): whole units of 64 here, the rest by the AVX-512 path (the same bits) */
+static void q8_cols_vnni(const q8_ctx *C, const moed_act *a, int64_t c0, int64_t c1, float *out, int64_t ld) {
+    const int64_t G = C->G, W = c1 - c0, n64 = W / 64, xstride = a->K;
+    const int T = a->T;
+    if (n64 > 0) {
+        int32_t xw[Q8_TMAX * 8], xoff[Q8_TMAX];
+        const int64_t pfd = q8_pf_dist(C->N, 64 * n64);
+        for (int64_t g = 0; g < G; g++) {
+            for (int t = 0; t < T; t++) {
+                const int8_t *xq = a->xq + (int64_t)t * xstride + g * MOED_GROUP;
+                int32_t sum = 0;
+                for (int k = 0; k < MOED_GROUP; k++) sum += xq[k];
+                memcpy(xw + t * 8, xq, MOED_GROUP);
+                xoff[t] = 128 * sum;
+            }
+            for (int64_t b = 0; b < n64; b++)
+                for (int t0 = 0; t0 < T; t0 += 4) {
+                    const int tb = T - t0 < 4 ? T - t0 : 4;
+                    q8_tabvnni[tb - 1](C, c0 + 64 * b, g, xw + t0 * 8, xoff + t0, t0, out + (int64_t)t0 * ld + 64 * b,
+                                       ld, g == 0, g == G - 1, t0 == 0 ? pfd : 0);
+                }
+        }
+    }
+    if (W > 64 * n64) q8_cols512(C, a, c0 + 64 * n64, c1, out + 64 * n64, ld);
+}
+
+void moed_strip_q8_avx512vnni(const moed_matrix *w, const moed_act *a, int64_t j0, int64_t j1, float *lo, float *hi,
+                              int64_t ld) {
+    if (j1 <= j0 || a->T <= 0) return;
+    if (a->T > Q8_TMAX) {
+        for (int t0 = 0; t0 < a->T; t0 += Q8_TMAX) {
+            moed_act s = *a;
+            s.T = a->T - t0 < Q8_TMAX ? a->T - t0 : Q8_TMAX;
+            s.x = a->x + (int64_t)t0 * a->K;
+            s.xq = a->xq + (int64_t)t0 * a->K;
+            s.xs = a->xs + (int64_t)t0 * (a->K / MOED_GROUP);
+            s.xsum = a->xsum + (int64_t)t0 * (a->K / MOED_GROUP);
+            moed_strip_q8_avx512vnni(w, &s, j0, j1, lo + (int64_t)t0 * ld, hi + (int64_t)t0 * ld, ld);
+        }
+        return;
+    }
+    q8_ctx C = {(const int8_t *)w->w, (const uint16_t *)w->s, w->N, w->K / MOED_GROUP, a->xs, a->K / MOED_GROUP};
+    const int64_t h = w->N / 2;
+    if (a->T == 1) {
+        for (int64_t c = j0; c + 64 <= j1; c += Q8_SWC) {
+            const int64_t W = (j1 - c < Q8_SWC ? j1 - c : Q8_SWC) / 64 * 64;
+            q8_sweep_vnni(&C, a, c, W, lo + (c - j0), hi + (c - j0));
+        }
+        const int64_t done = (j1 - j0) / 64 * 64;
+        if (done < j1 - j0) {
+            q8_cols512(&C, a, j0 + done, j1, lo + done, ld);
+            q8_cols512(&C, a, h + j0 + done, h + j1, hi + done, ld);
+        }
+        return;
+    }
+    q8_cols_vnni(&C, a, j0, j1, lo, ld);
+    q8_cols_vnni(&C, a, h + j0, h + j1, hi, ld);
+}
+
+#pragma GCC pop_options
+
+/* ------------------------------------------------------------------------------------------ */
 /* AVX2 (+FMA, F16C)                                                                          */
 
 #pragma GCC push_options
@@ -414,6 +644,10 @@ void moed_strip_q8_avx2(const moed_matrix *w, const moed_act *a, int64_t j0, int
 }
 void moed_strip_q8_avx512(const moed_matrix *w, const moed_act *a, int64_t j0, int64_t j1, float *lo, float *hi,
                           int64_t ld) {
+    moed_strip_q8_scalar(w, a, j0, j1, lo, hi, ld);
+}
+void moed_strip_q8_avx512vnni(const moed_matrix *w, const moed_act *a, int64_t j0, int64_t j1, float *lo,
+                              float *hi, int64_t ld) {
     moed_strip_q8_scalar(w, a, j0, j1, lo, hi, ld);
 }
 

@@ -7,7 +7,7 @@ import pytest
 from moed.kernels.native_cpu import native
 
 
-@pytest.fixture(params=("scalar", "avx2", "avx512"))
+@pytest.fixture(params=("scalar", "avx2", "avx512", "avx512vnni"))
 def isa(request):
     """Each ISA of the native kernels this CPU has, set for the test and restored after it."""
     lib = native()

@@ -101,6 +101,33 @@ def test_a_token_gets_the_same_bits_whatever_shares_the_call(dtype, isa):
                 assert torch.equal(lo[0], lo1[0]) and torch.equal(hi[0], hi1[0]), what
 
 
+@pytest.mark.parametrize("dtype", ("int4", "q8", "mxfp4"))
+def test_vnni_strips_give_the_avx512_bits(dtype):
+    """The VNNI strips (vpdpbusd; q8 at T = 1 sweeps quads of rows) compute the same exact int32
+    group sums as the AVX-512 ones and combine them with the same float steps: equal bits, for
+    decode and small batches, widths past the q8 sweep window (1024 columns), column tails, and
+    the extreme codes (q8 -128 and 127, activations at +-127)."""
+    if LIB is None or "avx512vnni" not in LIB.available_isas():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    gen = torch.Generator().manual_seed(23 + DTYPES.index(dtype))
+    for k, n in ((64, 2200), (2048, 1536), (96, 130), (32, 64)):
+        arrays = _matrix(dtype, k, n, gen)
+        if dtype == "q8":
+            qs = arrays[0].clone()
+            qs[0, :] = -128  # the format holds -128 (a GGUF may have it); the quantiser never makes it
+            qs[1, :] = 127
+            arrays = (qs, *arrays[1:])
+        x = _x(5, k, gen)
+        x[:, 0] = 1e3  # saturates its group: xq = +-127 there
+        x[1:, 1] = -1e3
+        for j0, j1 in ((0, n // 2), (3, n // 2 - 5), (0, min(64, n // 2))):
+            for t in (1, 2, 5):
+                want = LIB.strip(dtype, "avx512", arrays, k, n, x[:t], j0, j1)
+                got = LIB.strip(dtype, "avx512vnni", arrays, k, n, x[:t], j0, j1)
+                what = f"{dtype} K={k} N={n} [{j0},{j1}) T={t}"
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), what
+
+
 @pytest.mark.parametrize("dtype", ("bf16", "q8"))
 def test_the_reused_work_buffer_does_not_leak_between_calls(dtype):
     """The pool keeps one work buffer across calls (grown when a call needs more): a small call after a
@@ -356,4 +383,4 @@ def test_an_unknown_isa_falls_back_to_numba_and_says_why():
     if LIB is None:
         pytest.skip("native CPU kernels not built")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "MOED_NATIVE_ISA='sse9' is not one of scalar, avx2, avx512" in out.stdout
+    assert "MOED_NATIVE_ISA='sse9' is not one of scalar, avx2, avx512, avx512vnni" in out.stdout
