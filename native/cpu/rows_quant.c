@@ -7,8 +7,9 @@
  *   q8  : d[n][g] * xs[g] * (sum_k xq[k] qs[n][k])
  *   int4: scale[n][g] * xs[g] * (sum_k xq[k] code[n][k]) + min[n][g] * xsum[g]
  * Rows are read front to back, one at a time (the bank's k-major layout reads 32 strided rows
- * per column block, which a lone GEMV cannot stream at full bandwidth). The torch twin is
- * moed.kernels.native_cpu_reference.rows_reference. */
+ * per column block, which a lone GEMV cannot stream at full bandwidth). The tests check it against
+ * the torch twin moed.kernels.native_cpu_reference.matrix_product on the k-major copy of the same
+ * numbers (kernels/rows_format.py converts exactly). */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <string.h>
