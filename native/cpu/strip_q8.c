@@ -90,6 +90,20 @@ static int64_t q8_pf_dist(int64_t N, int64_t W) {
     return n * Q8_KC * MOED_GROUP * N;
 }
 
+/* more than Q8_TMAX tokens (not expected: T <= 64): fn on slices of Q8_TMAX tokens */
+static void q8_split_tokens(moed_strip_fn fn, const moed_matrix *w, const moed_act *a, int64_t j0, int64_t j1,
+                            float *lo, float *hi, int64_t ld) {
+    for (int t0 = 0; t0 < a->T; t0 += Q8_TMAX) {
+        moed_act s = *a;
+        s.T = a->T - t0 < Q8_TMAX ? a->T - t0 : Q8_TMAX;
+        s.x = a->x + (int64_t)t0 * a->K;
+        s.xq = a->xq + (int64_t)t0 * a->K;
+        s.xs = a->xs + (int64_t)t0 * (a->K / MOED_GROUP);
+        s.xsum = a->xsum + (int64_t)t0 * (a->K / MOED_GROUP);
+        fn(w, &s, j0, j1, lo + (int64_t)t0 * ld, hi + (int64_t)t0 * ld, ld);
+    }
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* AVX-512 (F/BW/VL/DQ; no VNNI)                                                              */
 
@@ -245,16 +259,8 @@ static void q8_cols512(const q8_ctx *C, const moed_act *a, int64_t c0, int64_t c
 void moed_strip_q8_avx512(const moed_matrix *w, const moed_act *a, int64_t j0, int64_t j1, float *lo, float *hi,
                           int64_t ld) {
     if (j1 <= j0 || a->T <= 0) return;
-    if (a->T > Q8_TMAX) {  /* not expected (T <= 64); split the tokens */
-        for (int t0 = 0; t0 < a->T; t0 += Q8_TMAX) {
-            moed_act s = *a;
-            s.T = a->T - t0 < Q8_TMAX ? a->T - t0 : Q8_TMAX;
-            s.x = a->x + (int64_t)t0 * a->K;
-            s.xq = a->xq + (int64_t)t0 * a->K;
-            s.xs = a->xs + (int64_t)t0 * (a->K / MOED_GROUP);
-            s.xsum = a->xsum + (int64_t)t0 * (a->K / MOED_GROUP);
-            moed_strip_q8_avx512(w, &s, j0, j1, lo + (int64_t)t0 * ld, hi + (int64_t)t0 * ld, ld);
-        }
+    if (a->T > Q8_TMAX) {  /* not expected (T <= 64) */
+        q8_split_tokens(moed_strip_q8_avx512, w, a, j0, j1, lo, hi, ld);
         return;
     }
     q8_ctx C = {(const int8_t *)w->w, (const uint16_t *)w->s, w->N, w->K / MOED_GROUP, a->xs, a->K / MOED_GROUP};
@@ -463,16 +469,8 @@ static void q8_cols_vnni(const q8_ctx *C, const moed_act *a, int64_t c0, int64_t
 void moed_strip_q8_avx512vnni(const moed_matrix *w, const moed_act *a, int64_t j0, int64_t j1, float *lo, float *hi,
                               int64_t ld) {
     if (j1 <= j0 || a->T <= 0) return;
-    if (a->T > Q8_TMAX) {
-        for (int t0 = 0; t0 < a->T; t0 += Q8_TMAX) {
-            moed_act s = *a;
-            s.T = a->T - t0 < Q8_TMAX ? a->T - t0 : Q8_TMAX;
-            s.x = a->x + (int64_t)t0 * a->K;
-            s.xq = a->xq + (int64_t)t0 * a->K;
-            s.xs = a->xs + (int64_t)t0 * (a->K / MOED_GROUP);
-            s.xsum = a->xsum + (int64_t)t0 * (a->K / MOED_GROUP);
-            moed_strip_q8_avx512vnni(w, &s, j0, j1, lo + (int64_t)t0 * ld, hi + (int64_t)t0 * ld, ld);
-        }
+    if (a->T > Q8_TMAX) {  /* not expected (T <= 64) */
+        q8_split_tokens(moed_strip_q8_avx512vnni, w, a, j0, j1, lo, hi, ld);
         return;
     }
     q8_ctx C = {(const int8_t *)w->w, (const uint16_t *)w->s, w->N, w->K / MOED_GROUP, a->xs, a->K / MOED_GROUP};
@@ -616,16 +614,8 @@ void moed_strip_q8_avx2(const moed_matrix *w, const moed_act *a, int64_t j0, int
         moed_strip_q8_scalar(w, a, j0, j1, lo, hi, ld);
         return;
     }
-    if (a->T > Q8_TMAX) {
-        for (int t0 = 0; t0 < a->T; t0 += Q8_TMAX) {
-            moed_act s = *a;
-            s.T = a->T - t0 < Q8_TMAX ? a->T - t0 : Q8_TMAX;
-            s.x = a->x + (int64_t)t0 * a->K;
-            s.xq = a->xq + (int64_t)t0 * a->K;
-            s.xs = a->xs + (int64_t)t0 * (a->K / MOED_GROUP);
-            s.xsum = a->xsum + (int64_t)t0 * (a->K / MOED_GROUP);
-            moed_strip_q8_avx2(w, &s, j0, j1, lo + (int64_t)t0 * ld, hi + (int64_t)t0 * ld, ld);
-        }
+    if (a->T > Q8_TMAX) {  /* not expected (T <= 64) */
+        q8_split_tokens(moed_strip_q8_avx2, w, a, j0, j1, lo, hi, ld);
         return;
     }
     q8_ctx C = {(const int8_t *)w->w, (const uint16_t *)w->s, w->N, w->K / MOED_GROUP, a->xs, a->K / MOED_GROUP};
