@@ -150,12 +150,26 @@ def test_full_queue_answers_resource_exhausted(daemon):
         running = client.generate(prompt="The router reads", model="narrow", max_tokens=400, ignore_eos=True)
         next(running)
         queued = client.generate(prompt="A small expert", model="narrow", max_tokens=4)
-        threading.Thread(target=lambda: list(queued), daemon=True).start()
+        outcome = {}
+
+        def drain():
+            try:
+                outcome["chunks"] = list(queued)
+            except DaemonCallError as exc:
+                outcome["error"] = exc
+
+        waiter = threading.Thread(target=drain, daemon=True)
+        waiter.start()
         _wait_until(lambda: client.status().queued_requests == 1, "the second request to be queued")
         with pytest.raises(DaemonCallError) as info:
             collect(client, "The GPU", "narrow", max_tokens=4)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         client.unload("narrow")
+        waiter.join(60)  # the queued request ends with the unload, before the channel closes
+        assert not waiter.is_alive()
+        assert "error" not in outcome, outcome.get("error")
+        last = outcome["chunks"][-1]  # the unload ends it cleanly: a final chunk that says why
+        assert last.done and last.finish_reason == "cancelled", last
 
 
 @pytest.mark.parametrize("kwargs,code", [
