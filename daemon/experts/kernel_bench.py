@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numba
 import numpy as np
@@ -53,6 +54,28 @@ def _read_pass(buf: np.ndarray) -> float:
         return time.perf_counter() - t0
 
 
+def _alternate(one_pass: Callable[[], float], buf: np.ndarray, buf_4k: np.ndarray, trials: int,
+               nbytes: float) -> dict[str, float]:
+    """``trials`` rounds of read pass, 4 KiB-page read pass, kernel pass (``one_pass`` reads
+    ``nbytes``), then one more read: the best of each, and ``paired_ratio``, the median over the
+    rounds of the kernel's GB/s over the mean of the two reads around it. On a machine whose
+    bandwidth moves from minute to minute (a VM on a shared host) the best kernel pass and the best
+    read can come from different moments; a pass and its neighbouring reads see the same one."""
+    reads, reads_4k, passes = [_read_pass(buf)], [], []
+    for _ in range(trials):
+        reads_4k.append(_read_pass(buf_4k))
+        passes.append(one_pass())
+        reads.append(_read_pass(buf))
+    paired = sorted((nbytes / p) / (buf.nbytes / ((a + b) / 2)) for p, a, b in zip(passes, reads, reads[1:]))
+    mid = len(paired) // 2
+    return dict(
+        best_pass=min(passes),
+        read_gbps=buf.nbytes / min(reads) / 1e9,
+        read_4k_gbps=buf_4k.nbytes / min(reads_4k) / 1e9,
+        paired_ratio=paired[mid] if len(paired) % 2 else (paired[mid - 1] + paired[mid]) / 2,
+    )
+
+
 def _expert_pass(bank: ExpertBank, x: torch.Tensor, per_call: int) -> float:
     """Seconds to run every expert of ``bank`` once, ``per_call`` distinct experts per MoE call (a
     decode step's layer: each token routed to all of them), as the executors call them."""
@@ -82,9 +105,11 @@ def bench_kernels(
     Expert passes and read-bandwidth passes alternate and each keeps its best of ``trials``,
     so both see the same machine state (other processes, other VMs on the host). Two reads:
     ``read_gbps`` over a numpy buffer (numpy asks for transparent huge pages: the STREAM-like
-    figure, and ``ratio`` is against it) and ``read_4k_gbps`` over a torch buffer (4 KiB pages,
-    like the bank itself). One row per case: ``dtype, hidden, intermediate, tokens, experts,
-    bytes_per_expert, us_per_expert, weight_gbps, read_gbps, read_4k_gbps, ratio``.
+    figure, and ``ratio`` is against it) and ``read_4k_gbps`` over a torch buffer (4 KiB pages).
+    ``paired_ratio`` is the median over the rounds of each expert pass against the reads just
+    before and after it (``_alternate``): the steadier figure where the bandwidth moves. One row
+    per case: ``dtype, hidden, intermediate, tokens, experts, bytes_per_expert, us_per_expert,
+    weight_gbps, read_gbps, read_4k_gbps, ratio, paired_ratio``.
     """
     if tokens < 1 or trials < 1:
         raise ValueError(f"tokens and trials must be >= 1, got {tokens}, {trials}")
@@ -97,15 +122,10 @@ def bench_kernels(
             bank = _random_bank(hidden, inter, dtype, bank_bytes, seed)
             x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
             run_routed(bank, x, torch.zeros(tokens, 1, dtype=torch.int32))  # compile / warm up
-            best_pass, best_read, best_4k = math.inf, math.inf, math.inf
-            for _ in range(trials):
-                best_read = min(best_read, _read_pass(buf))
-                best_4k = min(best_4k, _read_pass(buf_4k))
-                best_pass = min(best_pass, _expert_pass(bank, x, per_call))
             per_expert = bank.bytes_per_expert()
             run = bank.num_slots // per_call * per_call
-            weight_gbps = per_expert * run / best_pass / 1e9
-            read_gbps = buf.nbytes / best_read / 1e9
+            m = _alternate(functools.partial(_expert_pass, bank, x, per_call), buf, buf_4k, trials, per_expert * run)
+            weight_gbps = per_expert * run / m["best_pass"] / 1e9
             rows.append(
                 dict(
                     dtype=dtype,
@@ -114,11 +134,12 @@ def bench_kernels(
                     tokens=tokens,
                     experts=bank.num_slots,
                     bytes_per_expert=per_expert,
-                    us_per_expert=best_pass / run * 1e6,
+                    us_per_expert=m["best_pass"] / run * 1e6,
                     weight_gbps=weight_gbps,
-                    read_gbps=read_gbps,
-                    read_4k_gbps=buf_4k.nbytes / best_4k / 1e9,
-                    ratio=weight_gbps / read_gbps,
+                    read_gbps=m["read_gbps"],
+                    read_4k_gbps=m["read_4k_gbps"],
+                    ratio=weight_gbps / m["read_gbps"],
+                    paired_ratio=m["paired_ratio"],
                 )
             )
             del bank
@@ -177,32 +198,28 @@ def bench_dense(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str] = DENSE
                 return time.perf_counter() - t0
 
             one_pass()
-            best_pass, best_read, best_4k = math.inf, math.inf, math.inf
-            for _ in range(trials):
-                best_read = min(best_read, _read_pass(buf))
-                best_4k = min(best_4k, _read_pass(buf_4k))
-                best_pass = min(best_pass, one_pass())
-            weight_gbps = nbytes * len(mats) / best_pass / 1e9
-            read_gbps = buf.nbytes / best_read / 1e9
+            m = _alternate(one_pass, buf, buf_4k, trials, nbytes * len(mats))
+            weight_gbps = nbytes * len(mats) / m["best_pass"] / 1e9
             rows.append(dict(dtype=f"dense {dtype}", hidden=k, intermediate=n, tokens=tokens, experts=len(mats),
-                             bytes_per_expert=nbytes, us_per_expert=best_pass / len(mats) * 1e6,
-                             weight_gbps=weight_gbps, read_gbps=read_gbps, read_4k_gbps=buf_4k.nbytes / best_4k / 1e9,
-                             ratio=weight_gbps / read_gbps))
-            del mats
+                             bytes_per_expert=nbytes, us_per_expert=m["best_pass"] / len(mats) * 1e6,
+                             weight_gbps=weight_gbps, read_gbps=m["read_gbps"], read_4k_gbps=m["read_4k_gbps"],
+                             ratio=weight_gbps / m["read_gbps"], paired_ratio=m["paired_ratio"]))
+            mats = []  # free them before the next shape's
     return rows
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """Rows of ``bench_kernels`` as a markdown table."""
     lines = [
-        "| dtype | D | I | T | experts | MB/expert | us/expert | weight GB/s | read GB/s | read 4K GB/s | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| dtype | D | I | T | experts | MB/expert | us/expert | weight GB/s | read GB/s | read 4K GB/s | ratio "
+        "| paired |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['dtype']} | {r['hidden']} | {r['intermediate']} | {r['tokens']} | {r['experts']} "
             f"| {r['bytes_per_expert'] / 1e6:.2f} | {r['us_per_expert']:.1f} | {r['weight_gbps']:.1f} "
-            f"| {r['read_gbps']:.1f} | {r['read_4k_gbps']:.1f} | {r['ratio']:.0%} |"
+            f"| {r['read_gbps']:.1f} | {r['read_4k_gbps']:.1f} | {r['ratio']:.0%} | {r['paired_ratio']:.0%} |"
         )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines.append(f"\nbackend: {native_status()}; {numba.get_num_threads()} numba threads ({threading_layer()}), "
