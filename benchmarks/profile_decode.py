@@ -7,6 +7,9 @@ wraps the model's parts with timers (perf_counter around attention.forward, the 
 expert executor and the lm_head projection), runs a 16-token prompt and `--tokens` greedy decode
 steps, and prints the mean milliseconds per decode step of each part; "other" is the rest of the
 step (norms, embedding, residual adds, sampling, the engine loop: Python and small torch ops).
+A second table splits the step at the native library's boundary (every ctypes call into
+native/cpu timed, by entry point): time inside the kernels, and the Python / torch glue outside
+them, per step and per layer.
 """
 
 from __future__ import annotations
@@ -22,10 +25,33 @@ import moed.models.moe_transformer as model_module
 from moed.engine.offline_run import run_offline
 from moed.engine.runtime import open_runtime
 from moed.engine.sampling import SamplingParams
-from moed.kernels.native_cpu import native_status
+from moed.kernels.native_cpu import native, native_status
 from moed.kernels.numba_runtime import configure_threads
 
 totals: collections.Counter = collections.Counter()
+native_time: collections.Counter = collections.Counter()
+native_calls: collections.Counter = collections.Counter()
+
+
+class TimedLibrary:
+    """Stands in for the ctypes library of moed.kernels.native_cpu: times every moed_* entry point."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        fn = getattr(self._real, name)
+        if not name.startswith("moed_") or name in ("moed_cpu_isa", "moed_cpu_threads"):
+            return fn
+
+        def call(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                native_time[name] += time.perf_counter() - t0
+                native_calls[name] += 1
+        return call
 
 
 def timed(name, fn):
@@ -53,9 +79,14 @@ def main() -> int:
             mlp.executor = type("Timed", (), {"run": staticmethod(timed("routed experts", mlp.executor.run))})()
     moe_module.route = timed("router", moe_module.route)
     model_module.linear = timed("lm_head", model_module.linear)
+    lib = native()
+    if lib is not None:
+        lib._lib = TimedLibrary(lib._lib)  # a benchmark's probe: the handle the wrappers call through
     prompt = [(7 * i + 11) % (model.config.vocab_size - 100) + 50 for i in range(16)]
     run_offline(rt, [prompt], [SamplingParams(max_tokens=4, ignore_eos=True)], context_length=64)  # warm-up
     totals.clear()
+    native_time.clear()
+    native_calls.clear()
     t0 = time.perf_counter()
     (done,) = run_offline(rt, [prompt], [SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)],
                           context_length=args.tokens + 32)
@@ -64,9 +95,13 @@ def main() -> int:
     decode_s = wall - prefill
     # the prefill step is in the totals too: take it out proportionally is not possible, so run it alone
     totals_all = dict(totals)
+    native_all, calls_all = dict(native_time), dict(native_calls)
     totals.clear()
+    native_time.clear()
+    native_calls.clear()
     run_offline(rt, [prompt], [SamplingParams(max_tokens=1, ignore_eos=True)], context_length=args.tokens + 32)
     prefill_parts = dict(totals)
+    prefill_native, prefill_calls = dict(native_time), dict(native_calls)
     steps = args.tokens
     print(f"{args.model}: {steps} decode steps, {decode_s / steps * 1e3:.2f} ms/step "
           f"({steps / decode_s:.1f} tok/s); backend {native_status()}")
@@ -77,6 +112,16 @@ def main() -> int:
         print(f"| {name} | {sec * 1e3:.2f} | {sec / step_ms:.0%} |")
     other = step_ms - sum(parts.values())
     print(f"| other (norms, embedding, adds, sampling, engine loop) | {other * 1e3:.2f} | {other / step_ms:.0%} |")
+    if native_all:
+        layers = len(model.layers)
+        inside = {k: (v - prefill_native.get(k, 0.0)) / steps for k, v in native_all.items()}
+        calls = {k: (v - prefill_calls.get(k, 0)) / steps for k, v in calls_all.items()}
+        outside = step_ms - sum(inside.values())
+        print("\n| native entry point | ms/step | calls/step |\n|---|---:|---:|")
+        for name, sec in sorted(inside.items(), key=lambda kv: -kv[1]):
+            print(f"| {name} | {sec * 1e3:.2f} | {calls[name]:.0f} |")
+        print(f"| outside the native calls (Python and torch glue; / {layers} layers = "
+              f"{outside / layers * 1e3:.2f}) | {outside * 1e3:.2f} | |")
     print(json.dumps({"ms_per_step": step_ms * 1e3, **{k: v * 1e3 for k, v in parts.items()}}), file=sys.stderr)
     rt.close()
     return 0
