@@ -15,6 +15,32 @@ static inline __attribute__((always_inline, target("avx2"))) float moed_hsum_avx
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* 64 bytes of each of the rows r, r + ld, r + 2 ld, r + 3 ld (only the bytes set in bm unless
+ * full) interleaved so that every 32-bit lane holds the 4 rows' bytes of one byte-column: the
+ * 4-row quads of the int8 strips. The unpacks work inside 128-bit lanes: lane l of Q[q] holds
+ * byte-columns 16l + 4q .. 16l + 4q + 3. */
+static inline __attribute__((always_inline, target("avx512f,avx512bw"))) void
+moed_quad_bytes512(const uint8_t *r, int64_t ld, int full, __mmask64 bm, __m512i Q[4]) {
+    __m512i r0, r1, r2, r3;
+    if (full) {
+        r0 = _mm512_loadu_si512((const void *)r);
+        r1 = _mm512_loadu_si512((const void *)(r + ld));
+        r2 = _mm512_loadu_si512((const void *)(r + 2 * ld));
+        r3 = _mm512_loadu_si512((const void *)(r + 3 * ld));
+    } else {
+        r0 = _mm512_maskz_loadu_epi8(bm, r);
+        r1 = _mm512_maskz_loadu_epi8(bm, r + ld);
+        r2 = _mm512_maskz_loadu_epi8(bm, r + 2 * ld);
+        r3 = _mm512_maskz_loadu_epi8(bm, r + 3 * ld);
+    }
+    const __m512i A = _mm512_unpacklo_epi8(r0, r1), B = _mm512_unpackhi_epi8(r0, r1);
+    const __m512i C = _mm512_unpacklo_epi8(r2, r3), D = _mm512_unpackhi_epi8(r2, r3);
+    Q[0] = _mm512_unpacklo_epi16(A, C);
+    Q[1] = _mm512_unpackhi_epi16(A, C);
+    Q[2] = _mm512_unpacklo_epi16(B, D);
+    Q[3] = _mm512_unpackhi_epi16(B, D);
+}
 #endif
 
 #endif

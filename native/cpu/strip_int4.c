@@ -66,6 +66,8 @@ void moed_strip_int4_scalar(const moed_matrix *w, const moed_act *a, int64_t j0,
 #if MOED_X86
 #include <immintrin.h>
 
+#include "moed_simd.h"
+
 
 /* fp32 accumulators of all tokens for one column super-block: T * blocks * (2 * block width) floats */
 #define I4_FACC 8192

@@ -25,25 +25,8 @@ static inline __attribute__((always_inline)) void I4Z_GROUP(const uint8_t *wp, i
 #pragma GCC unroll 1
     for (int q = 0; q < 8; q++) {
         const uint8_t *r = wp + (int64_t)(4 * q) * N2;
-        __m512i r0, r1, r2, r3;
-        if (full) {
-            r0 = _mm512_loadu_si512((const void *)r);
-            r1 = _mm512_loadu_si512((const void *)(r + N2));
-            r2 = _mm512_loadu_si512((const void *)(r + 2 * N2));
-            r3 = _mm512_loadu_si512((const void *)(r + 3 * N2));
-        } else {
-            r0 = _mm512_maskz_loadu_epi8(bm, r);
-            r1 = _mm512_maskz_loadu_epi8(bm, r + N2);
-            r2 = _mm512_maskz_loadu_epi8(bm, r + 2 * N2);
-            r3 = _mm512_maskz_loadu_epi8(bm, r + 3 * N2);
-        }
-        const __m512i A = _mm512_unpacklo_epi8(r0, r1), B = _mm512_unpackhi_epi8(r0, r1);
-        const __m512i C = _mm512_unpacklo_epi8(r2, r3), D = _mm512_unpackhi_epi8(r2, r3);
         __m512i Q[4];
-        Q[0] = _mm512_unpacklo_epi16(A, C);
-        Q[1] = _mm512_unpackhi_epi16(A, C);
-        Q[2] = _mm512_unpacklo_epi16(B, D);
-        Q[3] = _mm512_unpackhi_epi16(B, D);
+        moed_quad_bytes512(r, N2, full, bm, Q);
         __m512i X[2];
 #pragma GCC unroll 2
         for (int t = 0; t < tb; t++) X[t] = _mm512_set1_epi32(i4_load_i32(xq + (int64_t)t * K + 4 * q));

@@ -69,6 +69,8 @@ void moed_strip_mxfp4_scalar(const moed_matrix *w, const moed_act *a, int64_t j0
 #if MOED_X86
 #include <immintrin.h>
 
+#include "moed_simd.h"
+
 
 #define MX_FACC 8192 /* fp32 accumulators of one column super-block (all tokens) */
 #define MX_TCHUNK 64 /* tokens per internal call */
