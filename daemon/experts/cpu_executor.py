@@ -23,10 +23,7 @@ class CpuExecutor:
         if uses_native(num_tokens):  # decode: every routed expert of the layer in one native call
             flat = topk_ids + self.bank.flat_id(moe_layer, 0)
             _, y = run_routed(self.bank, hidden, flat, topk_weights)
-            n_experts = len(set(flat.view(-1).tolist()))
-            self.num_experts_run += n_experts
-            self.stats.misses += n_experts
-            self.stats.cpu_experts += n_experts
+            self.count_native(len(set(flat.view(-1).tolist())))
             return y
         per_slot = hidden.new_empty(num_tokens, top_k, hidden.shape[1])  # [N, A, D]
         flat_ids = topk_ids.reshape(-1)
@@ -43,6 +40,16 @@ class CpuExecutor:
         self.stats.misses += len(experts)
         self.stats.cpu_experts += len(experts)
         return merge_expert_outputs(per_slot, topk_weights)
+
+    def whole_cpu_bank(self) -> ExpertBank:
+        """The bank every expert runs from on the CPU (the model's native decode chain runs them itself)."""
+        return self.bank
+
+    def count_native(self, n_experts: int) -> None:
+        """Account ``n_experts`` (layer, expert) executions run natively (here or by the decode chain)."""
+        self.num_experts_run += n_experts
+        self.stats.misses += n_experts
+        self.stats.cpu_experts += n_experts
 
     def close(self) -> None:
         pass

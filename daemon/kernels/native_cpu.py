@@ -34,7 +34,7 @@ import torch
 from moed.kernels.cpu_threads import cpu_threads
 from moed.kernels.rows_format import rows_shapes
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512vnni")
 DTYPE_CODES = {"fp32": 0, "bf16": 1, "int4": 2, "q8": 3, "mxfp4": 4}
 ACT_CODES = {"silu": 0, "gpt_oss": 1}
@@ -100,6 +100,41 @@ class _AttnDecode(ctypes.Structure):  # moed_attn_decode_args (native/cpu/attn_d
                 ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p), ("out", ctypes.c_void_p)]
 
 
+class _Linear(ctypes.Structure):  # moed_linear (native/cpu/decode_chain.c)
+    _fields_ = [("dtype", ctypes.c_int32), ("m", _Matrix), ("bias", ctypes.c_void_p)]
+
+
+class ChainLayer(ctypes.Structure):  # moed_chain_layer (native/cpu/decode_chain.c)
+    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("in_norm_bf16", ctypes.c_int32),
+                ("post_norm_bf16", ctypes.c_int32), ("q", _Linear), ("k", _Linear), ("v", _Linear), ("o", _Linear),
+                ("attn", _AttnDecode), ("router_w", ctypes.c_void_p), ("router_b", ctypes.c_void_p),
+                ("E", ctypes.c_int64), ("router_bf16", ctypes.c_int32), ("router_kind", ctypes.c_int32), ("top_k", ctypes.c_int32),
+                ("renormalise", ctypes.c_int32), ("flat_base", ctypes.c_int32), ("bank", ctypes.POINTER(_Bank))]
+
+
+class _ChainStep(ctypes.Structure):  # moed_chain_step (native/cpu/decode_chain.c)
+    _fields_ = [("B", ctypes.c_int32), ("D", ctypes.c_int64), ("eps", ctypes.c_float), ("cos", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p), ("slot", ctypes.c_void_p), ("start", ctypes.c_void_p),
+                ("pos", ctypes.c_void_p), ("length", ctypes.c_void_p), ("num_keys", ctypes.c_int64)]
+
+
+def linear_struct(weight, bias: torch.Tensor | None) -> tuple["_Linear", tuple[torch.Tensor, ...]]:
+    """A decode-chain linear for a bf16 ``[N, K]`` weight or a q8/int4 PackedLinear (duck-typed: ``dtype``,
+    ``arrays``, ``in_features``, ``out_features``); the bias (any float dtype) as float32. Returns the
+    struct and the tensors it points into (keep them alive)."""
+    b = None if bias is None else bias.detach().float().contiguous()
+    if isinstance(weight, torch.Tensor):
+        m = _Matrix(weight.data_ptr(), None, None, weight.shape[1], weight.shape[0])
+        return _Linear(DTYPE_CODES["bf16"], m, _ptr(b)), tuple(t for t in (weight, b) if t is not None)
+    arrays = weight.arrays
+    m = _Matrix(arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr() if len(arrays) > 2 else None,
+                weight.in_features, weight.out_features)
+    return _Linear(DTYPE_CODES[weight.dtype], m, _ptr(b)), tuple(arrays) + ((b,) if b is not None else ())
+
+
+CHAIN_PARTS = ("projections", "attention", "router", "experts", "norms and adds")  # decode_layers' timings
+
+
 class NativeCpu:
     """The loaded library and its thread pool. Calls are serialised (one pool, one job at a time)."""
 
@@ -134,10 +169,17 @@ class NativeCpu:
         lib.moed_add_rms_norm.restype = c_int
         lib.moed_cpu_route.argtypes = [vp, vp, c_i64, c_i64, vp, vp, c_i64, c_int, c_int, c_int, vp, vp]
         lib.moed_cpu_route.restype = c_int
+        lib.moed_route_select.argtypes = [vp, c_i64, c_i64, c_int, c_int, c_int, vp, vp]
+        lib.moed_route_select.restype = c_int
         lib.moed_cpu_rows_to_bf16.argtypes = [vp, c_int, ctypes.POINTER(_Matrix), vp]
         lib.moed_cpu_rows_to_bf16.restype = c_int
         lib.moed_cpu_attn_decode.argtypes = [vp, ctypes.POINTER(_AttnDecode)]
         lib.moed_cpu_attn_decode.restype = c_int
+        lib.moed_chain_work_floats.argtypes = [ctypes.POINTER(ChainLayer), c_int, c_int, c_i64]
+        lib.moed_chain_work_floats.restype = c_i64
+        lib.moed_cpu_decode_layers.argtypes = [vp, ctypes.POINTER(ChainLayer), c_int, ctypes.POINTER(_ChainStep), vp,
+                                               vp, c_i64, vp, vp, vp]
+        lib.moed_cpu_decode_layers.restype = c_int
         self.detected_isa = ISA_NAMES[lib.moed_cpu_detected_isa()]
         if isa is not None and isa not in ISA_NAMES:
             raise ValueError(f"MOED_NATIVE_ISA={isa!r} is not one of {', '.join(ISA_NAMES)}")
@@ -246,6 +288,22 @@ class NativeCpu:
                                           weights.data_ptr())
         if rc != 0:
             raise ValueError(f"moed_cpu_route refused its arguments (rc {rc})")
+        return ids, weights
+
+    def route_select(self, logits: torch.Tensor, scoring: str, top_k: int, renormalise: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The choice part of ``route`` on given router logits ``[N, E]`` float32 (a bf16 router's, from
+        the dense GEMV): the same softmax / top-k code. Runs on the calling thread."""
+        logits = _f32_rows(logits, "logits").clone()  # overwritten with the probabilities
+        if scoring not in self.ROUTER_KINDS:
+            raise ValueError(f"router scoring {scoring!r} is not one of {', '.join(self.ROUTER_KINDS)}")
+        n, e = logits.shape
+        ids = torch.empty(n, top_k, dtype=torch.int64)
+        weights = torch.empty(n, top_k, dtype=torch.float32)
+        rc = self._lib.moed_route_select(logits.data_ptr(), n, e, self.ROUTER_KINDS[scoring], top_k, int(renormalise),
+                                         ids.data_ptr(), weights.data_ptr())
+        if rc != 0:
+            raise ValueError(f"moed_route_select refused its arguments (rc {rc})")
         return ids, weights
 
     # ------------------------------------------------------------------ decode attention
@@ -374,6 +432,32 @@ class NativeCpu:
             raise MemoryError("the native MoE kernel ran out of memory") if rc == -2 else \
                 ValueError(f"moed_cpu_moe refused its arguments (rc {rc})")
         return y
+
+    # ------------------------------------------------------------------ a decode step's layers
+    def chain_work_floats(self, layers: "ctypes.Array[ChainLayer]", rows: int, hidden: int) -> int:
+        """Floats of work memory ``decode_layers`` needs for ``rows`` rows."""
+        return int(self._lib.moed_chain_work_floats(layers, len(layers), rows, hidden))
+
+    def decode_layers(self, layers: "ctypes.Array[ChainLayer]", x: torch.Tensor, *, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor, ints: torch.Tensor, lengths: torch.Tensor, num_keys: int, work: torch.Tensor,
+                      ids_out: torch.Tensor, experts_out: torch.Tensor, timings: torch.Tensor | None = None) -> None:
+        """Every layer of one decode step on ``x [B, D]`` float32, in place (native/cpu/decode_chain.c):
+        ``ints [3, B]`` int64 (slots, starts, positions), ``lengths [B]`` int32, ``cos``/``sin [B, R/2]``
+        float32; ``ids_out [layers, B, A]`` int32 and ``experts_out [layers]`` int32 are filled, and
+        ``timings [5]`` float64 (``CHAIN_PARTS``) accumulates seconds when given. The caller (the
+        model's DecodeChain) has checked shapes and dtypes; the C side checks the layer descriptions."""
+        rows, d = x.shape
+        step = _ChainStep(rows, d, eps, cos.data_ptr(), sin.data_ptr(), ints[0].data_ptr(), ints[1].data_ptr(),
+                          ints[2].data_ptr(), lengths.data_ptr(), num_keys)
+        with self._lock:
+            rc = self._lib.moed_cpu_decode_layers(self._pool, layers, len(layers), ctypes.byref(step), x.data_ptr(),
+                                                  work.data_ptr(), work.numel(), ids_out.data_ptr(),
+                                                  experts_out.data_ptr(), _ptr(timings))
+        if rc != 0:
+            if rc == -2:
+                raise MemoryError("the native decode step ran out of memory")
+            where = f" (layer {-3 - rc}'s description is inconsistent)" if rc <= -3 else ""
+            raise ValueError(f"moed_cpu_decode_layers refused its arguments (rc {rc}){where}")
 
     # ------------------------------------------------------------------ one strip (tests)
     def strip(self, dtype: str, isa: str, arrays: tuple[torch.Tensor, ...], k: int, n: int, x: torch.Tensor,

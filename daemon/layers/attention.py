@@ -101,12 +101,7 @@ class MhaAttention:
         k_store, v_store = cache.entry(self.layer, "k"), cache.entry(self.layer, "v")
         if k_store.dtype != torch.float32 or v_store.dtype != torch.float32:
             return None
-        if self._native_f32 is None:
-            f32 = lambda t: None if t is None else t.detach().float().contiguous()  # noqa: E731
-            per_head = self.cfg.qk_norm == "per_head"
-            self._native_f32 = (f32(self.q_norm) if per_head else None, f32(self.k_norm) if per_head else None,
-                                f32(self.sinks))
-        q_norm, k_norm, sinks = self._native_f32
+        q_norm, k_norm, sinks = self.native_f32()
         cos, sin = (t[:, 0].float().contiguous() for t in cos_sin)
         rows = q.shape[0]
         return lib.attn_decode(
@@ -117,6 +112,16 @@ class MhaAttention:
             v_cache=v_store, slots=batch.slots, starts=batch.starts, positions=batch.positions[:, 0].tolist(),
             lengths=batch.lengths, num_keys=batch.num_keys, window=self.window, scale=self.cfg.scaling,
             sinks=sinks)
+
+    def native_f32(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The per-head q/k norm weights (None unless per-head) and the sinks as float32, for the native
+        decode kernels (made once)."""
+        if self._native_f32 is None:
+            f32 = lambda t: None if t is None else t.detach().float().contiguous()  # noqa: E731
+            per_head = self.cfg.qk_norm == "per_head"
+            self._native_f32 = (f32(self.q_norm) if per_head else None, f32(self.k_norm) if per_head else None,
+                                f32(self.sinks))
+        return self._native_f32
 
     def _rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         dim = self.rotary.dim

@@ -23,6 +23,9 @@ def route(cfg: MoeConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                               cfg.scoring == "softmax" and bool(cfg.norm_topk_prob))
     # routing decides which experts run: always float32, whatever dtype the router is stored in
     logits = linear_f32(x, weight, bias)  # [N, E]
+    if cfg.scoring in ("softmax", "topk_softmax") and _native_select(logits):
+        # decode with a bf16 router: its logits from the dense GEMV, then the native router's own choice
+        return native().route_select(logits, cfg.scoring, cfg.top_k, cfg.scoring == "softmax" and bool(cfg.norm_topk_prob))
     if cfg.scoring == "topk_softmax":  # gpt-oss: softmax over the chosen logits only
         values, ids = torch.topk(logits, cfg.top_k, dim=-1)
         return ids, torch.softmax(values, dim=-1)
@@ -56,6 +59,11 @@ def _native_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             and native() is not None)
 
 
+def _native_select(logits: torch.Tensor) -> bool:
+    return (0 < logits.shape[0] <= MAX_TOKENS and logits.dim() == 2 and logits.dtype == torch.float32
+            and logits.device.type == "cpu" and native() is not None)
+
+
 class MoeLayer:
     def __init__(self, cfg: MoeConfig, weights: dict[str, torch.Tensor], prefix: str, moe_layer: int,
                  executor: ExpertExecutor) -> None:
@@ -65,12 +73,10 @@ class MoeLayer:
         self.score_bias = weights.get(f"{prefix}.router.score_bias")
         self.shared = DenseMlp(weights, f"{prefix}.shared") if cfg.shared_intermediate_size else None
         self.shared_gate = weights.get(f"{prefix}.shared_gate.weight")
-        self.last_topk_ids: torch.Tensor | None = None  # routing of the last call (for traces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] (real tokens only, no padding) -> [N, D]."""
         ids, weights = route(self.cfg, x, self.router, self.router_bias, self.score_bias)
-        self.last_topk_ids = ids
         out = self.executor.run(self.moe_layer, x, ids, weights.to(x.dtype))
         if self.shared is not None:
             shared = self.shared.forward(x)

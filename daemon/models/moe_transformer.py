@@ -20,6 +20,7 @@ from moed.layers.mla_attention import MlaAttention
 from moed.layers.moe import MoeLayer
 from moed.layers.norms import add_rms_norm, rms_norm
 from moed.layers.rotary import RotaryEmbedding
+from moed.models.decode_chain import DecodeChain, Unsupported
 from moed.models.model_config import ModelConfig
 from moed.models.weight_spec import expected_weight_shapes
 from moed.runner.forward_batch import ForwardBatch
@@ -47,6 +48,13 @@ class MoeTransformer:
                 mlp = DenseMlp(weights, f"{prefix}.mlp")
             self.layers.append((weights[f"{prefix}.input_layernorm.weight"], attention,
                                 weights[f"{prefix}.post_attention_layernorm.weight"], mlp))
+        self._chain: DecodeChain | Unsupported | None = None  # built at the first decode step
+
+    def decode_chain(self) -> DecodeChain | Unsupported:
+        """The native decode chain of this model (models/decode_chain.py), or why there is none."""
+        if self._chain is None:
+            self._chain = DecodeChain.build(self)
+        return self._chain
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """The KV cache of ``num_slots`` sequences of up to ``max_len`` tokens (``kv_cache_bytes`` of it)."""
@@ -65,7 +73,14 @@ class MoeTransformer:
             rows = valid.nonzero()[:, 0].tolist()
             begin_step("prefill" if max(batch.lengths) > 1 else "decode", [batch.slots[r] for r in rows],
                        batch.positions[valid].tolist())
-        for input_norm, attention, post_norm, mlp in self.layers:
+        chain = self.decode_chain() if all_valid and x.shape[1] == 1 else None
+        if isinstance(chain, DecodeChain) and chain.applies(x, cache):
+            # decode on the CPU executor: every layer in one native call, the same bits as the loop below
+            x = chain.run(x, batch, cache, cos_sin)
+            layers = ()
+        else:
+            layers = self.layers
+        for input_norm, attention, post_norm, mlp in layers:
             x, h = add_rms_norm(x, attention.forward(rms_norm(x, input_norm, eps), batch, cache, cos_sin),
                                 post_norm, eps)
             if isinstance(mlp, MoeLayer):

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moed_api.h"
 #include "moed_cpu.h"
 #include "moed_pool.h"
 
@@ -67,7 +68,7 @@ static int quantised(int dtype) { return dtype == MOED_INT4 || dtype == MOED_Q8 
 void *moed_cpu_create(int nthreads, int64_t spin_ns) { return moed_pool_create(nthreads, spin_ns); }
 void moed_cpu_destroy(void *h) { moed_pool_destroy((moed_pool *)h); }
 int moed_cpu_threads(void *h) { return moed_pool_threads((moed_pool *)h); }
-int moed_cpu_abi_version(void) { return 3; }
+int moed_cpu_abi_version(void) { return 4; }
 
 /* ------------------------------------------------------------------------------ one strip */
 /* for the tests: one strip of one matrix, with a chosen ISA; returns 0, or -1 on bad arguments */
@@ -149,18 +150,6 @@ int moed_cpu_dense_bf16(void *h, const uint16_t *W, int64_t N, int64_t K, const 
 }
 
 /* ------------------------------------------------------------------------------ MoE layer */
-typedef struct {
-    int32_t dtype;
-    int32_t act_kind;            /* 0 silu(gate) * up; 1 gpt-oss clamped SwiGLU */
-    float alpha, limit;
-    int64_t D, I;                /* hidden, intermediate */
-    int64_t num_slots;
-    const void *gu_w, *gu_s, *gu_m;  /* whole-bank arrays of gate_up [S][D][2I] */
-    const void *dn_w, *dn_s, *dn_m;  /* and of down [S][I][D] */
-    int64_t gu_w_stride, gu_s_stride, dn_w_stride, dn_s_stride;  /* bytes per expert */
-    const float *gu_bias;        /* [S][2I] or NULL */
-    const float *dn_bias;        /* [S][D] or NULL */
-} moed_bank;
 
 /* How one matrix [K][N] is cut along K into blocks of whole rows: each task streams one block, a
  * contiguous stretch of memory (columns strips of a k-major matrix would be read as short strided

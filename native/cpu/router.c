@@ -1,5 +1,6 @@
 /* The MoE router at decode, in one call: logits = x @ W^T (float32 weights [E][D], float32
- * accumulation, rows shared out over the pool), then per token the softmax / top-k of
+ * accumulation, rows shared out over the pool; a bf16 router's logits come from the dense bf16
+ * GEMV and go to moed_route_select alone), then per token the softmax / top-k of
  * moed.layers.moe.route (its torch code is the reference, tests/kernels/test_router.py):
  *   kind 0 "softmax":      p = softmax(logits); the top_k largest p, optionally renormalised
  *   kind 1 "topk_softmax": the top_k largest logits, softmax over those (gpt-oss)
@@ -63,19 +64,11 @@ static void router_task(void *ctx, int64_t task, int thread) {
             j->logits[t * j->E + e] = j->dot(j->W + e * j->D, j->x + t * j->D, j->D) + (j->bias ? j->bias[e] : 0.0f);
 }
 
-int moed_cpu_route(void *h, const float *x, int64_t N, int64_t D, const float *W, const float *bias, int64_t E,
-                   int kind, int top_k, int renormalise, int64_t *ids, float *weights) {
-    if (!h || !x || !W || !ids || !weights || N < 1 || D < 1 || E < 1 || top_k < 1 || top_k > E || top_k > 64 ||
-        (kind != 0 && kind != 1))
+/* per token: the softmax / top-k of the logits [N][E] (overwritten) into ids / weights [N][top_k] */
+int moed_route_select(float *logits, int64_t N, int64_t E, int kind, int top_k, int renormalise, int64_t *ids,
+                      float *weights) {
+    if (!logits || !ids || !weights || N < 1 || E < 1 || top_k < 1 || top_k > E || top_k > 64 || (kind != 0 && kind != 1))
         return -1;
-    moed_pool *p = (moed_pool *)h;
-    float *logits = (float *)moed_pool_scratch(p, sizeof(float) * (size_t)(N * E));
-    if (!logits) return -2;
-    static const router_dot_fn dots[MOED_NUM_ISAS] = {router_dot_scalar, router_dot_avx2, router_dot_avx512, router_dot_avx512};
-    router_job j = {x, W, bias, N, E, D, 0, logits, dots[moed_cpu_isa()]};
-    const int64_t tasks = 4 * (int64_t)moed_pool_threads(p);
-    j.rows_per_task = (E + tasks - 1) / tasks;
-    moed_pool_run(p, router_task, &j, (E + j.rows_per_task - 1) / j.rows_per_task);
     for (int64_t t = 0; t < N; t++) {
         float *l = logits + t * E;
         float m = -INFINITY;
@@ -115,4 +108,20 @@ int moed_cpu_route(void *h, const float *x, int64_t N, int64_t D, const float *W
         }
     }
     return 0;
+}
+
+int moed_cpu_route(void *h, const float *x, int64_t N, int64_t D, const float *W, const float *bias, int64_t E,
+                   int kind, int top_k, int renormalise, int64_t *ids, float *weights) {
+    if (!h || !x || !W || !ids || !weights || N < 1 || D < 1 || E < 1 || top_k < 1 || top_k > E || top_k > 64 ||
+        (kind != 0 && kind != 1))
+        return -1;
+    moed_pool *p = (moed_pool *)h;
+    float *logits = (float *)moed_pool_scratch(p, sizeof(float) * (size_t)(N * E));
+    if (!logits) return -2;
+    static const router_dot_fn dots[MOED_NUM_ISAS] = {router_dot_scalar, router_dot_avx2, router_dot_avx512, router_dot_avx512};
+    router_job j = {x, W, bias, N, E, D, 0, logits, dots[moed_cpu_isa()]};
+    const int64_t tasks = 4 * (int64_t)moed_pool_threads(p);
+    j.rows_per_task = (E + tasks - 1) / tasks;
+    moed_pool_run(p, router_task, &j, (E + j.rows_per_task - 1) / j.rows_per_task);
+    return moed_route_select(logits, N, E, kind, top_k, renormalise, ids, weights);
 }

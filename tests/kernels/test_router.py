@@ -53,3 +53,37 @@ def test_ties_go_to_the_lower_expert_and_bad_arguments_are_refused():
         LIB.route(torch.ones(1, 32), weight, None, "sigmoid", 3, True)
     with pytest.raises(ValueError, match="refused"):
         LIB.route(torch.ones(1, 32), weight, None, "softmax", 7, True)  # more than E experts
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}-E{c[0]}-k{c[1]}-D{c[2]}")
+def test_a_bf16_router_takes_the_native_choice_on_its_gemv_logits(case, monkeypatch):
+    """bf16 routers (HF bf16 checkpoints): logits from the dense bf16 GEMV, then moed_route_select."""
+    experts, top_k, d, scoring, renorm, has_bias = case
+    gen = torch.Generator().manual_seed(3 * experts + d)
+    cfg = MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=16, scoring=scoring, norm_topk_prob=renorm)
+    weight = (torch.randn(experts, d, generator=gen) * 0.1).bfloat16()
+    bias = torch.randn(experts, generator=gen).bfloat16() if has_bias else None
+    for tokens in (1, 5):
+        x = torch.randn(tokens, d, generator=gen)
+        calls = []
+        real = LIB.route_select
+        with monkeypatch.context() as m:
+            m.setattr(LIB, "route_select", lambda *a, **k: calls.append(1) or real(*a, **k))
+            ids, weights = moe_module.route(cfg, x, weight, bias, None)
+        assert calls == [1], "a bf16 router at decode did not take the native choice"
+        logits = x @ weight.float().T + (bias.float() if bias is not None else 0.0)
+        with monkeypatch.context() as m:  # the torch choice on float32 logits of the same weights
+            m.setattr(moe_module, "native", lambda: None)
+            want_ids, want_weights = moe_module.route(cfg, x, weight.float(), None if bias is None else bias.float(),
+                                                      None)
+        assert torch.equal(ids, want_ids), (ids, want_ids, logits)
+        torch.testing.assert_close(weights, want_weights, rtol=2e-4, atol=1e-5)
+
+
+def test_route_select_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="scoring"):
+        LIB.route_select(torch.zeros(1, 4), "sigmoid", 2, True)
+    with pytest.raises(ValueError, match="refused"):
+        LIB.route_select(torch.zeros(1, 4), "softmax", 5, True)
+    with pytest.raises(ValueError, match="float32"):
+        LIB.route_select(torch.zeros(1, 4, dtype=torch.float64), "softmax", 2, True)

@@ -1,0 +1,189 @@
+"""DecodeChain: every layer of a CPU decode step in one native call (native/cpu/decode_chain.c).
+
+At decode the Python path of ``MoeTransformer.forward`` already spends most of a step inside
+native kernels (about 7 calls per layer: norm, q/k/v, attention, o_proj, norm, router, experts),
+but the Python and torch glue between those calls costs 0.25-0.4 ms per layer on a 2-core
+machine: 10-20% of a step. The chain describes each layer's weights once (ctypes structs that
+point into the model's tensors) and the C side runs the same entry points in the same order on
+the same numbers, so the hidden state it returns is bit for bit the Python path's (tested).
+
+It applies when every expert runs on the CPU from the host bank (the CPU executor: GPU-free mode)
+and the model's layers are all standard attention + routed MoE with a softmax / top-k-softmax
+float32 router: Qwen3-MoE, Mixtral, gpt-oss (biases, sinks, sliding windows), and Qwen2-MoE /
+OLMoE-shaped models without their extras. Anything else (MLA, dense or shared-expert MLPs,
+whole-projection q/k norms, clipping, float32 or fp16 projections, sigmoid routers, the hybrid
+executor) keeps the Python path; ``DecodeChain.build`` says why in ``reason``. ``MOED_DECODE_CHAIN=0``
+turns it off (A/B measurements, debugging).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+
+from moed.cache.kv_cache import KVCache
+from moed.kernels.native_cpu import (CHAIN_PARTS, MAX_TOKENS, ChainLayer, NativeCpu, descriptor_of, linear_struct,
+                                     native)
+from moed.layers.attention import MhaAttention
+from moed.layers.moe import MoeLayer
+from moed.layers.packed_linear import PackedLinear
+
+ROUTER_KINDS = {"softmax": 0, "topk_softmax": 1}
+
+
+def chain_enabled() -> bool:
+    return os.environ.get("MOED_DECODE_CHAIN", "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """Why a model keeps the Python decode path."""
+
+    reason: str
+
+
+def _norm_ok(w: torch.Tensor, d: int) -> bool:
+    return isinstance(w, torch.Tensor) and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu" \
+        and w.is_contiguous() and tuple(w.shape) == (d,)
+
+
+def _linear_ok(w, k: int) -> bool:
+    if isinstance(w, PackedLinear):
+        return w.device.type == "cpu" and w.in_features == k
+    return isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() \
+        and w.device.type == "cpu" and w.shape[1] == k
+
+
+class DecodeChain:
+    """The layers of one MoeTransformer as the native decode chain sees them."""
+
+    def __init__(self, lib: NativeCpu, layers: "ctypes.Array[ChainLayer]", keep: list, bank, executor,
+                 attentions: list[MhaAttention], hidden: int, top_k: int, eps: float) -> None:
+        self.lib, self.layers, self._keep, self.bank, self.executor = lib, layers, keep, bank, executor
+        self.attentions = attentions
+        self.hidden, self.top_k, self.eps = hidden, top_k, eps
+        self.work = torch.empty(lib.chain_work_floats(layers, MAX_TOKENS, hidden), dtype=torch.float32)
+        self._ids = torch.empty(len(layers) * MAX_TOKENS * top_k, dtype=torch.int32)
+        self.last_ids: torch.Tensor | None = None  # [layers, B, A] expert ids (within each layer) of the last step
+        self.experts = torch.empty(len(layers), dtype=torch.int32)
+        self.timings: torch.Tensor | None = None  # float64 [len(CHAIN_PARTS)] when a profiler asks for it
+        self._bank_desc = None
+        self._cache_ref: KVCache | None = None
+
+    @classmethod
+    def build(cls, model) -> "DecodeChain | Unsupported":
+        """The chain of ``model`` (a MoeTransformer), or why it keeps the Python path."""
+        lib = native()
+        if lib is None:
+            return Unsupported("no native kernels")
+        if not chain_enabled():
+            return Unsupported("MOED_DECODE_CHAIN=0")
+        config, executor = model.config, model.executor
+        bank_of = getattr(executor, "whole_cpu_bank", None)
+        bank = bank_of() if bank_of is not None else None
+        if bank is None:
+            return Unsupported(f"the {type(executor).__name__} does not run every expert on the CPU")
+        if config.attention.kind != "mha":
+            return Unsupported(f"{config.attention.kind} attention")
+        att = config.attention
+        if att.qk_norm not in ("none", "per_head") or att.clip_qkv is not None:
+            return Unsupported("q/k norm over the whole projection or q/k/v clipping")
+        d = config.hidden_size
+        moe_cfg = config.moe
+        if moe_cfg.scoring not in ROUTER_KINDS or moe_cfg.shared_intermediate_size:
+            return Unsupported(f"{moe_cfg.scoring} router or a shared expert")
+        structs, keep, attentions = [], [bank], []
+        for i, (input_norm, attention, post_norm, mlp) in enumerate(model.layers):
+            if not isinstance(mlp, MoeLayer) or mlp.executor is not executor or mlp.shared is not None:
+                return Unsupported(f"layer {i} is not a routed MoE layer on the model's executor")
+            if not isinstance(attention, MhaAttention):
+                return Unsupported(f"layer {i}'s attention")
+            if not (_norm_ok(input_norm, d) and _norm_ok(post_norm, d)):
+                return Unsupported(f"layer {i}'s norms are not float32/bf16 [{d}] in host memory")
+            a_out = att.num_heads * att.head_dim
+            if not all(_linear_ok(w, d) for w in (attention.wq, attention.wk, attention.wv)) \
+                    or not _linear_ok(attention.wo, a_out):
+                return Unsupported(f"layer {i}'s projections are not bf16 or q8/int4 packed in host memory")
+            router, rbias = mlp.router, mlp.router_bias
+            if not (isinstance(router, torch.Tensor) and router.dtype in (torch.float32, torch.bfloat16)
+                    and router.is_contiguous() and router.device.type == "cpu"
+                    and tuple(router.shape) == (moe_cfg.num_experts, d)
+                    and (rbias is None or (rbias.dtype == torch.float32 and rbias.is_contiguous())
+                         or router.dtype == torch.bfloat16)):
+                return Unsupported(f"layer {i}'s router is not float32 or bf16 in host memory")
+            if rbias is not None and router.dtype == torch.bfloat16:  # added as float32 after the GEMV
+                rbias = rbias.detach().float().contiguous()
+                keep.append(rbias)
+            lin = [linear_struct(w, b) for w, b in ((attention.wq, attention.bq), (attention.wk, attention.bk),
+                                                    (attention.wv, attention.bv), (attention.wo, attention.bo))]
+            for _, tensors in lin:
+                keep.extend(tensors)
+            q_norm, k_norm, sinks = attention.native_f32()
+            keep.extend(t for t in (q_norm, k_norm, sinks) if t is not None)
+            s = ChainLayer()
+            s.in_norm, s.in_norm_bf16 = input_norm.data_ptr(), int(input_norm.dtype == torch.bfloat16)
+            s.post_norm, s.post_norm_bf16 = post_norm.data_ptr(), int(post_norm.dtype == torch.bfloat16)
+            s.q, s.k, s.v, s.o = (struct for struct, _ in lin)
+            a = s.attn
+            a.H, a.Hk, a.Dh, a.Dv = att.num_heads, att.num_kv_heads, att.head_dim, att.head_dim
+            a.q_norm = None if q_norm is None else q_norm.data_ptr()
+            a.k_norm = None if k_norm is None else k_norm.data_ptr()
+            a.eps, a.rot_dim, a.interleaved = attention.eps, model.rotary.dim, int(model.rotary.interleaved)
+            a.window, a.scale = attention.window or 0, att.scaling
+            a.sinks = None if sinks is None else sinks.data_ptr()
+            s.router_w, s.router_b = router.data_ptr(), None if rbias is None else rbias.data_ptr()
+            s.router_bf16 = int(router.dtype == torch.bfloat16)
+            s.E, s.router_kind, s.top_k = moe_cfg.num_experts, ROUTER_KINDS[moe_cfg.scoring], moe_cfg.top_k
+            s.renormalise = int(moe_cfg.scoring == "softmax" and bool(moe_cfg.norm_topk_prob))
+            s.flat_base = bank.flat_id(mlp.moe_layer, 0)
+            structs.append(s)
+            attentions.append(attention)
+        layers = (ChainLayer * len(structs))(*structs)
+        return cls(lib, layers, keep, bank, executor, attentions, d, moe_cfg.top_k, config.rms_norm_eps)
+
+    def applies(self, x: torch.Tensor, cache: KVCache) -> bool:
+        """Whether this step (``x [B, 1, D]``, every row one real token) can run here."""
+        return native() is self.lib and x.device.type == "cpu" and x.dtype == torch.float32 \
+            and 0 < x.shape[0] <= MAX_TOKENS and x.shape[1] == 1 and cache.entry(0, "k").dtype == torch.float32
+
+    def _bind(self, cache: KVCache) -> None:
+        """Point the layer structs at this step's KV cache and the bank's current arrays."""
+        desc = descriptor_of(self.bank)  # cached; a new one after a resize or reload
+        if desc is not self._bank_desc:
+            pointer = ctypes.pointer(desc.struct)
+            for s in self.layers:
+                s.bank = pointer
+            self._bank_desc = desc
+        if cache is not self._cache_ref:
+            for s, attention in zip(self.layers, self.attentions):
+                k, v = cache.entry(attention.layer, "k"), cache.entry(attention.layer, "v")
+                s.attn.k_cache, s.attn.v_cache, s.attn.max_len = k.data_ptr(), v.data_ptr(), k.shape[1]
+            self._cache_ref = cache
+
+    def run(self, x: torch.Tensor, batch, cache: KVCache, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x [B, 1, D]`` after the embedding -> the hidden state before the final norm ``[B, 1, D]``."""
+        rows = x.shape[0]
+        if any(not 0 <= s < cache.num_slots for s in batch.slots) or any(
+                s >= cache.max_len for s in batch.starts):
+            raise ValueError(f"decode step: slots {batch.slots} / starts {batch.starts} do not fit the KV cache "
+                             f"({cache.num_slots} slots of {cache.max_len} tokens)")
+        self._bind(cache)
+        h = x.reshape(rows, self.hidden).contiguous()
+        cos, sin = (t[:, 0].float().contiguous() for t in cos_sin)
+        ints = torch.tensor([batch.slots, batch.starts, batch.starts], dtype=torch.int64)  # position = start
+        lengths = torch.ones(rows, dtype=torch.int32)
+        ids = self._ids[: len(self.layers) * rows * self.top_k].view(len(self.layers), rows, self.top_k)
+        self.lib.decode_layers(self.layers, h, eps=self.eps, cos=cos, sin=sin, ints=ints, lengths=lengths,
+                               num_keys=batch.num_keys, work=self.work, ids_out=ids, experts_out=self.experts,
+                               timings=self.timings)
+        self.last_ids = ids
+        self.executor.count_native(int(self.experts.sum()))
+        return h.view(rows, 1, self.hidden)
+
+    def enable_timings(self) -> torch.Tensor:
+        """Start accumulating seconds per part (``CHAIN_PARTS``) of every later step; returns the tensor."""
+        self.timings = torch.zeros(len(CHAIN_PARTS), dtype=torch.float64)
+        return self.timings
