@@ -3,10 +3,13 @@
     .venv/bin/python benchmarks/profile_decode.py MODEL [--tokens 64] [--threads 2]
 
 MODEL is anything `moed generate --model` takes (a GGUF file, an HF or FTW directory). The script
-wraps the model's parts with timers (perf_counter around attention.forward, the router, the
-expert executor and the lm_head projection), runs a 16-token prompt and `--tokens` greedy decode
-steps, and prints the mean milliseconds per decode step of each part; "other" is the rest of the
-step (norms, embedding, residual adds, sampling, the engine loop: Python and small torch ops).
+runs a 16-token prompt and `--tokens` greedy decode steps and prints the mean milliseconds per
+decode step of each part. With the native decode chain (models/decode_chain.py: every layer in
+one native call) the parts are the chain's own clock (projections, attention, router, experts,
+norms and adds, summed over layers); on the Python path the script wraps the parts with timers
+(perf_counter around attention.forward, the router, the expert executor). The lm_head is timed
+around its projection either way; "other" is the rest of the step (embedding, final norm,
+sampling, the engine loop: Python and small torch ops).
 A second table splits the step at the native library's boundary (every ctypes call into
 native/cpu timed, by entry point): time inside the kernels, and the Python / torch glue outside
 them, per step and per layer.
@@ -25,7 +28,8 @@ import moed.models.moe_transformer as model_module
 from moed.engine.offline_run import run_offline
 from moed.engine.runtime import open_runtime
 from moed.engine.sampling import SamplingParams
-from moed.kernels.native_cpu import native, native_status
+from moed.kernels.native_cpu import CHAIN_PARTS, native, native_status
+from moed.models.decode_chain import DecodeChain
 from moed.kernels.numba_runtime import configure_threads
 
 totals: collections.Counter = collections.Counter()
@@ -73,11 +77,14 @@ def main() -> int:
     configure_threads(args.threads)
     rt = open_runtime(args.model)
     model = rt.model
-    for _, attention, _, mlp in model.layers:
-        attention.forward = timed("attention (projections + cache + softmax)", attention.forward)
-        if isinstance(mlp, moe_module.MoeLayer):
-            mlp.executor = type("Timed", (), {"run": staticmethod(timed("routed experts", mlp.executor.run))})()
-    moe_module.route = timed("router", moe_module.route)
+    chain = model.decode_chain()
+    chain_timings = chain.enable_timings() if isinstance(chain, DecodeChain) else None
+    if chain_timings is None:  # the Python decode path: time its parts from outside
+        for _, attention, _, mlp in model.layers:
+            attention.forward = timed("attention (projections + cache + softmax)", attention.forward)
+            if isinstance(mlp, moe_module.MoeLayer):
+                mlp.executor = type("Timed", (), {"run": staticmethod(timed("routed experts", mlp.executor.run))})()
+        moe_module.route = timed("router", moe_module.route)
     model_module.linear = timed("lm_head", model_module.linear)
     lib = native()
     if lib is not None:
@@ -87,6 +94,8 @@ def main() -> int:
     totals.clear()
     native_time.clear()
     native_calls.clear()
+    if chain_timings is not None:
+        chain_timings.zero_()
     t0 = time.perf_counter()
     (done,) = run_offline(rt, [prompt], [SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)],
                           context_length=args.tokens + 32)
@@ -94,6 +103,9 @@ def main() -> int:
     prefill = done.usage.ttft_s
     decode_s = wall - prefill
     # the prefill step is in the totals too: take it out proportionally is not possible, so run it alone
+    if chain_timings is not None:  # the chain's own clock, per part (it runs decode steps only)
+        for name, sec in zip(CHAIN_PARTS, chain_timings.tolist()):
+            totals[f"decode chain: {name}"] += sec
     totals_all = dict(totals)
     native_all, calls_all = dict(native_time), dict(native_calls)
     totals.clear()
@@ -104,7 +116,8 @@ def main() -> int:
     prefill_native, prefill_calls = dict(native_time), dict(native_calls)
     steps = args.tokens
     print(f"{args.model}: {steps} decode steps, {decode_s / steps * 1e3:.2f} ms/step "
-          f"({steps / decode_s:.1f} tok/s); backend {native_status()}")
+          f"({steps / decode_s:.1f} tok/s); backend {native_status()}; decode path: "
+          + ("the native decode chain" if chain_timings is not None else f"Python ({chain.reason})"))
     print("| part | ms/step | share |\n|---|---:|---:|")
     parts = {k: (v - prefill_parts.get(k, 0.0)) / steps for k, v in totals_all.items()}
     step_ms = decode_s / steps
