@@ -1,6 +1,6 @@
 """Where the milliseconds of one moed decode step go: attention, router, experts, lm_head, the rest.
 
-    .venv/bin/python benchmarks/profile_decode.py MODEL [--tokens 64] [--threads 2]
+    .venv/bin/python benchmarks/profile_decode.py MODEL [--tokens 64] [--threads 2] [--busy]
 
 MODEL is anything `moed generate --model` takes (a GGUF file, an HF or FTW directory). The script
 runs a 16-token prompt and `--tokens` greedy decode steps and prints the mean milliseconds per
@@ -9,7 +9,8 @@ one native call) the parts are the chain's own clock (projections, attention, ro
 norms and adds, summed over layers); on the Python path the script wraps the parts with timers
 (perf_counter around attention.forward, the router, the expert executor). The lm_head is timed
 around its projection either way; "other" is the rest of the step (embedding, final norm,
-sampling, the engine loop: Python and small torch ops).
+sampling, the engine loop: Python and small torch ops). ``--busy`` profiles with one core kept
+busy by ``python3 -c "while True: pass"``.
 A second table splits the step at the native library's boundary (every ctypes call into
 native/cpu timed, by entry point): time inside the kernels, and the Python / torch glue outside
 them, per step and per layer.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import subprocess
 import sys
 import time
 
@@ -73,7 +75,18 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--busy", action="store_true", help="keep one core busy with a spinning Python process")
     args = ap.parse_args()
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
+    try:
+        return profile(args)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+
+
+def profile(args) -> int:
     configure_threads(args.threads)
     rt = open_runtime(args.model)
     model = rt.model
