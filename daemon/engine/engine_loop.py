@@ -281,7 +281,9 @@ class EngineLoop:
     def _accept(self, live: _Live, logits: torch.Tensor, num_cached: int) -> tuple[int, str]:
         """Sample one token, stream it; returns (token, finish reason or "")."""
         params = live.request.params
-        token = live.sampler.sample(logits, live.request.prompt_ids + live.generated)
+        # the ids so far matter only to a repetition penalty: no copy of a long prompt per token without one
+        seen = live.request.prompt_ids + live.generated if params.repetition_penalty != 1.0 else ()
+        token = live.sampler.sample(logits, seen)
         now = time.monotonic()
         if live.first_token_at is None:
             live.first_token_at = now

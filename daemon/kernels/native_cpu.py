@@ -118,6 +118,11 @@ class _ChainStep(ctypes.Structure):  # moed_chain_step (native/cpu/decode_chain.
                 ("pos", ctypes.c_void_p), ("length", ctypes.c_void_p), ("num_keys", ctypes.c_int64)]
 
 
+class ChainHead(ctypes.Structure):  # moed_chain_head (native/cpu/decode_chain.c)
+    _fields_ = [("norm", ctypes.c_void_p), ("norm_bf16", ctypes.c_int32), ("lm_head", _Linear),
+                ("logits", ctypes.c_void_p)]
+
+
 def linear_struct(weight, bias: torch.Tensor | None) -> tuple["_Linear", tuple[torch.Tensor, ...]]:
     """A decode-chain linear for a bf16 ``[N, K]`` weight or a q8/int4 PackedLinear (duck-typed: ``dtype``,
     ``arrays``, ``in_features``, ``out_features``); the bias (any float dtype) as float32. Returns the
@@ -132,7 +137,7 @@ def linear_struct(weight, bias: torch.Tensor | None) -> tuple["_Linear", tuple[t
     return _Linear(DTYPE_CODES[weight.dtype], m, _ptr(b)), tuple(arrays) + ((b,) if b is not None else ())
 
 
-CHAIN_PARTS = ("projections", "attention", "router", "experts", "norms and adds")  # decode_layers' timings
+CHAIN_PARTS = ("projections", "attention", "router", "experts", "norms and adds", "final norm + lm_head")  # timings
 
 
 class NativeCpu:
@@ -178,7 +183,7 @@ class NativeCpu:
         lib.moed_chain_work_floats.argtypes = [ctypes.POINTER(ChainLayer), c_int, c_int, c_i64]
         lib.moed_chain_work_floats.restype = c_i64
         lib.moed_cpu_decode_layers.argtypes = [vp, ctypes.POINTER(ChainLayer), c_int, ctypes.POINTER(_ChainStep), vp,
-                                               vp, c_i64, vp, vp, vp]
+                                               ctypes.POINTER(ChainHead), vp, c_i64, vp, vp, vp]
         lib.moed_cpu_decode_layers.restype = c_int
         self.detected_isa = ISA_NAMES[lib.moed_cpu_detected_isa()]
         if isa is not None and isa not in ISA_NAMES:
@@ -440,19 +445,22 @@ class NativeCpu:
 
     def decode_layers(self, layers: "ctypes.Array[ChainLayer]", x: torch.Tensor, *, eps: float, cos: torch.Tensor,
                       sin: torch.Tensor, ints: torch.Tensor, lengths: torch.Tensor, num_keys: int, work: torch.Tensor,
-                      ids_out: torch.Tensor, experts_out: torch.Tensor, timings: torch.Tensor | None = None) -> None:
+                      ids_out: torch.Tensor, experts_out: torch.Tensor, head: "ChainHead | None" = None,
+                      timings: torch.Tensor | None = None) -> None:
         """Every layer of one decode step on ``x [B, D]`` float32, in place (native/cpu/decode_chain.c):
         ``ints [3, B]`` int64 (slots, starts, positions), ``lengths [B]`` int32, ``cos``/``sin [B, R/2]``
-        float32; ``ids_out [layers, B, A]`` int32 and ``experts_out [layers]`` int32 are filled, and
-        ``timings [5]`` float64 (``CHAIN_PARTS``) accumulates seconds when given. The caller (the
+        float32; ``ids_out [layers, B, A]`` int32 and ``experts_out [layers]`` int32 are filled; with
+        ``head`` the final norm and lm_head write its ``logits [B, V]``; ``timings [6]`` float64
+        (``CHAIN_PARTS``) accumulates seconds when given. The caller (the
         model's DecodeChain) has checked shapes and dtypes; the C side checks the layer descriptions."""
         rows, d = x.shape
         step = _ChainStep(rows, d, eps, cos.data_ptr(), sin.data_ptr(), ints[0].data_ptr(), ints[1].data_ptr(),
                           ints[2].data_ptr(), lengths.data_ptr(), num_keys)
         with self._lock:
             rc = self._lib.moed_cpu_decode_layers(self._pool, layers, len(layers), ctypes.byref(step), x.data_ptr(),
-                                                  work.data_ptr(), work.numel(), ids_out.data_ptr(),
-                                                  experts_out.data_ptr(), _ptr(timings))
+                                                  None if head is None else ctypes.byref(head), work.data_ptr(),
+                                                  work.numel(), ids_out.data_ptr(), experts_out.data_ptr(),
+                                                  _ptr(timings))
         if rc != 0:
             if rc == -2:
                 raise MemoryError("the native decode step ran out of memory")

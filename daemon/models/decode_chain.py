@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from moed.cache.kv_cache import KVCache
-from moed.kernels.native_cpu import (CHAIN_PARTS, MAX_TOKENS, ChainLayer, NativeCpu, descriptor_of, linear_struct,
-                                     native)
+from moed.kernels.native_cpu import (CHAIN_PARTS, MAX_TOKENS, ChainHead, ChainLayer, NativeCpu, descriptor_of,
+                                     linear_struct, native)
 from moed.layers.attention import MhaAttention
 from moed.layers.moe import MoeLayer
 from moed.layers.packed_linear import PackedLinear
@@ -72,6 +72,8 @@ class DecodeChain:
         self.timings: torch.Tensor | None = None  # float64 [len(CHAIN_PARTS)] when a profiler asks for it
         self._bank_desc = None
         self._cache_ref: KVCache | None = None
+        self.head: ChainHead | None = None  # the final norm and lm_head, when their weights suit the chain
+        self.vocab = 0
 
     @classmethod
     def build(cls, model) -> "DecodeChain | Unsupported":
@@ -142,7 +144,14 @@ class DecodeChain:
             structs.append(s)
             attentions.append(attention)
         layers = (ChainLayer * len(structs))(*structs)
-        return cls(lib, layers, keep, bank, executor, attentions, d, moe_cfg.top_k, config.rms_norm_eps)
+        chain = cls(lib, layers, keep, bank, executor, attentions, d, moe_cfg.top_k, config.rms_norm_eps)
+        if _norm_ok(model.final_norm, d) and _linear_ok(model.lm_head, d):  # else the model runs them itself
+            lm_head, tensors = linear_struct(model.lm_head, None)
+            keep.extend((model.final_norm, *tensors))
+            chain.head = ChainHead(model.final_norm.data_ptr(), int(model.final_norm.dtype == torch.bfloat16), lm_head,
+                                   None)
+            chain.vocab = lm_head.m.N
+        return chain
 
     def applies(self, x: torch.Tensor, cache: KVCache) -> bool:
         """Whether this step (``x [B, 1, D]``, every row one real token) can run here."""
@@ -163,8 +172,10 @@ class DecodeChain:
                 s.attn.k_cache, s.attn.v_cache, s.attn.max_len = k.data_ptr(), v.data_ptr(), k.shape[1]
             self._cache_ref = cache
 
-    def run(self, x: torch.Tensor, batch, cache: KVCache, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``x [B, 1, D]`` after the embedding -> the hidden state before the final norm ``[B, 1, D]``."""
+    def run(self, x: torch.Tensor, batch, cache: KVCache, cos_sin: tuple[torch.Tensor, torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x [B, 1, D]`` after the embedding -> (the hidden state before the final norm ``[B, 1, D]``,
+        the logits ``[B, V]`` when the chain runs the final norm and lm_head too, else None)."""
         rows = x.shape[0]
         if any(not 0 <= s < cache.num_slots for s in batch.slots) or any(
                 s >= cache.max_len for s in batch.starts):
@@ -176,12 +187,16 @@ class DecodeChain:
         ints = torch.tensor([batch.slots, batch.starts, batch.starts], dtype=torch.int64)  # position = start
         lengths = torch.ones(rows, dtype=torch.int32)
         ids = self._ids[: len(self.layers) * rows * self.top_k].view(len(self.layers), rows, self.top_k)
+        logits = None
+        if self.head is not None:
+            logits = torch.empty(rows, self.vocab, dtype=torch.float32)
+            self.head.logits = logits.data_ptr()
         self.lib.decode_layers(self.layers, h, eps=self.eps, cos=cos, sin=sin, ints=ints, lengths=lengths,
                                num_keys=batch.num_keys, work=self.work, ids_out=ids, experts_out=self.experts,
-                               timings=self.timings)
+                               head=self.head, timings=self.timings)
         self.last_ids = ids
         self.executor.count_native(int(self.experts.sum()))
-        return h.view(rows, 1, self.hidden)
+        return h.view(rows, 1, self.hidden), logits
 
     def enable_timings(self) -> torch.Tensor:
         """Start accumulating seconds per part (``CHAIN_PARTS``) of every later step; returns the tensor."""

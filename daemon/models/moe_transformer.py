@@ -75,8 +75,11 @@ class MoeTransformer:
                        batch.positions[valid].tolist())
         chain = self.decode_chain() if all_valid and x.shape[1] == 1 else None
         if isinstance(chain, DecodeChain) and chain.applies(x, cache):
-            # decode on the CPU executor: every layer in one native call, the same bits as the loop below
-            x = chain.run(x, batch, cache, cos_sin)
+            # decode on the CPU executor: every layer (and the final norm and lm_head when their weights
+            # suit it) in one native call, the same bits as the code below
+            x, logits = chain.run(x, batch, cache, cos_sin)
+            if logits is not None:
+                return logits if last_only else logits[:, None]
             layers = ()
         else:
             layers = self.layers

@@ -49,7 +49,15 @@ typedef struct {
     int64_t num_keys;
 } moed_chain_step;
 
-enum { T_PROJ = 0, T_ATTN = 1, T_ROUTER = 2, T_EXPERTS = 3, T_NORMS = 4, T_PARTS = 5 };
+/* the final norm and the lm_head, run after the layers when the caller gives them */
+typedef struct {
+    const void *norm;                    /* [D] float32, or bf16 bits when norm_bf16 */
+    int32_t norm_bf16;
+    moed_linear lm_head;                 /* [V][D] */
+    float *logits;                       /* [B][V] */
+} moed_chain_head;
+
+enum { T_PROJ = 0, T_ATTN = 1, T_ROUTER = 2, T_EXPERTS = 3, T_NORMS = 4, T_HEAD = 5, T_PARTS = 6 };
 
 static double now_s(void) {
     struct timespec ts;
@@ -123,14 +131,17 @@ static int check_layer(const moed_chain_layer *L, int64_t D) {
 }
 
 /* Runs every layer on x [B][D] in place (the hidden state after the embedding in, the input of the
- * final norm out). ids_out [n][B][top_k] gets each layer's routed expert ids (within the layer),
+ * final norm out), then, when head is not NULL, the final norm and the lm_head into head->logits
+ * (x stays the un-normed hidden state). ids_out [n][B][top_k] gets each layer's routed expert ids (within the layer),
  * experts_out [n] how many distinct experts each layer ran; timings, when not NULL, accumulates
- * seconds per part (projections, attention, router, experts, norms and adds). work: floats of
+ * seconds per part (projections, attention, router, experts, norms and adds, final norm + lm_head). work: floats of
  * moed_chain_work_floats. Returns 0, -1 bad arguments, -2 out of memory, or -3 - l when layer l's
  * description is inconsistent. */
 int moed_cpu_decode_layers(void *h, const moed_chain_layer *layers, int n, const moed_chain_step *s, float *x,
-                           float *work, int64_t work_floats, int32_t *ids_out, int32_t *experts_out, double *timings) {
+                           const moed_chain_head *head, float *work, int64_t work_floats, int32_t *ids_out,
+                           int32_t *experts_out, double *timings) {
     if (!h || !layers || n < 1 || !s || !x || !work || !ids_out || !experts_out || s->B < 1 || s->D < 1) return -1;
+    if (head && (!head->norm || !head->logits || check_linear(&head->lm_head, s->D))) return -1;
     for (int l = 0; l < n; l++)
         if (check_layer(&layers[l], s->D)) return -3 - l;
     if (work_floats < moed_chain_work_floats(layers, n, s->B, s->D)) return -1;
@@ -202,6 +213,13 @@ int moed_cpu_decode_layers(void *h, const moed_chain_layer *layers, int n, const
         LAP(T_EXPERTS);
         for (int64_t i = 0; i < (int64_t)B * D; i++) x[i] = x[i] + y[i];
         LAP(T_NORMS);
+    }
+    if (head) {
+        if ((rc = moed_add_rms_norm(x, NULL, head->norm, head->norm_bf16, B, D, s->eps, NULL, hb))) return rc;
+        const moed_linear *lw[1] = {&head->lm_head};
+        float *l_out[1] = {head->logits};
+        if ((rc = linears(h, lw, 1, hb, B, l_out))) return rc;
+        LAP(T_HEAD);
     }
 #undef LAP
     return 0;

@@ -1,5 +1,5 @@
 """The native decode chain (models/decode_chain.py, native/cpu/decode_chain.c) gives the Python decode
-path's numbers bit for bit: logits, KV cache, expert counts, on every family and weight kind it
+path's numbers bit for bit: logits (its final norm and lm_head included), KV cache, expert counts, on every family and weight kind it
 takes (bf16 and q8/int4 packed projections, f32 and bf16 routers, biases, sinks, windows,
 per-head q/k norms), one row or several at different positions; and models it does not take say why."""
 
@@ -83,6 +83,7 @@ def test_the_chain_gives_the_python_paths_bits(runtime, rows):
     ours, our_cache, our_experts = _decode(model, True, prompts, slots)
     ref, ref_cache, ref_experts = _decode(model, False, prompts, slots)
     assert model.decode_chain().last_ids is not None
+    assert model.decode_chain().head is not None, "the final norm and lm_head should run in the chain too"
     for step, (a, b) in enumerate(zip(ours, ref)):
         assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max().item()}"
     for layer, (x, y) in enumerate(zip(our_cache.layers, ref_cache.layers)):
