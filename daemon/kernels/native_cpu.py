@@ -109,7 +109,8 @@ class ChainLayer(ctypes.Structure):  # moed_chain_layer (native/cpu/decode_chain
                 ("post_norm_bf16", ctypes.c_int32), ("q", _Linear), ("k", _Linear), ("v", _Linear), ("o", _Linear),
                 ("attn", _AttnDecode), ("router_w", ctypes.c_void_p), ("router_b", ctypes.c_void_p),
                 ("E", ctypes.c_int64), ("router_bf16", ctypes.c_int32), ("router_kind", ctypes.c_int32), ("top_k", ctypes.c_int32),
-                ("renormalise", ctypes.c_int32), ("flat_base", ctypes.c_int32), ("bank", ctypes.POINTER(_Bank))]
+                ("renormalise", ctypes.c_int32), ("flat_base", ctypes.c_int32), ("bank", ctypes.POINTER(_Bank)),
+                ("mlp_gate", _Linear), ("mlp_up", _Linear), ("mlp_down", _Linear), ("mlp_scale", _Linear)]
 
 
 class _ChainStep(ctypes.Structure):  # moed_chain_step (native/cpu/decode_chain.c)
@@ -174,6 +175,10 @@ class NativeCpu:
         lib.moed_add_rms_norm.restype = c_int
         lib.moed_cpu_route.argtypes = [vp, vp, c_i64, c_i64, vp, vp, c_i64, c_int, c_int, c_int, vp, vp]
         lib.moed_cpu_route.restype = c_int
+        lib.moed_swiglu.argtypes = [vp, vp, c_i64, vp]
+        lib.moed_swiglu.restype = c_int
+        lib.moed_sigmoid_scale.argtypes = [vp, c_i64, c_i64, vp]
+        lib.moed_sigmoid_scale.restype = c_int
         lib.moed_route_select.argtypes = [vp, c_i64, c_i64, c_int, c_int, c_int, vp, vp]
         lib.moed_route_select.restype = c_int
         lib.moed_cpu_rows_to_bf16.argtypes = [vp, c_int, ctypes.POINTER(_Matrix), vp]
@@ -267,6 +272,29 @@ class NativeCpu:
         if rc != 0:
             raise ValueError(f"moed_add_rms_norm refused its arguments (rc {rc})")
         return out, h
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` elementwise, float32 (the MoE kernel's activation arithmetic), on the
+        calling thread: dense MLPs and shared experts at decode."""
+        if gate.dtype != torch.float32 or up.dtype != torch.float32 or gate.shape != up.shape \
+                or gate.device.type != "cpu" or up.device.type != "cpu":
+            raise ValueError("swiglu: float32 gate and up of one shape in host memory")
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        if self._lib.moed_swiglu(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr()) != 0:
+            raise ValueError("moed_swiglu refused its arguments")
+        return out
+
+    def sigmoid_scale(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``sigmoid(z) * y`` for ``z [..., 1]`` and ``y [..., D]`` float32 (a shared expert's gate)."""
+        d = y.shape[-1]
+        if z.dtype != torch.float32 or y.dtype != torch.float32 or z.shape[-1] != 1 \
+                or z.numel() * d != y.numel() or z.device.type != "cpu" or y.device.type != "cpu":
+            raise ValueError("sigmoid_scale: float32 z [..., 1] and y [..., D] in host memory")
+        out = y.contiguous().clone()
+        if self._lib.moed_sigmoid_scale(z.contiguous().data_ptr(), z.numel(), d, out.data_ptr()) != 0:
+            raise ValueError("moed_sigmoid_scale refused its arguments")
+        return out
 
     # ------------------------------------------------------------------ router
     ROUTER_KINDS = {"softmax": 0, "topk_softmax": 1}

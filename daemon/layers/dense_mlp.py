@@ -1,11 +1,22 @@
-"""SwiGLU MLP of dense layers and of shared experts: down(silu(gate(x)) * up(x))."""
+"""SwiGLU MLP of dense layers and of shared experts: down(silu(gate(x)) * up(x)).
+
+At decode (a few rows on the CPU) the SwiGLU is the native one (``native_cpu.swiglu``, the MoE
+kernel's arithmetic), so the native decode chain (models/decode_chain.py) gives the same bits.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from moed.kernels.native_cpu import MAX_TOKENS, native
 from moed.layers.linear import linear
+
+
+def decode_rows(x: torch.Tensor) -> bool:
+    """Whether ``x [..., D]`` is a decode-sized float32 CPU batch the native elementwise kernels take."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and 0 < x.numel() <= MAX_TOKENS * x.shape[-1]
+            and native() is not None)
 
 
 class DenseMlp:
@@ -15,4 +26,6 @@ class DenseMlp:
         self.down = weights[f"{prefix}.down_proj.weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+        g, u = linear(x, self.gate), linear(x, self.up)
+        h = native().swiglu(g, u) if decode_rows(g) else F.silu(g) * u
+        return linear(h, self.down)

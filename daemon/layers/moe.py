@@ -9,7 +9,7 @@ import torch
 
 from moed.experts.executor import ExpertExecutor
 from moed.kernels.native_cpu import MAX_TOKENS, native
-from moed.layers.dense_mlp import DenseMlp
+from moed.layers.dense_mlp import DenseMlp, decode_rows
 from moed.layers.linear import linear, linear_f32
 from moed.layers.layer_config import MoeConfig
 
@@ -81,6 +81,7 @@ class MoeLayer:
         if self.shared is not None:
             shared = self.shared.forward(x)
             if self.shared_gate is not None:
-                shared = torch.sigmoid(linear(x, self.shared_gate)) * shared
+                z = linear(x, self.shared_gate)  # [N, 1]
+                shared = native().sigmoid_scale(z, shared) if decode_rows(shared) else torch.sigmoid(z) * shared
             out = out + shared
         return out

@@ -8,12 +8,12 @@ point into the model's tensors) and the C side runs the same entry points in the
 the same numbers, so the hidden state it returns is bit for bit the Python path's (tested).
 
 It applies when every expert runs on the CPU from the host bank (the CPU executor: GPU-free mode)
-and the model's layers are all standard attention + routed MoE with a softmax / top-k-softmax
-float32 router: Qwen3-MoE, Mixtral, gpt-oss (biases, sinks, sliding windows), and Qwen2-MoE /
-OLMoE-shaped models without their extras. Anything else (MLA, dense or shared-expert MLPs,
-whole-projection q/k norms, clipping, float32 or fp16 projections, sigmoid routers, the hybrid
-executor) keeps the Python path; ``DecodeChain.build`` says why in ``reason``. ``MOED_DECODE_CHAIN=0``
-turns it off (A/B measurements, debugging).
+and the model's layers are standard attention + routed MoE (softmax / top-k-softmax router, float32
+or bf16) or dense MLPs, with bf16 or q8/int4-packed projections: Qwen3-MoE, Mixtral, gpt-oss
+(biases, sinks, sliding windows), Qwen2-MoE (gated shared experts, dense layers). Anything else
+(MLA, whole-projection q/k norms, clipping, float32 or fp16 projections, a float32 shared-expert
+gate, sigmoid routers, the hybrid executor) keeps the Python path; ``DecodeChain.build`` says why
+in ``reason``. ``MOED_DECODE_CHAIN=0`` turns it off (A/B measurements, debugging).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from moed.cache.kv_cache import KVCache
 from moed.kernels.native_cpu import (CHAIN_PARTS, MAX_TOKENS, ChainHead, ChainLayer, NativeCpu, descriptor_of,
                                      linear_struct, native)
 from moed.layers.attention import MhaAttention
+from moed.layers.dense_mlp import DenseMlp
 from moed.layers.moe import MoeLayer
 from moed.layers.packed_linear import PackedLinear
 
@@ -55,6 +56,25 @@ def _linear_ok(w, k: int) -> bool:
         return w.device.type == "cpu" and w.in_features == k
     return isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() \
         and w.device.type == "cpu" and w.shape[1] == k
+
+
+def _set_router(s: ChainLayer, mlp: MoeLayer, moe_cfg, d: int, keep: list) -> str:
+    """Fill the router fields of ``s`` from ``mlp``; returns what is wrong with it, or ""."""
+    router, rbias = mlp.router, mlp.router_bias
+    if not (isinstance(router, torch.Tensor) and router.dtype in (torch.float32, torch.bfloat16)
+            and router.is_contiguous() and router.device.type == "cpu"
+            and tuple(router.shape) == (moe_cfg.num_experts, d)
+            and (rbias is None or (rbias.dtype == torch.float32 and rbias.is_contiguous())
+                 or router.dtype == torch.bfloat16)):
+        return "router is not float32 or bf16 in host memory"
+    if rbias is not None and router.dtype == torch.bfloat16:  # added as float32 after the GEMV
+        rbias = rbias.detach().float().contiguous()
+        keep.append(rbias)
+    s.router_w, s.router_b = router.data_ptr(), None if rbias is None else rbias.data_ptr()
+    s.router_bf16 = int(router.dtype == torch.bfloat16)
+    s.E, s.router_kind = moe_cfg.num_experts, ROUTER_KINDS[moe_cfg.scoring]
+    s.renormalise = int(moe_cfg.scoring == "softmax" and bool(moe_cfg.norm_topk_prob))
+    return ""
 
 
 class DecodeChain:
@@ -95,12 +115,22 @@ class DecodeChain:
             return Unsupported("q/k norm over the whole projection or q/k/v clipping")
         d = config.hidden_size
         moe_cfg = config.moe
-        if moe_cfg.scoring not in ROUTER_KINDS or moe_cfg.shared_intermediate_size:
-            return Unsupported(f"{moe_cfg.scoring} router or a shared expert")
+        if moe_cfg.scoring not in ROUTER_KINDS:
+            return Unsupported(f"{moe_cfg.scoring} router")
         structs, keep, attentions = [], [bank], []
         for i, (input_norm, attention, post_norm, mlp) in enumerate(model.layers):
-            if not isinstance(mlp, MoeLayer) or mlp.executor is not executor or mlp.shared is not None:
-                return Unsupported(f"layer {i} is not a routed MoE layer on the model's executor")
+            if isinstance(mlp, MoeLayer) and mlp.executor is not executor:
+                return Unsupported(f"layer {i}'s MoE runs on another executor")
+            dense = mlp if isinstance(mlp, DenseMlp) else getattr(mlp, "shared", None)
+            if not isinstance(mlp, (MoeLayer, DenseMlp)):
+                return Unsupported(f"layer {i}'s MLP ({type(mlp).__name__})")
+            if dense is not None:
+                inter = dense.gate.shape[0]
+                if not (_linear_ok(dense.gate, d) and _linear_ok(dense.up, d) and _linear_ok(dense.down, inter)):
+                    return Unsupported(f"layer {i}'s dense MLP / shared expert is not bf16 or q8/int4 packed")
+                gate = getattr(mlp, "shared_gate", None)
+                if gate is not None and not _linear_ok(gate, d):
+                    return Unsupported(f"layer {i}'s shared expert gate is not bf16 or q8/int4 packed")
             if not isinstance(attention, MhaAttention):
                 return Unsupported(f"layer {i}'s attention")
             if not (_norm_ok(input_norm, d) and _norm_ok(post_norm, d)):
@@ -109,23 +139,29 @@ class DecodeChain:
             if not all(_linear_ok(w, d) for w in (attention.wq, attention.wk, attention.wv)) \
                     or not _linear_ok(attention.wo, a_out):
                 return Unsupported(f"layer {i}'s projections are not bf16 or q8/int4 packed in host memory")
-            router, rbias = mlp.router, mlp.router_bias
-            if not (isinstance(router, torch.Tensor) and router.dtype in (torch.float32, torch.bfloat16)
-                    and router.is_contiguous() and router.device.type == "cpu"
-                    and tuple(router.shape) == (moe_cfg.num_experts, d)
-                    and (rbias is None or (rbias.dtype == torch.float32 and rbias.is_contiguous())
-                         or router.dtype == torch.bfloat16)):
-                return Unsupported(f"layer {i}'s router is not float32 or bf16 in host memory")
-            if rbias is not None and router.dtype == torch.bfloat16:  # added as float32 after the GEMV
-                rbias = rbias.detach().float().contiguous()
-                keep.append(rbias)
+            s = ChainLayer()
+            if dense is not None:
+                mlp_lin = [linear_struct(w, None) for w in (dense.gate, dense.up, dense.down)]
+                gate = getattr(mlp, "shared_gate", None)
+                if gate is not None:
+                    mlp_lin.append(linear_struct(gate, None))
+                for _, tensors in mlp_lin:
+                    keep.extend(tensors)
+                s.mlp_gate, s.mlp_up, s.mlp_down = (struct for struct, _ in mlp_lin[:3])
+                if gate is not None:
+                    s.mlp_scale = mlp_lin[3][0]
+            s.top_k = moe_cfg.top_k  # the ids layout [layers, B, A]; a dense layer's are -1
+            if isinstance(mlp, MoeLayer):
+                problem = _set_router(s, mlp, moe_cfg, d, keep)
+                if problem:
+                    return Unsupported(f"layer {i}'s {problem}")
+                s.flat_base = bank.flat_id(mlp.moe_layer, 0)
             lin = [linear_struct(w, b) for w, b in ((attention.wq, attention.bq), (attention.wk, attention.bk),
                                                     (attention.wv, attention.bv), (attention.wo, attention.bo))]
             for _, tensors in lin:
                 keep.extend(tensors)
             q_norm, k_norm, sinks = attention.native_f32()
             keep.extend(t for t in (q_norm, k_norm, sinks) if t is not None)
-            s = ChainLayer()
             s.in_norm, s.in_norm_bf16 = input_norm.data_ptr(), int(input_norm.dtype == torch.bfloat16)
             s.post_norm, s.post_norm_bf16 = post_norm.data_ptr(), int(post_norm.dtype == torch.bfloat16)
             s.q, s.k, s.v, s.o = (struct for struct, _ in lin)
@@ -136,11 +172,6 @@ class DecodeChain:
             a.eps, a.rot_dim, a.interleaved = attention.eps, model.rotary.dim, int(model.rotary.interleaved)
             a.window, a.scale = attention.window or 0, att.scaling
             a.sinks = None if sinks is None else sinks.data_ptr()
-            s.router_w, s.router_b = router.data_ptr(), None if rbias is None else rbias.data_ptr()
-            s.router_bf16 = int(router.dtype == torch.bfloat16)
-            s.E, s.router_kind, s.top_k = moe_cfg.num_experts, ROUTER_KINDS[moe_cfg.scoring], moe_cfg.top_k
-            s.renormalise = int(moe_cfg.scoring == "softmax" and bool(moe_cfg.norm_topk_prob))
-            s.flat_base = bank.flat_id(mlp.moe_layer, 0)
             structs.append(s)
             attentions.append(attention)
         layers = (ChainLayer * len(structs))(*structs)
@@ -164,7 +195,8 @@ class DecodeChain:
         if desc is not self._bank_desc:
             pointer = ctypes.pointer(desc.struct)
             for s in self.layers:
-                s.bank = pointer
+                if s.router_w:  # MoE layers; a dense layer's bank stays NULL
+                    s.bank = pointer
             self._bank_desc = desc
         if cache is not self._cache_ref:
             for s, attention in zip(self.layers, self.attentions):

@@ -35,7 +35,10 @@ typedef struct {
     int32_t router_bf16;
     int32_t router_kind, top_k, renormalise;  /* as moed_cpu_route */
     int32_t flat_base;                   /* flat id of this layer's expert 0 in the bank */
-    const moed_bank *bank;
+    const moed_bank *bank;               /* NULL: a dense layer (mlp below, no router) */
+    /* the dense MLP of a dense layer, or the shared expert of an MoE layer (mlp_down.m.w NULL: none):
+     * down(silu(gate(h)) * up(h)), scaled by sigmoid(mlp_scale(h)) when mlp_scale.m.w is set */
+    moed_linear mlp_gate, mlp_up, mlp_down, mlp_scale;
 } moed_chain_layer;
 
 /* the step's tokens: one new token per row */
@@ -69,7 +72,7 @@ static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* floats of work memory run_layers needs for B rows (aligned pieces) */
 int64_t moed_chain_work_floats(const moed_chain_layer *layers, int n, int B, int64_t D) {
-    int64_t q = 0, k = 0, v = 0, ao = 0, a = 0, e = 0;
+    int64_t q = 0, k = 0, v = 0, ao = 0, a = 0, e = 0, m = 0;
     for (int l = 0; l < n; l++) {
         q = max64(q, layers[l].q.m.N);
         k = max64(k, layers[l].k.m.N);
@@ -77,10 +80,11 @@ int64_t moed_chain_work_floats(const moed_chain_layer *layers, int n, int B, int
         ao = max64(ao, (int64_t)layers[l].attn.H * layers[l].attn.Dv);
         a = max64(a, layers[l].top_k);
         e = max64(e, layers[l].E);
+        if (layers[l].mlp_down.m.w) m = max64(m, layers[l].mlp_gate.m.N);
     }
-    /* q, k, v, attention out, o, h, experts out, router logits; ids (int64), weights (float), flat ids
-     * (int32); each of the 11 pieces starts on 64 bytes */
-    return (int64_t)B * (q + k + v + ao + 3 * D + e + 4 * a) + 11 * 16;
+    /* q, k, v, attention out, o, h, experts out, router logits, MLP gate / up / h, MLP out, its gate;
+     * ids (int64), weights (float), flat ids (int32); each of the 16 pieces starts on 64 bytes */
+    return (int64_t)B * (q + k + v + ao + 4 * D + e + 3 * m + 1 + 4 * a) + 16 * 16;
 }
 
 static int same_input(const moed_linear *a, const moed_linear *b) { return a->dtype == b->dtype && a->m.K == b->m.K; }
@@ -111,6 +115,27 @@ static int linears(void *h, const moed_linear *const *w, int n, const float *x, 
     return 0;
 }
 
+/* out = down(silu(gate(x)) * up(x)) (* sigmoid(scale(x)) per row), as moed.layers.dense_mlp and
+ * moed.layers.moe compute a dense MLP and a gated shared expert at decode */
+static int dense_mlp(void *h, const moed_chain_layer *L, const float *x, int B, float *g, float *u, float *hm,
+                     float *out, float *z) {
+    const moed_linear *gu[2] = {&L->mlp_gate, &L->mlp_up};
+    float *gu_out[2] = {g, u};
+    int rc = linears(h, gu, 2, x, B, gu_out);
+    if (rc) return rc;
+    if ((rc = moed_swiglu(g, u, (int64_t)B * L->mlp_gate.m.N, hm))) return rc;
+    const moed_linear *dw[1] = {&L->mlp_down};
+    float *d_out[1] = {out};
+    if ((rc = linears(h, dw, 1, hm, B, d_out))) return rc;
+    if (L->mlp_scale.m.w) {
+        const moed_linear *sw[1] = {&L->mlp_scale};
+        float *s_out[1] = {z};
+        if ((rc = linears(h, sw, 1, x, B, s_out))) return rc;
+        rc = moed_sigmoid_scale(z, B, L->mlp_down.m.N, out);
+    }
+    return rc;
+}
+
 static int check_linear(const moed_linear *w, int64_t K) {
     if (!w->m.w || w->m.K != K || w->m.N < 1) return -1;
     if (w->dtype != MOED_BF16 && w->dtype != MOED_Q8 && w->dtype != MOED_INT4) return -1;
@@ -119,21 +144,29 @@ static int check_linear(const moed_linear *w, int64_t K) {
 
 static int check_layer(const moed_chain_layer *L, int64_t D) {
     const moed_attn_decode_args *a = &L->attn;
-    if (!L->in_norm || !L->post_norm || !L->router_w || !L->bank || L->E < 1 || L->top_k < 1 || L->top_k > L->E)
-        return -1;
+    if (!L->in_norm || !L->post_norm) return -1;
+    if (L->bank && (!L->router_w || L->E < 1 || L->top_k < 1 || L->top_k > L->E)) return -1;
+    if (!L->bank && !L->mlp_down.m.w) return -1;  /* a layer needs experts or a dense MLP */
+    if (L->mlp_down.m.w) {
+        const int64_t I = L->mlp_gate.m.N;
+        if (check_linear(&L->mlp_gate, D) || check_linear(&L->mlp_up, D) || L->mlp_up.m.N != I ||
+            check_linear(&L->mlp_down, I) || L->mlp_down.m.N != D)
+            return -1;
+        if (L->mlp_scale.m.w && (check_linear(&L->mlp_scale, D) || L->mlp_scale.m.N != 1)) return -1;
+    }
     if (check_linear(&L->q, D) || check_linear(&L->k, D) || check_linear(&L->v, D) ||
         check_linear(&L->o, (int64_t)a->H * a->Dv) || L->o.m.N != D)
         return -1;
     if (L->q.m.N != (int64_t)a->H * a->Dh || L->k.m.N != (int64_t)a->Hk * a->Dh || L->v.m.N != (int64_t)a->Hk * a->Dv)
         return -1;
-    if (L->bank->D != D || L->flat_base < 0 || L->flat_base + L->E > L->bank->num_slots) return -1;
+    if (L->bank && (L->bank->D != D || L->flat_base < 0 || L->flat_base + L->E > L->bank->num_slots)) return -1;
     return 0;
 }
 
 /* Runs every layer on x [B][D] in place (the hidden state after the embedding in, the input of the
  * final norm out), then, when head is not NULL, the final norm and the lm_head into head->logits
  * (x stays the un-normed hidden state). ids_out [n][B][top_k] gets each layer's routed expert ids (within the layer),
- * experts_out [n] how many distinct experts each layer ran; timings, when not NULL, accumulates
+ * experts_out [n] how many distinct experts each layer ran (a dense layer: ids -1, 0 experts); timings, when not NULL, accumulates
  * seconds per part (projections, attention, router, experts, norms and adds, final norm + lm_head). work: floats of
  * moed_chain_work_floats. Returns 0, -1 bad arguments, -2 out of memory, or -3 - l when layer l's
  * description is inconsistent. */
@@ -147,20 +180,23 @@ int moed_cpu_decode_layers(void *h, const moed_chain_layer *layers, int n, const
     if (work_floats < moed_chain_work_floats(layers, n, s->B, s->D)) return -1;
     const int B = s->B;
     const int64_t D = s->D;
-    int64_t qn = 0, kn = 0, vn = 0, aon = 0, an = 0, en = 0;
+    int64_t qn = 0, kn = 0, vn = 0, aon = 0, an = 0, en = 0, mn = 0;
     for (int l = 0; l < n; l++) {
         qn = max64(qn, layers[l].q.m.N); kn = max64(kn, layers[l].k.m.N); vn = max64(vn, layers[l].v.m.N);
         aon = max64(aon, (int64_t)layers[l].attn.H * layers[l].attn.Dv); an = max64(an, layers[l].top_k);
         en = max64(en, layers[l].E);
+        if (layers[l].mlp_down.m.w) mn = max64(mn, layers[l].mlp_gate.m.N);
     }
     float *cur = work;
 #define TAKE(ptr, type, count) do { cur = (float *)(((uintptr_t)cur + 63) & ~(uintptr_t)63); \
     (ptr) = (type *)cur; cur += (count); } while (0)
-    float *q, *k, *v, *ao, *o, *hb, *y, *logits, *wts;
+    float *q, *k, *v, *ao, *o, *hb, *y, *logits, *wts, *mg, *mu, *mh, *mo, *mz;
     int64_t *ids;
     int32_t *flat;
     TAKE(q, float, B * qn); TAKE(k, float, B * kn); TAKE(v, float, B * vn); TAKE(ao, float, B * aon);
     TAKE(o, float, B * D); TAKE(hb, float, B * D); TAKE(y, float, B * D); TAKE(logits, float, B * en);
+    TAKE(mg, float, B * mn); TAKE(mu, float, B * mn); TAKE(mh, float, B * mn); TAKE(mo, float, B * D);
+    TAKE(mz, float, B);
     TAKE(ids, int64_t, 2 * B * an); TAKE(wts, float, B * an); TAKE(flat, int32_t, B * an);
 #undef TAKE
     double t0 = timings ? now_s() : 0.0, t1;
@@ -187,6 +223,15 @@ int moed_cpu_decode_layers(void *h, const moed_chain_layer *layers, int n, const
         LAP(T_PROJ);
         if ((rc = moed_add_rms_norm(x, o, L->post_norm, L->post_norm_bf16, B, D, s->eps, x, hb))) return rc;
         LAP(T_NORMS);
+        if (!L->bank) { /* a dense layer: x += down(silu(gate(h)) * up(h)); no experts */
+            for (int i = 0; i < B * A; i++) ids_out[(int64_t)l * B * A + i] = -1;
+            experts_out[l] = 0;
+            if ((rc = dense_mlp(h, L, hb, B, mg, mu, mh, mo, mz))) return rc;
+            LAP(T_EXPERTS);
+            for (int64_t i = 0; i < (int64_t)B * D; i++) x[i] = x[i] + mo[i];
+            LAP(T_NORMS);
+            continue;
+        }
         if (L->router_bf16) { /* as moed.layers.moe.route: the dense bf16 GEMV's logits (+ bias), then the choice */
             const uint16_t *W = (const uint16_t *)L->router_w;
             if ((rc = moed_cpu_dense_bf16_many(h, 1, &W, &L->E, D, hb, B, &logits))) return rc;
@@ -210,6 +255,10 @@ int moed_cpu_decode_layers(void *h, const moed_chain_layer *layers, int n, const
         experts_out[l] = distinct;
         LAP(T_ROUTER);
         if ((rc = moed_cpu_moe(h, L->bank, hb, B, A, flat, wts, NULL, y))) return rc;
+        if (L->mlp_down.m.w) { /* the shared expert, added to the routed ones' sum */
+            if ((rc = dense_mlp(h, L, hb, B, mg, mu, mh, mo, mz))) return rc;
+            for (int64_t i = 0; i < (int64_t)B * D; i++) y[i] = y[i] + mo[i];
+        }
         LAP(T_EXPERTS);
         for (int64_t i = 0; i < (int64_t)B * D; i++) x[i] = x[i] + y[i];
         LAP(T_NORMS);

@@ -34,6 +34,8 @@ int moed_add_rms_norm(const float *x, const float *delta, const void *w, int w_b
                       float eps, float *x_out, float *h);
 int moed_cpu_route(void *h, const float *x, int64_t N, int64_t D, const float *W, const float *bias, int64_t E,
                    int kind, int top_k, int renormalise, int64_t *ids, float *weights);
+int moed_swiglu(const float *g, const float *u, int64_t n, float *h);
+int moed_sigmoid_scale(const float *z, int64_t rows, int64_t D, float *y);
 int moed_route_select(float *logits, int64_t N, int64_t E, int kind, int top_k, int renormalise, int64_t *ids,
                       float *weights);
 int moed_cpu_attn_decode(void *h, const moed_attn_decode_args *a);

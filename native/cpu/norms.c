@@ -1,7 +1,7 @@
 /* RMSNorm of a few rows (decode), optionally after the residual add, on the calling thread: the
  * work is a few microseconds, less than waking the pool. moed.layers.norms is the reference:
  *   x_out = x + delta (when delta is given), h = w * (x_out * 1/sqrt(mean(x_out^2) + eps))
- * in float32; w float32 or bf16 bits. */
+ * in float32; w float32 or bf16 bits. Also the SwiGLU and sigmoid gate of dense MLPs at decode. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -35,6 +35,24 @@ int moed_add_rms_norm(const float *x, const float *delta, const void *w, int w_b
             const float *wf = (const float *)w;
             for (int64_t k = 0; k < D; k++) hr[k] = wf[k] * (src[k] * inv);
         }
+    }
+    return 0;
+}
+
+/* SwiGLU of a few rows (decode; dense MLPs and shared experts): h = silu(g) * u = g / (1 + e^-g) * u, the
+ * arithmetic of the MoE kernel's activation (moe.c), so both give the same bits for the same inputs. */
+int moed_swiglu(const float *g, const float *u, int64_t n, float *h) {
+    if (!g || !u || !h || n < 0) return -1;
+    for (int64_t i = 0; i < n; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    return 0;
+}
+
+/* y[r][:] = sigmoid(z[r]) * y[r][:] for rows r (Qwen2-MoE's gate on the shared expert) */
+int moed_sigmoid_scale(const float *z, int64_t rows, int64_t D, float *y) {
+    if (!z || !y || rows < 0 || D < 1) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float s = 1.0f / (1.0f + expf(-z[r]));
+        for (int64_t i = 0; i < D; i++) y[r * D + i] = s * y[r * D + i];
     }
     return 0;
 }

@@ -1,7 +1,7 @@
 """The native decode chain (models/decode_chain.py, native/cpu/decode_chain.c) gives the Python decode
 path's numbers bit for bit: logits (its final norm and lm_head included), KV cache, expert counts, on every family and weight kind it
 takes (bf16 and q8/int4 packed projections, f32 and bf16 routers, biases, sinks, windows,
-per-head q/k norms), one row or several at different positions; and models it does not take say why."""
+per-head q/k norms, dense layers and gated shared experts), one row or several at different positions; and models it does not take say why."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def _gguf(family, root, experts, weights):
 CASES = {
     "qwen3_moe-hf-bf16": lambda root: _hf_bf16("qwen3_moe", root),  # per-head q/k norm, bf16 router
     "mixtral-hf-bf16": lambda root: _hf_bf16("mixtral", root),
+    "qwen2_moe-hf-bf16": lambda root: _hf_bf16("qwen2_moe", root),  # a dense layer, a gated shared expert
     "gpt_oss-hf-bf16": lambda root: _hf_bf16("gpt_oss", root),  # biases, sinks, sliding windows, top-k softmax
     "qwen3_moe-gguf-q8": lambda root: _gguf("qwen3_moe", root, T.Q8_0, T.Q8_0),  # q8 packed projections
     "qwen3_moe-gguf-q4_1": lambda root: _gguf("qwen3_moe", root, T.Q4_1, T.Q4_1),  # int4 packed, f32 router
@@ -131,13 +132,22 @@ def test_bad_slots_are_refused_before_the_native_call(runtime):
         chain.run(x, full, cache, model.rotary.cos_sin(full.positions))
 
 
-@pytest.mark.parametrize("family,why", [("deepseek_v3", "mla attention"), ("qwen2_moe", "shared expert"),
-                                        ("olmoe", "whole projection")])
+@pytest.mark.parametrize("family,why", [("deepseek_v3", "mla attention"), ("olmoe", "whole projection")])
 def test_models_it_does_not_take_say_why(family, why, tmp_path):
     rt = open_runtime(_hf_bf16(family, tmp_path))
     try:
         chain = rt.model.decode_chain()
         assert isinstance(chain, Unsupported) and why in chain.reason, chain
+    finally:
+        rt.close()
+
+
+def test_a_float32_shared_expert_gate_keeps_the_python_path(tmp_path):
+    """A GGUF keeps Qwen2-MoE's [1, D] shared-expert gate in F32 (torch multiplies it, not the chain)."""
+    rt = open_runtime(_gguf("qwen2_moe", tmp_path, T.Q8_0, T.Q8_0))
+    try:
+        chain = rt.model.decode_chain()
+        assert isinstance(chain, Unsupported) and "shared expert gate" in chain.reason, chain
     finally:
         rt.close()
 
@@ -160,3 +170,16 @@ def test_the_environment_switch_turns_it_off(tmp_path, monkeypatch):
         assert isinstance(chain, Unsupported) and "MOED_DECODE_CHAIN" in chain.reason
     finally:
         rt.close()
+
+
+def test_the_decode_swiglu_and_sigmoid_gate_match_torch():
+    lib = native_cpu.native()
+    gen = torch.Generator().manual_seed(4)
+    g, u = torch.randn(3, 1, 70, generator=gen) * 4, torch.randn(3, 1, 70, generator=gen)
+    torch.testing.assert_close(lib.swiglu(g, u), torch.nn.functional.silu(g) * u, rtol=1e-6, atol=1e-6)
+    z, y = torch.randn(3, 1, generator=gen) * 3, torch.randn(3, 70, generator=gen)
+    torch.testing.assert_close(lib.sigmoid_scale(z, y), torch.sigmoid(z) * y, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="swiglu"):
+        lib.swiglu(g, u[..., :69])
+    with pytest.raises(ValueError, match="sigmoid_scale"):
+        lib.sigmoid_scale(torch.zeros(3, 2), y)
