@@ -18,6 +18,17 @@ CASES = [(128, 8, 2048, "softmax", True, False), (8, 2, 96, "softmax", True, Fal
          (64, 8, 70, "softmax", False, False), (32, 4, 48, "topk_softmax", False, True)]
 
 
+def _routed_through(monkeypatch, entry: str, cfg, x, weight, bias):
+    """``moe.route``'s result, checking that it went through the native ``entry`` exactly once."""
+    calls = []
+    real = getattr(LIB, entry)
+    with monkeypatch.context() as m:
+        m.setattr(LIB, entry, lambda *a, **k: calls.append(1) or real(*a, **k))
+        result = moe_module.route(cfg, x, weight, bias, None)
+    assert calls == [1], f"decode routing did not take the native {entry}"
+    return result
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}-E{c[0]}-k{c[1]}-D{c[2]}")
 def test_native_route_matches_torch(case, isa, monkeypatch):
     experts, top_k, d, scoring, renorm, has_bias = case
@@ -27,12 +38,7 @@ def test_native_route_matches_torch(case, isa, monkeypatch):
     bias = torch.randn(experts, generator=gen) if has_bias else None
     for tokens in (1, 3, 16):
         x = torch.randn(tokens, d, generator=gen)
-        calls = []
-        real = LIB.route
-        with monkeypatch.context() as m:
-            m.setattr(LIB, "route", lambda *a, **k: calls.append(1) or real(*a, **k))
-            ids, weights = moe_module.route(cfg, x, weight, bias, None)
-        assert calls == [1], "decode routing did not take the native path"
+        ids, weights = _routed_through(monkeypatch, "route", cfg, x, weight, bias)
         with monkeypatch.context() as m:
             m.setattr(moe_module, "native", lambda: None)
             want_ids, want_weights = moe_module.route(cfg, x, weight, bias, None)
@@ -65,12 +71,7 @@ def test_a_bf16_router_takes_the_native_choice_on_its_gemv_logits(case, monkeypa
     bias = torch.randn(experts, generator=gen).bfloat16() if has_bias else None
     for tokens in (1, 5):
         x = torch.randn(tokens, d, generator=gen)
-        calls = []
-        real = LIB.route_select
-        with monkeypatch.context() as m:
-            m.setattr(LIB, "route_select", lambda *a, **k: calls.append(1) or real(*a, **k))
-            ids, weights = moe_module.route(cfg, x, weight, bias, None)
-        assert calls == [1], "a bf16 router at decode did not take the native choice"
+        ids, weights = _routed_through(monkeypatch, "route_select", cfg, x, weight, bias)
         logits = x @ weight.float().T + (bias.float() if bias is not None else 0.0)
         with monkeypatch.context() as m:  # the torch choice on float32 logits of the same weights
             m.setattr(moe_module, "native", lambda: None)
