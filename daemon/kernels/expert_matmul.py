@@ -51,6 +51,7 @@ from moed.kernels.numba_runtime import (  # noqa: F401  (re-exported: the kernel
     serial_njit,
     threading_layer,
 )
+from moed.kernels.prefill_gemm import prefill_gemm_dtype
 from moed.kernels.q8_format import Q8_GROUP_SIZE, dequantize_q8
 
 MATMUL_RTOL = 1e-5
@@ -476,12 +477,16 @@ def _dense_f32(bank_tensors: dict[str, torch.Tensor], fmt: str, name: str, flat_
 
 def _prefill_matmul(bank_tensors: dict[str, torch.Tensor], fmt: str, name: str, flat_id: int, n: int,
                     x: torch.Tensor) -> torch.Tensor:
-    """``x @ W`` for many tokens. fp32 banks stay float32; the others multiply in bf16 (the bank's own
+    """``x @ W`` for many tokens. fp32 banks stay float32. The others multiply in bf16 (the bank's own
     bf16, or the packed weights dequantised and rounded to bf16) with float32 accumulation inside the
-    GEMM: measured 4-5x the float32 GEMM on AVX512-BF16 CPUs, at bf16 rounding of x and of the result
-    (below the weights' own quantisation error; what a bf16 checkpoint runs at in transformers)."""
+    GEMM where this CPU runs bf16 GEMMs natively (4-5x the float32 GEMM on AVX512-BF16 CPUs, at bf16
+    rounding of x and of the result: below the weights' own quantisation error, what a bf16
+    checkpoint runs at in transformers); elsewhere the weights are widened to float32 (exact) and
+    multiplied there (kernels/prefill_gemm.py: torch's bf16 GEMM is ~30x slower on AVX2-only CPUs)."""
     if fmt == "fp32":
         return torch.matmul(x, bank_tensors[name][flat_id])
+    if prefill_gemm_dtype(torch.bfloat16, x.device) == torch.float32:
+        return torch.matmul(x, _dense_f32(bank_tensors, fmt, name, flat_id, n))
     w = bank_tensors[name][flat_id] if fmt == "bf16" else _dense_f32(bank_tensors, fmt, name, flat_id, n).bfloat16()
     return torch.matmul(x.bfloat16(), w).float()
 

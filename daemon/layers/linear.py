@@ -6,7 +6,8 @@ weights widened exactly, fp32 accumulation, near the memory bandwidth; ``linear_
 weights that share x, an attention layer's q/k/v, in one native call). Otherwise, with bf16/fp16
 weights, the activations are rounded to the weights' dtype and multiplied there (oneDNN/cuBLAS
 accumulate in float32) and the result comes back as float32: what llama.cpp does for bf16 weights,
-at half the bytes per weight of float32. The bias, if any, is added in float32.
+at half the bytes per weight of float32; on a CPU without a native half GEMM (AVX2-only) the weight
+is widened to float32 for the GEMM instead (kernels/prefill_gemm.py). The bias, if any, is added in float32.
 A PackedLinear weight (q8/int4, kept packed from a quantised GGUF) multiplies itself
 (layers/packed_linear.py: the native kernel for a few rows, float32 otherwise).
 """
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moed.kernels.native_cpu import MAX_TOKENS, native
+from moed.kernels.prefill_gemm import prefill_gemm_dtype
 from moed.layers.packed_linear import PackedLinear
 
 
@@ -38,6 +40,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = _native_rows(x, weight)
     if rows:
         out = native().dense_bf16(x.reshape(rows, x.shape[-1]).float(), weight).view(*x.shape[:-1], weight.shape[0])
+    elif prefill_gemm_dtype(weight.dtype, weight.device) == torch.float32:
+        out = F.linear(x.float(), weight.float())  # no native half GEMM on this CPU (kernels/prefill_gemm.py)
     else:
         out = F.linear(x.to(weight.dtype), weight).float()
     return out if bias is None else out + bias.float()

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moed.kernels.native_cpu import MAX_TOKENS, native
+from moed.kernels.prefill_gemm import prefill_gemm_dtype
 from moed.kernels.rows_format import dequantize_rows, rows_from_kn, rows_shapes
 
 GROUP = 32  # weights per scale along K, both formats
@@ -128,9 +129,10 @@ class PackedLinear:
         x = x.float()
         if first._native_ok(x) and all(w.dtype == first.dtype and w.device.type == "cpu" for w in weights):
             return native().rows_many(first.dtype, [w.arrays for w in weights], x.contiguous())
-        if x.shape[0] > MAX_TOKENS:
-            # prefill: a bf16 GEMM (twice the speed of float32 here), activations rounded to bf16 like
-            # every bf16 projection's (layers/linear.py)
+        if x.shape[0] > MAX_TOKENS and prefill_gemm_dtype(torch.bfloat16, x.device) == torch.bfloat16:
+            # prefill where the CPU has a native bf16 GEMM (twice the speed of float32 there; else
+            # float32, kernels/prefill_gemm.py), activations rounded to bf16 like every bf16
+            # projection's (layers/linear.py)
             xb = x.to(torch.bfloat16)
             return [F.linear(xb, w.dequantize_bf16().to(x.device)).float() for w in weights]
         return [F.linear(x, w.dequantize(torch.float32).to(x.device)) for w in weights]

@@ -1,0 +1,39 @@
+"""Which dtype a many-token GEMM (prefill) multiplies bf16/fp16 weights in, on this CPU.
+
+moed keeps weights in the checkpoint's dtype. For prefill it used to round the activations to bf16
+and run torch's bf16 GEMM: 4-5x the float32 GEMM on CPUs whose oneDNN does bf16 (AVX-512 with
+BW/VL/DQ, AVX-512 BF16, AMX), where transformers and llama.cpp also multiply bf16 weights in bf16.
+Everywhere else (AVX2-only CPUs: every Intel desktop and laptop chip without AVX-512, AMD Zen 2
+and 3) torch falls back to a scalar reference GEMM: on an AVX2 Zen 3, 2 threads, one expert's
+gate_up ``[128, 2048] @ [2048, 1536]`` took 1041 ms in bf16 and 30 ms widened to float32 (the
+widening included), and a 128-token prompt of the 6-layer bench model took 84 s. So the half
+dtype is used only where oneDNN says it runs it natively; otherwise weights are widened to
+float32 for the GEMM (exact) and the activations are not rounded. The answer is torch's own
+(``torch.ops.mkldnn._is_mkldnn_bf16_supported``: the same check that routes its CPU matmul to
+oneDNN), asked once per process. Tensors not on the CPU (CUDA) always multiply in their dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _cpu_runs_natively(dtype: torch.dtype) -> bool:
+    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    if probe is None:
+        return dtype == torch.float32
+    try:
+        return bool(getattr(torch.ops.mkldnn, probe)())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN: its half GEMM is the slow one
+        return False
+
+
+def prefill_gemm_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype to multiply weights of ``weight_dtype`` in, for many tokens, on ``device``:
+    ``weight_dtype`` where that GEMM is native there, else float32."""
+    if device.type != "cpu" or weight_dtype == torch.float32:
+        return weight_dtype
+    return weight_dtype if _cpu_runs_natively(weight_dtype) else torch.float32
