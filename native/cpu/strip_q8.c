@@ -607,6 +607,63 @@ static void q8_cols256(const q8_ctx *C, const moed_act *a, int64_t c0, int64_t c
     }
 }
 
+/* One token (T = 1, decode): the rows of each group swept front to back, a pair of rows at a time
+ * (rows k and k + 1 follow each other in memory: one stream per thread), the columns' int32 sums
+ * in an L1 buffer, then the group's float step exactly as q8_group256 does it (the same bits). The
+ * column blocks of q8_cols256 read 32 rows x 64 bytes per group (32 streams 2*N apart), which the
+ * prefetchers serve badly. Whole units of 16 columns: W % 16 == 0 columns from j0 in each half. */
+#ifndef Q8Y_SWC
+#define Q8Y_SWC 1024 /* columns per half and sweep window */
+#endif
+static void q8_sweep256(const q8_ctx *C, const moed_act *a, int64_t j0, int64_t W, float *lo, float *hi) {
+    _Alignas(32) int32_t acc[2 * Q8Y_SWC];
+    int32_t xw[16] __attribute__((aligned(32)));
+    const int64_t N = C->N, H = N / 2, G = C->G, U = W / 16;
+    for (int64_t g = 0; g < G; g++) {
+        q8_pack_x256(a->xq + g * MOED_GROUP, xw);
+        memset(acc, 0, sizeof(int32_t) * (size_t)(2 * W));
+        const int8_t *rg = C->qs + g * MOED_GROUP * N + j0;
+        for (int p = 0; p < MOED_GROUP / 2; p++) {
+            const __m256i xb = _mm256_set1_epi32(xw[p]);
+            const int8_t *rp = rg + 2 * p * N;
+            for (int half = 0; half < 2; half++) {
+                const int8_t *r = rp + half * H;
+                int32_t *ac = acc + half * W;
+                for (int64_t u = 0; u < U; u++, r += 16, ac += 16) {
+                    if ((u & 3) == 0) {
+                        _mm_prefetch((const char *)(r + 2 * N), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(r + 3 * N), _MM_HINT_T0);
+                    }
+                    const __m128i a0 = _mm_loadu_si128((const __m128i *)r);
+                    const __m128i a1 = _mm_loadu_si128((const __m128i *)(r + N));
+                    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a0, a1));
+                    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a0, a1));
+                    _mm256_store_si256((__m256i *)ac, _mm256_add_epi32(_mm256_load_si256((const __m256i *)ac),
+                                                                        _mm256_madd_epi16(w0, xb)));
+                    _mm256_store_si256((__m256i *)(ac + 8), _mm256_add_epi32(_mm256_load_si256((const __m256i *)(ac + 8)),
+                                                                              _mm256_madd_epi16(w1, xb)));
+                }
+            }
+        }
+        const __m256 s = _mm256_set1_ps(C->xs[g]);
+        const int first = g == 0;
+        for (int half = 0; half < 2; half++) {
+            const uint16_t *dp = C->d + g * N + half * H + j0;
+            float *op = half ? hi : lo;
+            const int32_t *ac = acc + half * W;
+            for (int64_t v = 0; v < 2 * U; v++, dp += 8, op += 8, ac += 8) {
+                const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dp));
+                __m256 f = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)ac));
+                if (first)
+                    f = _mm256_mul_ps(f, _mm256_mul_ps(dv, s));
+                else
+                    f = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, s), _mm256_loadu_ps(op));
+                _mm256_storeu_ps(op, f);
+            }
+        }
+    }
+}
+
 void moed_strip_q8_avx2(const moed_matrix *w, const moed_act *a, int64_t j0, int64_t j1, float *lo, float *hi,
                         int64_t ld) {
     if (j1 <= j0 || a->T <= 0) return;
@@ -620,6 +677,18 @@ void moed_strip_q8_avx2(const moed_matrix *w, const moed_act *a, int64_t j0, int
     }
     q8_ctx C = {(const int8_t *)w->w, (const uint16_t *)w->s, w->N, w->K / MOED_GROUP, a->xs, a->K / MOED_GROUP};
     const int64_t h = w->N / 2;
+    if (a->T == 1 && Q8Y_SWC > 0) {
+        for (int64_t c = j0; c + 16 <= j1; c += Q8Y_SWC) {
+            const int64_t W = (j1 - c < Q8Y_SWC ? j1 - c : Q8Y_SWC) / 16 * 16;
+            q8_sweep256(&C, a, c, W, lo + (c - j0), hi + (c - j0));
+        }
+        const int64_t done = (j1 - j0) / 16 * 16;
+        if (done < j1 - j0) {  /* the last columns: the 16 ending at j1, as q8_cols256's pass 1 */
+            q8_cols256(&C, a, j1 - 16, j1, lo + (j1 - 16 - j0), ld);
+            q8_cols256(&C, a, h + j1 - 16, h + j1, hi + (j1 - 16 - j0), ld);
+        }
+        return;
+    }
     q8_cols256(&C, a, j0, j1, lo, ld);
     q8_cols256(&C, a, h + j0, h + j1, hi, ld);
 }
