@@ -285,6 +285,38 @@ static inline __attribute__((always_inline)) void i4y_groupn(const __m256i *nb, 
     }
 }
 
+/* One token (T = 1, decode), one group, blocks [0, nb) of 32 byte-columns from wg: the group's rows
+ * swept a quad at a time, front to back (4 streams; the block-by-block order reads 32 rows x 32
+ * bytes per block, 32 streams N2 apart, which the prefetchers serve badly), the int16 sums of every
+ * block in L1 (accb: 8 vectors per block, added in the same quad order as i4y_group1: the same
+ * integers, so the same bits), then each block's float step as i4y_group1 + i4y_finish do it. */
+#ifndef I4Y_SWB
+#define I4Y_SWB 32 /* blocks per sweep window: 32 x 256 bytes of int16 sums */
+#endif
+static inline __attribute__((always_inline)) void i4y_sweep1(const uint8_t *wg, int64_t N2, int64_t nb,
+                                                             const int8_t *xq, __m256i *accb) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t i = 0; i < 8 * nb; i++) accb[i] = _mm256_setzero_si256();
+    for (int q = 0; q < 8; q++) {
+        const __m256i X = _mm256_set1_epi32(i4_load_i32(xq + 4 * q));
+        const uint8_t *rq = wg + (int64_t)(4 * q) * N2;
+        for (int64_t b = 0; b < nb; b++) {
+            if (q < 7 && (b & 1) == 0)
+                for (int k = 4; k < 8; k++) _mm_prefetch((const char *)(rq + k * N2 + 32 * b), _MM_HINT_T0);
+            __m256i Q[4];
+            i4y_quad(rq + 32 * b, N2, Q);
+            __m256i *acc = accb + 8 * b;
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const __m256i wl = _mm256_and_si256(Q[i], m4);
+                const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(Q[i], 4), m4);
+                acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(wl, X));
+                acc[4 + i] = _mm256_add_epi16(acc[4 + i], _mm256_maddubs_epi16(wh, X));
+            }
+        }
+    }
+}
+
 static void i4y_strip(const moed_matrix *w, const moed_act *a, int64_t j0, int64_t j1, float *lo, float *hi,
                       int64_t ld) {
     enum { VW = 32, BF = 2 * VW };
@@ -305,7 +337,21 @@ static void i4y_strip(const moed_matrix *w, const moed_act *a, int64_t j0, int64
         if (nb > nbmax) nb = nbmax;
         const int64_t fst = nb * BF;
         memset(facc, 0, sizeof(float) * (size_t)(fst * T));
-        for (int64_t g = 0; g < G; g++) {
+        if (T == 1 && I4Y_SWB > 0) {
+            _Alignas(64) __m256i accb[8 * (I4Y_SWB > 0 ? I4Y_SWB : 1)];
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t b0 = 0; b0 < nb; b0 += I4Y_SWB) {
+                    const int64_t nw = nb - b0 < I4Y_SWB ? nb - b0 : I4Y_SWB;
+                    i4y_sweep1(W + g * MOED_GROUP * N2 + sb + b0 * VW, N2, nw, a->xq + g * MOED_GROUP, accb);
+                    for (int64_t b = b0; b < b0 + nw; b++) {
+                        const int64_t c0 = sb + b * VW;
+                        i4y_scales(S + g * N + c0, N2, sfm);
+                        i4y_scales(M + g * N + c0, N2, sfm + BF);
+                        i4y_finish(accb + 8 * (b - b0), a->xs[g], a->xsum[g], sfm, sfm + BF, facc + b * BF);
+                    }
+                }
+        }
+        for (int64_t g = 0; g < G && !(T == 1 && I4Y_SWB > 0); g++) {
             const uint8_t *wg = W + g * MOED_GROUP * N2;
             for (int64_t b = 0; b < nb; b++) {
                 const int64_t c0 = sb + b * VW;
