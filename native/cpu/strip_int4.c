@@ -222,6 +222,18 @@ static inline __attribute__((always_inline)) void i4y_quad(const uint8_t *r, int
     Q[3] = _mm256_unpackhi_epi16(B, D);
 }
 
+/* one quad's nibbles (lo Q0..3, hi Q0..3) times the token's 4 activations X, added to acc[8] (int16) */
+static inline __attribute__((always_inline)) void i4y_quad_add(const __m256i Q[4], __m256i X, __m256i acc[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        const __m256i wl = _mm256_and_si256(Q[i], m4);
+        const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(Q[i], 4), m4);
+        acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(wl, X));
+        acc[4 + i] = _mm256_add_epi16(acc[4 + i], _mm256_maddubs_epi16(wh, X));
+    }
+}
+
 static inline __attribute__((always_inline)) void i4y_finish(const __m256i acc[8], float xs, float xsum,
                                                              const float *sf, const float *mf, float *f) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -239,7 +251,6 @@ static inline __attribute__((always_inline)) void i4y_finish(const __m256i acc[8
 /* one group x one 32-byte-column block, one token, straight from the rows */
 static inline __attribute__((always_inline)) void i4y_group1(const uint8_t *wp, int64_t N2, const int8_t *xq,
                                                              __m256i acc[8]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
 #pragma GCC unroll 8
     for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -247,13 +258,7 @@ static inline __attribute__((always_inline)) void i4y_group1(const uint8_t *wp, 
         __m256i Q[4];
         i4y_quad(wp + (int64_t)(4 * q) * N2, N2, Q);
         const __m256i X = _mm256_set1_epi32(i4_load_i32(xq + 4 * q));
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) {
-            const __m256i wl = _mm256_and_si256(Q[i], m4);
-            const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(Q[i], 4), m4);
-            acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(wl, X));
-            acc[4 + i] = _mm256_add_epi16(acc[4 + i], _mm256_maddubs_epi16(wh, X));
-        }
+        i4y_quad_add(Q, X, acc);
     }
 }
 
@@ -295,7 +300,6 @@ static inline __attribute__((always_inline)) void i4y_groupn(const __m256i *nb, 
 #endif
 static inline __attribute__((always_inline)) void i4y_sweep1(const uint8_t *wg, int64_t N2, int64_t nb,
                                                              const int8_t *xq, __m256i *accb) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t i = 0; i < 8 * nb; i++) accb[i] = _mm256_setzero_si256();
     for (int q = 0; q < 8; q++) {
         const __m256i X = _mm256_set1_epi32(i4_load_i32(xq + 4 * q));
@@ -306,13 +310,7 @@ static inline __attribute__((always_inline)) void i4y_sweep1(const uint8_t *wg, 
             __m256i Q[4];
             i4y_quad(rq + 32 * b, N2, Q);
             __m256i *acc = accb + 8 * b;
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) {
-                const __m256i wl = _mm256_and_si256(Q[i], m4);
-                const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(Q[i], 4), m4);
-                acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(wl, X));
-                acc[4 + i] = _mm256_add_epi16(acc[4 + i], _mm256_maddubs_epi16(wh, X));
-            }
+            i4y_quad_add(Q, X, acc);
         }
     }
 }

@@ -506,6 +506,17 @@ static inline __attribute__((always_inline)) void q8_pack_x256(const int8_t *xq,
     _mm256_storeu_si256((__m256i *)(xw + 8), _mm256_cvtepi8_epi16(v1));
 }
 
+/* the float step of one group for 8 columns: op = isum * (d * xs)  (+ op unless first) */
+static inline __attribute__((always_inline)) void q8y_float_step(__m256i isum, __m256 dv, __m256 s, float *op,
+                                                                 int first) {
+    __m256 f = _mm256_cvtepi32_ps(isum);
+    if (first)
+        f = _mm256_mul_ps(f, _mm256_mul_ps(dv, s));
+    else
+        f = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, s), _mm256_loadu_ps(op));
+    _mm256_storeu_ps(op, f);
+}
+
 /* One group g for NV units of 16 columns at column c and TB tokens; column order is natural. */
 static inline __attribute__((always_inline)) void q8_group256(const q8_ctx *C, const int NV, const int TB, int64_t c,
                                                               int64_t g, const int32_t *xw, int64_t xwstride,
@@ -539,16 +550,9 @@ static inline __attribute__((always_inline)) void q8_group256(const q8_ctx *C, c
     const uint16_t *dp = C->d + g * N + c;
     for (int v = 0; v < 2 * NV; v++) {
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + 8 * v)));
-        for (int t = 0; t < TB; t++) {
-            const __m256 s = _mm256_set1_ps(C->xs[(int64_t)(t0 + t) * C->sstride + g]);
-            float *op = o + (int64_t)t * ldo + 8 * v;
-            __m256 f = _mm256_cvtepi32_ps(acc[t][v]);
-            if (first)
-                f = _mm256_mul_ps(f, _mm256_mul_ps(dv, s));
-            else
-                f = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, s), _mm256_loadu_ps(op));
-            _mm256_storeu_ps(op, f);
-        }
+        for (int t = 0; t < TB; t++)
+            q8y_float_step(acc[t][v], dv, _mm256_set1_ps(C->xs[(int64_t)(t0 + t) * C->sstride + g]),
+                           o + (int64_t)t * ldo + 8 * v, first);
     }
 }
 
@@ -651,15 +655,9 @@ static void q8_sweep256(const q8_ctx *C, const moed_act *a, int64_t j0, int64_t 
             const uint16_t *dp = C->d + g * N + half * H + j0;
             float *op = half ? hi : lo;
             const int32_t *ac = acc + half * W;
-            for (int64_t v = 0; v < 2 * U; v++, dp += 8, op += 8, ac += 8) {
-                const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dp));
-                __m256 f = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)ac));
-                if (first)
-                    f = _mm256_mul_ps(f, _mm256_mul_ps(dv, s));
-                else
-                    f = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, s), _mm256_loadu_ps(op));
-                _mm256_storeu_ps(op, f);
-            }
+            for (int64_t v = 0; v < 2 * U; v++, dp += 8, op += 8, ac += 8)
+                q8y_float_step(_mm256_load_si256((const __m256i *)ac), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dp)),
+                               s, op, first);
         }
     }
 }
