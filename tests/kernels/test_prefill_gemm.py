@@ -3,14 +3,14 @@
 Both branches run on every machine (the CPU's answer is patched), at the three places that multiply
 many tokens: a bank expert (expert_matmul), a bf16 projection (linear) and a packed projection
 (PackedLinear). The float32 branch must be float32-exact (a bf16 rounding of x would break the
-tight bound); the bf16 branch must be exactly the bf16 GEMM it documents.
+tight bound); the bf16 branch must return bf16 values (its GEMM's output dtype) within the bf16
+rounding bound. No bit-for-bit comparison of two GEMMs: oneDNN may block them differently.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import moed.kernels.prefill_gemm as pg
 from moed.kernels.expert_matmul import DIRECT_MAX_TOKENS, expert_matmul
@@ -29,6 +29,13 @@ def _fp32_close(y: torch.Tensor, exact: torch.Tensor, x: torch.Tensor, w_kn: tor
     """float32 accumulation only: far below one bf16 rounding of x (2^-9 relative)."""
     bound = 1e-5 * (x.double().abs() @ w_kn.double().abs()) + 1e-30
     return bool(((y.double() - exact).abs() <= bound).all())
+
+
+def _bf16_gemm_like(y: torch.Tensor, x: torch.Tensor, w_kn: torch.Tensor) -> bool:
+    """A bf16 GEMM's result: every value a bf16 number, within the rounding of x, w and y to bf16."""
+    exact = x.bfloat16().double() @ w_kn.bfloat16().double()
+    bound = 2.0**-8 * exact.abs() + 1e-5 * (x.double().abs() @ w_kn.double().abs()) + 1e-30
+    return torch.equal(y, y.bfloat16().float()) and bool(((y.double() - exact).abs() <= bound).all())
 
 
 def test_the_answer_is_torchs_own_and_never_touches_other_devices():
@@ -52,7 +59,7 @@ def test_bank_expert_prefill(fast, monkeypatch):
         y = expert_matmul(bank, "down", 1, x)
         exact = x.double() @ w_f32[1].double()
         if fast:
-            assert torch.equal(y, torch.matmul(x.bfloat16(), w_f32[1].bfloat16()).float())
+            assert _bf16_gemm_like(y, x, w_f32[1])
         else:
             assert _fp32_close(y, exact, x, w_f32[1])
 
@@ -62,13 +69,11 @@ def test_bf16_projection_prefill(fast, monkeypatch):
     monkeypatch.setattr(pg, "_cpu_runs_natively", lambda dtype: fast)
     weight = torch.randn(N, K, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     x = _x(2)
-    bias = torch.randn(N)
-    y = linear(x, weight, bias)
+    y = linear(x, weight)
     if fast:
-        assert torch.equal(y, F.linear(x.bfloat16(), weight).float() + bias)
+        assert _bf16_gemm_like(y, x, weight.float().t())
     else:
-        exact = x.double() @ weight.double().t() + bias.double()
-        assert _fp32_close(y, exact, x, weight.float().t())
+        assert _fp32_close(y, x.double() @ weight.double().t(), x, weight.float().t())
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["bf16-gemm", "fp32-gemm"])
@@ -81,6 +86,6 @@ def test_packed_projection_prefill(fast, monkeypatch):
     y = weight.matmul(x)
     w_f32 = dequantize_q8(qs, d)[0]  # [K, N]
     if fast:
-        assert torch.equal(y, F.linear(x.bfloat16(), w_f32.t().bfloat16()).float())
+        assert _bf16_gemm_like(y, x, w_f32)
     else:
         assert _fp32_close(y, x.double() @ w_f32.double(), x, w_f32)
