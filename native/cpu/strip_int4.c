@@ -295,18 +295,30 @@ static inline __attribute__((always_inline)) void i4y_groupn(const __m256i *nb, 
  * bytes per block, 32 streams N2 apart, which the prefetchers serve badly), the int16 sums of every
  * block in L1 (accb: 8 vectors per block, added in the same quad order as i4y_group1: the same
  * integers, so the same bits), then each block's float step as i4y_group1 + i4y_finish do it. */
+#ifndef I4Y_LIN
+/* software prefetch distance (bytes) when a sweep window is whole rows (nb * 32 == N2): the group's
+ * rows are then one contiguous stretch consumed at 128 bytes per block step, and the prefetch runs
+ * that far ahead of it (0: the next quad's rows only). Zen 3, one thread, 64 experts' gate_up out
+ * of cache: 4.9 -> 8.0 GB/s */
+#define I4Y_LIN 8192
+#endif
 #ifndef I4Y_SWB
 #define I4Y_SWB 32 /* blocks per sweep window: 32 x 256 bytes of int16 sums */
 #endif
 static inline __attribute__((always_inline)) void i4y_sweep1(const uint8_t *wg, int64_t N2, int64_t nb,
                                                              const int8_t *xq, __m256i *accb) {
     for (int64_t i = 0; i < 8 * nb; i++) accb[i] = _mm256_setzero_si256();
+    const int whole = 32 * nb == N2;
     for (int q = 0; q < 8; q++) {
         const __m256i X = _mm256_set1_epi32(i4_load_i32(xq + 4 * q));
         const uint8_t *rq = wg + (int64_t)(4 * q) * N2;
         for (int64_t b = 0; b < nb; b++) {
-            if (q < 7 && (b & 1) == 0)
+            if (I4Y_LIN && whole) {
+                _mm_prefetch((const char *)(rq + 128 * b + I4Y_LIN), _MM_HINT_T0);
+                _mm_prefetch((const char *)(rq + 128 * b + I4Y_LIN + 64), _MM_HINT_T0);
+            } else if (q < 7 && (b & 1) == 0) {
                 for (int k = 4; k < 8; k++) _mm_prefetch((const char *)(rq + k * N2 + 32 * b), _MM_HINT_T0);
+            }
             __m256i Q[4];
             i4y_quad(rq + 32 * b, N2, Q);
             __m256i *acc = accb + 8 * b;

@@ -616,6 +616,11 @@ static void q8_cols256(const q8_ctx *C, const moed_act *a, int64_t c0, int64_t c
  * in an L1 buffer, then the group's float step exactly as q8_group256 does it (the same bits). The
  * column blocks of q8_cols256 read 32 rows x 64 bytes per group (32 streams 2*N apart), which the
  * prefetchers serve badly. Whole units of 16 columns: W % 16 == 0 columns from j0 in each half. */
+#ifndef Q8Y_LIN
+/* software prefetch distance (bytes) when the sweep covers whole rows (W == N / 2): a pair of rows
+ * is then one contiguous stretch of 2N bytes consumed at 32 bytes per step (0: two rows ahead) */
+#define Q8Y_LIN 8192
+#endif
 #ifndef Q8Y_SWC
 #define Q8Y_SWC 1024 /* columns per half and sweep window */
 #endif
@@ -634,6 +639,11 @@ static void q8_sweep256(const q8_ctx *C, const moed_act *a, int64_t j0, int64_t 
                 const int8_t *r = rp + half * H;
                 int32_t *ac = acc + half * W;
                 for (int64_t u = 0; u < U; u++, r += 16, ac += 16) {
+#if Q8Y_LIN
+                    if (W == H) {
+                        if ((u & 1) == 0) _mm_prefetch((const char *)(rp + 32 * (half * U + u) + Q8Y_LIN), _MM_HINT_T0);
+                    } else
+#endif
                     if ((u & 3) == 0) {
                         _mm_prefetch((const char *)(r + 2 * N), _MM_HINT_T0);
                         _mm_prefetch((const char *)(r + 3 * N), _MM_HINT_T0);
