@@ -20,8 +20,8 @@ from moed.errors import InvalidRequestError, QueueFullError, quoted
 class SchedulerConfig:
     max_batch: int = 8  # running sequences = KV-cache slots
     max_queue: int = 64  # sequences waiting for a slot
-    prefill_chunk: int = 256  # prompt tokens per sequence per step
-    max_step_tokens: int = 512  # tokens per step, all sequences together
+    prefill_chunk: int = 512  # prompt tokens per sequence per step
+    max_step_tokens: int = 1024  # tokens per step, all sequences together
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "prefill_chunk", "max_step_tokens"):

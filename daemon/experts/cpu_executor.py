@@ -20,7 +20,7 @@ class CpuExecutor:
     def run(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
             topk_weights: torch.Tensor) -> torch.Tensor:
         num_tokens, top_k = topk_ids.shape
-        if uses_native(num_tokens):  # decode: every routed expert of the layer in one native call
+        if uses_native(self.bank, num_tokens):  # every routed expert of the layer in one native call
             flat = topk_ids + self.bank.flat_id(moe_layer, 0)
             _, y = run_routed(self.bank, hidden, flat, topk_weights)
             self.count_native(len(set(flat.view(-1).tolist())))

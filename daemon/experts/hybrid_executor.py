@@ -184,7 +184,7 @@ class HybridExecutor:
     def _run_cpu(self, cpu_ids, tokens_of, hidden, top_k: int) -> tuple[list | torch.Tensor, float]:
         started = time.perf_counter()
         num_tokens = hidden.shape[0]
-        if uses_native(num_tokens):  # the set C in one native call, by flat id
+        if uses_native(self.bank, num_tokens):  # the set C in one native call, by flat id
             flat = torch.full((num_tokens * top_k,), -1, dtype=torch.int32)
             for flat_id in cpu_ids:
                 flat[tokens_of[flat_id][0]] = flat_id

@@ -7,7 +7,10 @@ columns share the call, so one expert gives the same bits alone or with others.
 
 Without the native library (no compiler at install, ``MOED_NATIVE=0``), or above
 ``native_cpu.MAX_TOKENS`` tokens, each expert runs through ``expert_ffn.run_expert`` (numba at
-decode, torch GEMMs at prefill).
+decode, torch GEMMs at prefill), except for quantised banks on CPUs where the native int8 strips
+beat dequantising into a GEMM (``prefill_gemm.native_prefill``): those run any number of tokens
+natively, ``PREFILL_TOKENS`` tokens per call (the call's scratch grows with its tokens: about 50 KB
+per routed token at the bench shape).
 """
 
 from __future__ import annotations
@@ -18,9 +21,16 @@ from moed.cache.host_bank import ExpertBank
 from moed.experts.executor import merge_expert_outputs
 from moed.experts.expert_ffn import run_expert
 from moed.kernels.native_cpu import MAX_TOKENS, descriptor_of, native
+from moed.kernels.prefill_gemm import native_prefill
 
-def uses_native(num_tokens: int) -> bool:
-    return 0 < num_tokens <= MAX_TOKENS and native() is not None
+PREFILL_TOKENS = 256  # tokens per native call when a prefill runs natively
+
+
+def uses_native(bank: ExpertBank, num_tokens: int) -> bool:
+    """Whether ``num_tokens`` tokens of ``bank`` run through the native MoE call."""
+    if num_tokens <= 0 or native() is None:
+        return False
+    return num_tokens <= MAX_TOKENS or native_prefill(bank.dtype)
 
 
 def run_routed(bank: ExpertBank, hidden: torch.Tensor, flat_ids: torch.Tensor,
@@ -33,10 +43,17 @@ def run_routed(bank: ExpertBank, hidden: torch.Tensor, flat_ids: torch.Tensor,
         raise ValueError(f"hidden must be float32 [N, {bank.hidden_size}], got {hidden.dtype} {tuple(hidden.shape)}")
     n, a = flat_ids.shape
     per_slot = torch.empty(n, a, bank.hidden_size, dtype=torch.float32)
-    lib = native()
-    if lib is not None and 0 < n <= MAX_TOKENS:
-        y = lib.moe(descriptor_of(bank), hidden, flat_ids, weights, per_slot=per_slot, merge=weights is not None)
-        return per_slot, y
+    if uses_native(bank, n):
+        lib, desc = native(), descriptor_of(bank)
+        if n <= PREFILL_TOKENS:
+            return per_slot, lib.moe(desc, hidden, flat_ids, weights, per_slot=per_slot, merge=weights is not None)
+        ys = []
+        for t0 in range(0, n, PREFILL_TOKENS):
+            rows = slice(t0, min(n, t0 + PREFILL_TOKENS))
+            ys.append(lib.moe(desc, hidden[rows], flat_ids[rows].contiguous(),
+                              None if weights is None else weights[rows].contiguous(),
+                              per_slot=per_slot[rows], merge=weights is not None))
+        return per_slot, None if weights is None else torch.cat(ys)
     # fallback: one expert at a time
     flat = flat_ids.reshape(-1)
     run = flat >= 0

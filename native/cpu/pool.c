@@ -168,7 +168,9 @@ void moed_pool_run(moed_pool *p, moed_task_fn fn, void *ctx, int64_t ntasks) {
 }
 
 void *moed_pool_scratch(moed_pool *p, size_t bytes) {
-    if (bytes <= p->scratch_size) return p->scratch;
+    /* a prefill's tens of MB are given back at the next small call (decode) instead of being held */
+    const int shrink = p->scratch_size > ((size_t)32 << 20) && bytes < p->scratch_size / 16;
+    if (bytes <= p->scratch_size && !shrink) return p->scratch;
     free(p->scratch);
     size_t size = bytes + bytes / 4;  /* some room: sizes vary a little with the routing */
     p->scratch = malloc(size);
