@@ -20,16 +20,13 @@ is meant to give the same bits must give the same tokens).
 from __future__ import annotations
 
 import argparse
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import moed  # noqa: F401  (moed before torch: thread settings)
 import moed.kernels.native_cpu as native_cpu
-from moed.engine.offline_run import run_offline
+from ab_rounds import add_arguments, alternate, print_medians, ratio
 from moed.engine.runtime import open_runtime
-from moed.engine.sampling import SamplingParams
 from moed.kernels.numba_runtime import configure_threads
 from moed.models.decode_chain import DecodeChain
 
@@ -39,10 +36,7 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("old", type=Path)
     ap.add_argument("new", type=Path)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--busy", action="store_true", help="keep one core busy with a spinning Python process")
+    add_arguments(ap, rounds=7)
     args = ap.parse_args()
     configure_threads(args.threads)
     libs = {name: native_cpu.NativeCpu(path, num_threads=args.threads) for name, path in
@@ -53,33 +47,20 @@ def main() -> int:
     if not isinstance(chain, DecodeChain):
         print(f"{args.model}: no decode chain ({chain.reason}); this compares the chain's kernels", file=sys.stderr)
         return 1
-    prompt = [(7 * i + 11) % (rt.model.config.vocab_size - 100) + 50 for i in range(16)]
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
-    times: dict[str, list[float]] = {name: [] for name in libs}
-    tokens: dict[str, list[int]] = {}
+
+    def use(lib):
+        def switch() -> None:
+            native_cpu._native = chain.lib = lib
+        return switch
+
     try:
-        for name, lib in libs.items():  # warm both (page faults, pools)
-            native_cpu._native, chain.lib = lib, lib
-            run_offline(rt, [prompt], [SamplingParams(max_tokens=4, ignore_eos=True)], context_length=args.tokens + 32)
-        for _ in range(args.rounds):
-            for name, lib in libs.items():
-                native_cpu._native, chain.lib = lib, lib
-                (done,) = run_offline(rt, [prompt], [SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)],
-                                      context_length=args.tokens + 32)
-                times[name].append(1e3 / done.usage.decode_tok_s)
-                tokens[name] = done.token_ids
+        times, tokens = alternate(rt, {name: use(lib) for name, lib in libs.items()}, args, warm_each=True)
     finally:
-        native_cpu._native, chain.lib = libs["new"], libs["new"]
-        if spinner is not None:
-            spinner.kill()
-            spinner.wait()
+        native_cpu._native = chain.lib = libs["new"]
         rt.close()
-    print(f"{args.model}: {args.rounds} alternating rounds of {args.tokens} tokens"
-          + (", one core busy" if args.busy else "") + f"; old = {args.old}, new = {args.new}")
-    for name, values in times.items():
-        print(f"  {name:3s} median {statistics.median(values):6.2f} ms/step  (" + " ".join(f"{v:.2f}" for v in values) + ")")
-    ratio = statistics.median(times["old"]) / statistics.median(times["new"])
-    print(f"  old / new: {ratio:.3f} (above 1: new is faster); greedy tokens identical: {tokens['old'] == tokens['new']}")
+    print_medians(f"{args.model}; old = {args.old}, new = {args.new}", times, args)
+    print(f"  old / new: {ratio(times, 'old', 'new'):.3f} (above 1: new is faster); "
+          f"greedy tokens identical: {tokens['old'] == tokens['new']}")
     return 0
 
 
