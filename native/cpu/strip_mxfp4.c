@@ -306,6 +306,49 @@ static inline __attribute__((always_inline)) void mxy_groupn(const __m256i *nb, 
     }
 }
 
+/* One token (T = 1, decode), one group, blocks [0, nb) of 32 byte-columns from wg: the group's rows
+ * swept a quad at a time, front to back, the int16 sums of every block in L1 (acc16) and folded into
+ * int32 (acc32) after each half of 4 quads, in the same quad order as mxy_group1 (the same
+ * integers, so the same bits). When the window is whole rows (32 * nb == N2) the group is one
+ * contiguous stretch consumed at 128 bytes per block step and is prefetched MXY_LIN bytes ahead of
+ * it; otherwise the next quad's rows. The block-by-block order of mxy_group1 reads 32 rows x 32
+ * bytes per block (32 streams N2 apart). */
+#ifndef MXY_LIN
+#define MXY_LIN 8192
+#endif
+#ifndef MXY_SWB
+#define MXY_SWB 32 /* blocks per sweep window (0: block by block) */
+#endif
+static inline __attribute__((always_inline)) void mxy_sweep1(const uint8_t *wg, int64_t N2, int64_t nb,
+                                                             const int8_t *xq, __m256i *acc16, __m256i *acc32) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int whole = 32 * nb == N2;
+    for (int h = 0; h < 2; h++) {
+        for (int64_t i = 0; i < 8 * nb; i++) acc16[i] = _mm256_setzero_si256();
+        for (int q = 4 * h; q < 4 * h + 4; q++) {
+            const __m256i X = _mm256_set1_epi32(mx_load_i32(xq + 4 * q));
+            const uint8_t *rq = wg + (int64_t)(4 * q) * N2;
+            for (int64_t b = 0; b < nb; b++) {
+                if (MXY_LIN && whole) {
+                    _mm_prefetch((const char *)(rq + 128 * b + MXY_LIN), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(rq + 128 * b + MXY_LIN + 64), _MM_HINT_T0);
+                } else if (q < 7 && (b & 1) == 0) {
+                    for (int k = 4; k < 8; k++) _mm_prefetch((const char *)(rq + k * N2 + 32 * b), _MM_HINT_T0);
+                }
+                __m256i wv[8];
+                mxy_quad(rq + 32 * b, N2, wv);
+                __m256i *acc = acc16 + 8 * b;
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(wv[i], X));
+            }
+        }
+        for (int64_t i = 0; i < 8 * nb; i++) {
+            const __m256i s = _mm256_madd_epi16(acc16[i], ones);
+            acc32[i] = h ? _mm256_add_epi32(acc32[i], s) : s;
+        }
+    }
+}
+
 static void mxy_strip(const moed_matrix *w, const moed_act *a, int64_t j0, int64_t j1, float *lo, float *hi,
                       int64_t ld) {
     enum { VW = 32, BF = 2 * VW };
@@ -326,7 +369,21 @@ static void mxy_strip(const moed_matrix *w, const moed_act *a, int64_t j0, int64
         if (nb > nbmax) nb = nbmax;
         const int64_t fst = nb * BF;
         memset(facc, 0, sizeof(float) * (size_t)(fst * T));
-        for (int64_t g = 0; g < G; g++) {
+        if (T == 1 && MXY_SWB > 0) {
+            _Alignas(64) __m256i acc16[8 * (MXY_SWB > 0 ? MXY_SWB : 1)], acc32[8 * (MXY_SWB > 0 ? MXY_SWB : 1)];
+            for (int64_t g = 0; g < G; g++) {
+                mx_corr(a, g, corr);
+                for (int64_t b0 = 0; b0 < nb; b0 += MXY_SWB) {
+                    const int64_t nw = nb - b0 < MXY_SWB ? nb - b0 : MXY_SWB;
+                    mxy_sweep1(W + g * MOED_GROUP * N2 + sb + b0 * VW, N2, nw, a->xq + g * MOED_GROUP, acc16, acc32);
+                    for (int64_t b = b0; b < b0 + nw; b++) {
+                        mxy_scales(E + g * N + sb + b * VW, N2, sf);
+                        mxy_finish(acc32 + 8 * (b - b0), a->xs[g], corr[0], sf, facc + b * BF);
+                    }
+                }
+            }
+        }
+        for (int64_t g = 0; g < G && !(T == 1 && MXY_SWB > 0); g++) {
             const uint8_t *wg = W + g * MOED_GROUP * N2;
             mx_corr(a, g, corr);
             for (int64_t b = 0; b < nb; b++) {
