@@ -302,6 +302,9 @@ static inline __attribute__((always_inline)) void i4y_groupn(const __m256i *nb, 
  * of cache: 4.9 -> 8.0 GB/s */
 #define I4Y_LIN 8192
 #endif
+#ifndef I4Y_SPF
+#define I4Y_SPF 1 /* prefetch a window's scale and min rows before its sweep */
+#endif
 #ifndef I4Y_SWB
 #define I4Y_SWB 32 /* blocks per sweep window: 32 x 256 bytes of int16 sums */
 #endif
@@ -352,6 +355,14 @@ static void i4y_strip(const moed_matrix *w, const moed_act *a, int64_t j0, int64
             for (int64_t g = 0; g < G; g++)
                 for (int64_t b0 = 0; b0 < nb; b0 += I4Y_SWB) {
                     const int64_t nw = nb - b0 < I4Y_SWB ? nb - b0 : I4Y_SWB;
+#if I4Y_SPF
+                    /* the scale and min rows this window's float step reads after the sweep */
+                    for (int h = 0; h < 2; h++)
+                        for (int64_t c = 0; c < nw * VW; c += 32) {
+                            _mm_prefetch((const char *)(S + g * N + h * N2 + sb + b0 * VW + c), _MM_HINT_T0);
+                            _mm_prefetch((const char *)(M + g * N + h * N2 + sb + b0 * VW + c), _MM_HINT_T0);
+                        }
+#endif
                     i4y_sweep1(W + g * MOED_GROUP * N2 + sb + b0 * VW, N2, nw, a->xq + g * MOED_GROUP, accb);
                     for (int64_t b = b0; b < b0 + nw; b++) {
                         const int64_t c0 = sb + b * VW;

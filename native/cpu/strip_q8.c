@@ -621,6 +621,9 @@ static void q8_cols256(const q8_ctx *C, const moed_act *a, int64_t c0, int64_t c
  * is then one contiguous stretch of 2N bytes consumed at 32 bytes per step (0: two rows ahead) */
 #define Q8Y_LIN 8192
 #endif
+#ifndef Q8Y_SPF
+#define Q8Y_SPF 1 /* prefetch a group's scale rows before its sweep */
+#endif
 #ifndef Q8Y_SWC
 #define Q8Y_SWC 1024 /* columns per half and sweep window */
 #endif
@@ -630,6 +633,11 @@ static void q8_sweep256(const q8_ctx *C, const moed_act *a, int64_t j0, int64_t 
     const int64_t N = C->N, H = N / 2, G = C->G, U = W / 16;
     for (int64_t g = 0; g < G; g++) {
         q8_pack_x256(a->xq + g * MOED_GROUP, xw);
+#if Q8Y_SPF
+        /* the scale rows the float step reads after the sweep */
+        for (int half = 0; half < 2; half++)
+            for (int64_t c = 0; c < W; c += 32) _mm_prefetch((const char *)(C->d + g * N + half * H + j0 + c), _MM_HINT_T0);
+#endif
         memset(acc, 0, sizeof(int32_t) * (size_t)(2 * W));
         const int8_t *rg = C->qs + g * MOED_GROUP * N + j0;
         for (int p = 0; p < MOED_GROUP / 2; p++) {
