@@ -16,6 +16,19 @@ static inline __attribute__((always_inline, target("avx2"))) float moed_hsum_avx
     return _mm_cvtss_f32(s);
 }
 
+/* The prefetch of the AVX2 one-token quad sweeps (int4, mxfp4) at block b of quad q, rq the quad's
+ * first row: when the window is whole rows the group is one contiguous stretch consumed at 128
+ * bytes per block step, prefetched lin bytes ahead of it; otherwise the next quad's rows. */
+static inline __attribute__((always_inline, target("avx2"))) void
+moed_quad_sweep_prefetch(const uint8_t *rq, int64_t N2, int64_t b, int q, int whole, int64_t lin) {
+    if (lin && whole) {
+        _mm_prefetch((const char *)(rq + 128 * b + lin), _MM_HINT_T0);
+        _mm_prefetch((const char *)(rq + 128 * b + lin + 64), _MM_HINT_T0);
+    } else if (q < 7 && (b & 1) == 0) {
+        for (int k = 4; k < 8; k++) _mm_prefetch((const char *)(rq + k * N2 + 32 * b), _MM_HINT_T0);
+    }
+}
+
 /* 64 bytes of each of the rows r, r + ld, r + 2 ld, r + 3 ld (only the bytes set in bm unless
  * full) interleaved so that every 32-bit lane holds the 4 rows' bytes of one byte-column: the
  * 4-row quads of the int8 strips. The unpacks work inside 128-bit lanes: lane l of Q[q] holds

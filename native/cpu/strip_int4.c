@@ -316,12 +316,7 @@ static inline __attribute__((always_inline)) void i4y_sweep1(const uint8_t *wg, 
         const __m256i X = _mm256_set1_epi32(i4_load_i32(xq + 4 * q));
         const uint8_t *rq = wg + (int64_t)(4 * q) * N2;
         for (int64_t b = 0; b < nb; b++) {
-            if (I4Y_LIN && whole) {
-                _mm_prefetch((const char *)(rq + 128 * b + I4Y_LIN), _MM_HINT_T0);
-                _mm_prefetch((const char *)(rq + 128 * b + I4Y_LIN + 64), _MM_HINT_T0);
-            } else if (q < 7 && (b & 1) == 0) {
-                for (int k = 4; k < 8; k++) _mm_prefetch((const char *)(rq + k * N2 + 32 * b), _MM_HINT_T0);
-            }
+            moed_quad_sweep_prefetch(rq, N2, b, q, whole, I4Y_LIN);
             __m256i Q[4];
             i4y_quad(rq + 32 * b, N2, Q);
             __m256i *acc = accb + 8 * b;

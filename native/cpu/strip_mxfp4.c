@@ -329,12 +329,7 @@ static inline __attribute__((always_inline)) void mxy_sweep1(const uint8_t *wg, 
             const __m256i X = _mm256_set1_epi32(mx_load_i32(xq + 4 * q));
             const uint8_t *rq = wg + (int64_t)(4 * q) * N2;
             for (int64_t b = 0; b < nb; b++) {
-                if (MXY_LIN && whole) {
-                    _mm_prefetch((const char *)(rq + 128 * b + MXY_LIN), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(rq + 128 * b + MXY_LIN + 64), _MM_HINT_T0);
-                } else if (q < 7 && (b & 1) == 0) {
-                    for (int k = 4; k < 8; k++) _mm_prefetch((const char *)(rq + k * N2 + 32 * b), _MM_HINT_T0);
-                }
+                moed_quad_sweep_prefetch(rq, N2, b, q, whole, MXY_LIN);
                 __m256i wv[8];
                 mxy_quad(rq + 32 * b, N2, wv);
                 __m256i *acc = acc16 + 8 * b;
