@@ -56,10 +56,12 @@ def prefill_gemm_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch
 def native_prefill(bank_dtype: str) -> bool:
     """Whether many tokens of a ``bank_dtype`` expert bank run through the native int8 strips on
     this CPU (see the module doc) instead of per-expert torch GEMMs."""
-    forced = os.environ.get("MOED_PREFILL_INT8", "").strip().lower()
-    if forced in ("0", "off", "no", "false"):
-        return False
-    if bank_dtype not in QUANTISED_BANKS:
+    raw = os.environ.get("MOED_PREFILL_INT8", "")
+    forced = raw.strip().lower()
+    if forced not in ("", "0", "off", "no", "false", "1", "on", "yes", "true"):
+        raise ValueError(f"MOED_PREFILL_INT8={raw!r}: use 1 (int8 strips) or 0 (dequantise + GEMM), "
+                         "or unset it for this CPU's default")
+    if forced in ("0", "off", "no", "false") or bank_dtype not in QUANTISED_BANKS:
         return False
     if forced in ("1", "on", "yes", "true"):
         return True

@@ -44,6 +44,9 @@ def test_the_policy_is_for_quantised_banks_and_follows_the_cpu_or_the_override(m
     assert not prefill_gemm.native_prefill("bf16")
     monkeypatch.setenv("MOED_PREFILL_INT8", "off")
     assert not prefill_gemm.native_prefill("int4")
+    monkeypatch.setenv("MOED_PREFILL_INT8", "maybe")
+    with pytest.raises(ValueError, match="MOED_PREFILL_INT8='maybe': use 1"):
+        prefill_gemm.native_prefill("int4")
 
 
 @needs_native
@@ -94,3 +97,26 @@ def test_without_the_policy_many_tokens_take_the_per_expert_path(monkeypatch):
     y = CpuExecutor(bank).run(0, x, ids.long(), w)
     assert sorted(seen) == sorted(set(ids.view(-1).tolist())) and y.shape == (MAX_TOKENS + 1, D)
     assert not routed_ffn.uses_native(bank, MAX_TOKENS + 1) and routed_ffn.uses_native(bank, MAX_TOKENS)
+
+
+@needs_native
+def test_after_a_prefill_sized_call_the_pool_gives_its_scratch_back_and_small_calls_stay_right():
+    """A 400-token call at the bench shape needs ~40 MB of pool scratch; the next one-token call
+    takes the shrinking branch of moed_pool_scratch (more than 32 MiB held, 16x less needed) and
+    must still compute the twin's values, and so must a big call after it (growing again)."""
+    gen = torch.Generator().manual_seed(5)
+    d, inter, experts = 2048, 768, 2
+    bank = build_expert_bank(torch.randn(experts, d, 2 * inter, generator=gen) / d**0.5,
+                             torch.randn(experts, inter, d, generator=gen) / inter**0.5,
+                             num_moe_layers=1, num_experts=experts, dtype="int4", activation=ExpertActivation())
+    desc, lib = descriptor_of(bank), native()
+    big_x = torch.randn(400, d, generator=gen)
+    big_ids = torch.tensor([[0, 1]] * 400, dtype=torch.int32)
+    big_w = torch.rand(400, 2, generator=gen)
+    first = lib.moe(desc, big_x, big_ids, big_w)
+    x = torch.randn(1, d, generator=gen)
+    ids, w = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([[0.3, 0.7]])
+    y = lib.moe(desc, x, ids, w)
+    want, tol = routed_reference(bank, x, ids, w)
+    assert float(((y.double() - want).abs() / tol).max()) <= 1.0
+    assert torch.equal(lib.moe(desc, big_x, big_ids, big_w), first)
