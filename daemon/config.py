@@ -28,6 +28,7 @@ class EngineConfig:
     emulated_b_dev: float = 900e9  # emulated device: device compute, bytes of weights/s
     adapt_bandwidth: bool = True  # keep re-estimating B_P / B_H from real steps
     cpu_kernel_threads: int | None = None  # numba threads for the CPU branch (None = all cores)
+    prefill_buffers: int = 2  # layer buffers a long prefill streams through: 2 double-buffers, 1 loads on demand
 
     def __post_init__(self) -> None:
         from moed.errors import InvalidRequestError
@@ -36,6 +37,9 @@ class EngineConfig:
             raise InvalidRequestError(f"--device {self.device!r}: choose auto, cpu, emulated or cuda")
         if not 0.0 <= self.cache_fraction <= 1.0:
             raise InvalidRequestError(f"--cache-fraction must be between 0 and 1, got {self.cache_fraction}")
+        if self.prefill_buffers not in (1, 2):
+            raise InvalidRequestError(f"prefill_buffers must be 1 (on-demand loading) or 2 (double buffering), "
+                                      f"got {self.prefill_buffers}")
         for name, value in (("emulated B_P", self.emulated_b_p), ("emulated device bandwidth", self.emulated_b_dev)):
             if not value > 0:
                 raise InvalidRequestError(f"{name} must be positive, got {value}")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 
+from .pinning import PinReport
 from .device import (
     DeviceInfo,
     DeviceStats,
@@ -21,6 +24,7 @@ class CpuDevice:
     """The CPU-only backend's device: holds no expert slots (capacity 0), copies nothing, charges nothing."""
 
     kind = "cpu"
+    compute_device = torch.device("cpu")
 
     def info(self) -> DeviceInfo:
         return DeviceInfo(self.kind, "cpu (no device memory: all experts run from the host bank)", 0, 0)
@@ -58,8 +62,34 @@ class CpuDevice:
         check_moves(moves, num_slots_of(storage), 0)
         return storage
 
-    def charge_compute(self, nbytes: int) -> float:
+    def charge_compute(self, nbytes: int, flops: float = 0.0) -> float:
         return 0.0
+
+    def pin_host(self, tensors: list[torch.Tensor]) -> PinReport:
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        return PinReport(0, total, "none", "the cpu device copies nothing to a device: nothing is pinned")
+
+    def unpin_host(self, report: PinReport) -> None:
+        return None
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def to_host(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tensors  # nothing runs anywhere else: never a wait
+
+    def enqueue(self, work: Callable[[], None]) -> None:
+        work()
+
+    def wait_copy(self, handle) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def grouped_matmul(self, x: torch.Tensor, slots: SlotStore, name: str, slot_ids: Sequence[int],
+                       offsets: Sequence[int]) -> torch.Tensor:
+        raise ValueError("the cpu device has no slots to compute from; every expert runs from the host bank")
 
     def synchronize(self) -> None:
         return None

@@ -1,11 +1,18 @@
-"""A CUDA GPU through torch: slot tensors in VRAM, row copies on a dedicated transfer stream timed by events."""
+"""A CUDA GPU through torch: slot tensors in VRAM, row copies on a dedicated transfer stream timed by events.
+
+Device work runs on the current torch stream as it is launched (``enqueue`` calls it at once);
+uploads come from pinned staging memory with ``non_blocking``, so only ``to_host`` and
+``synchronize`` make the host wait.
+"""
 
 from __future__ import annotations
 
 import threading
+from typing import Callable, Sequence
 
 import torch
 
+from .pinning import PinReport, pin_host_tensors, unpin
 from .device import (
     DeviceInfo,
     DeviceMemoryError,
@@ -86,7 +93,9 @@ class CudaDevice:
         if not 0 <= index < count:
             raise ValueError(f"CUDA device index {index} out of range: this machine has {count} CUDA device(s)")
         self.device = torch.device("cuda", index)
+        self.compute_device = self.device
         self.copy_stream = torch.cuda.Stream(self.device)
+        self._host_syncs = 0
         self._lock = threading.Lock()
         self._num_copies = 0
         self._bytes = 0
@@ -196,17 +205,70 @@ class CudaDevice:
 
     # ----------------------------------------------------------------- compute and timing
 
-    def charge_compute(self, nbytes: int) -> float:
+    def charge_compute(self, nbytes: int, flops: float = 0.0) -> float:
         return 0.0  # real kernels run: their time is measured, not modelled
+
+    # ----------------------------------------------------------------- pinned host memory
+
+    def pin_host(self, tensors: list[torch.Tensor]) -> PinReport:
+        """cudaHostRegister as much of ``tensors`` as the OS allows (a refusal leaves no CUDA error behind)."""
+        return pin_host_tensors(tensors)
+
+    def unpin_host(self, report: PinReport) -> None:
+        unpin(report)
+
+    # ----------------------------------------------------------------- compute in stream order
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Upload from pinned memory without waiting (a pageable source would make the copy blocking)."""
+        if tensor.device == self.device:
+            return tensor
+        if tensor.device.type != "cpu":
+            raise ValueError(f"to_device: expected a host tensor or one on {self.device}, got {tensor.device}")
+        src = tensor if tensor.is_pinned() else tensor.pin_memory()  # torch's caching host allocator
+        return src.to(self.device, non_blocking=True)
+
+    def to_host(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """All of them into pinned host tensors, then one wait on the current stream."""
+        out = []
+        for t in tensors:
+            if t.device.type == "cpu":
+                out.append(t)
+                continue
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+        torch.cuda.current_stream(self.device).synchronize()
+        with self._lock:
+            self._host_syncs += 1
+        return tuple(out)
+
+    def enqueue(self, work: Callable[[], None]) -> None:
+        work()  # torch launches its kernels asynchronously on the current stream
+
+    def wait_copy(self, handle) -> None:
+        if isinstance(handle, CudaCopy):
+            handle.wait_stream()  # the compute stream waits for the copy's event; the host does not
+
+    def flush(self) -> None:
+        return None  # the stream orders device work against everything launched after it
+
+    def grouped_matmul(self, x: torch.Tensor, slots: SlotStore, name: str, slot_ids: Sequence[int],
+                       offsets: Sequence[int]) -> torch.Tensor:
+        from .cuda_kernels import grouped_matmul
+
+        return grouped_matmul(x, slots, name, slot_ids, offsets)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+        with self._lock:
+            self._host_syncs += 1
         self.stats()
 
     def stats(self) -> DeviceStats:
         self._sweep()
         with self._lock:
-            return DeviceStats(self._num_copies, self._bytes, self._seconds)
+            return DeviceStats(self._num_copies, self._bytes, self._seconds, host_syncs=self._host_syncs)
 
     def _sweep(self) -> None:
         """Book the copies that finished since the last look (``done()`` books them; outside the lock)."""

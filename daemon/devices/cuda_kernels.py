@@ -56,7 +56,11 @@ def _as_index(v: Index, what: str, device: torch.device) -> torch.Tensor:
         if v.device != device:
             raise ValueError(f"{what} is on {v.device} but x is on {device}")
         return v.contiguous()
-    return torch.tensor([int(i) for i in v], dtype=torch.int32, device=device)
+    host = torch.tensor([int(i) for i in v], dtype=torch.int32)
+    if device.type == "cpu":
+        return host
+    # from pinned memory with non_blocking: a pageable upload would make the host wait for the stream
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def check_int4_grouped(
@@ -297,6 +301,19 @@ def _grouped_dense(x: torch.Tensor, slots: dict[str, torch.Tensor], name: str, n
 
 
 # --------------------------------------------------------------------------- any format
+
+
+def output_width(slots: dict[str, torch.Tensor], name: str) -> int:
+    """N, the output columns of matrix ``name`` in slot storage of any format."""
+    if name + ".q" in slots:
+        return 2 * slots[name + ".q"].shape[-1]
+    fmt = _block_scaled_format(slots, name)
+    if fmt is not None:
+        suffix, _, two_per_byte, _, _ = _BLOCK_SCALED[fmt]
+        return slots[name + suffix].shape[-1] * (2 if two_per_byte else 1)
+    if name not in slots:
+        raise ValueError(f"slot storage has no matrix {name!r} (kinds: {sorted(slots)})")
+    return slots[name].shape[-1]
 
 
 def grouped_matmul(

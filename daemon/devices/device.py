@@ -1,17 +1,28 @@
-"""The device interface: slot memory, host->device row copies, compute timing, and the helpers all devices share.
+"""The device interface: slot memory, host->device row copies, device compute in stream order, host syncs.
 
 A *slot store* is a dict ``kind -> tensor [num_slots, *row_shape]`` with the same kinds as the
 host expert bank (``gate_up``, ``down``, ``gate_up.q`` ...): slot ``s`` of every kind together
 holds one expert, exactly as row ``flat_id`` of every bank tensor does. Devices move whole rows;
 what the rows mean is the executor's business. Nothing here imports the rest of ``moed``.
+
+Device work follows CUDA's stream model on every device: ``enqueue`` queues work that runs in
+order and writes into tensors made before it, ``wait_copy`` makes later work wait for a copy
+without blocking the host, and only ``to_host`` / ``synchronize`` block the host (each is one
+*host sync*, counted in ``DeviceStats.host_syncs``). CUDA runs queued work as it is launched
+(kernels are asynchronous); the emulated device queues it and runs it at the next ``flush``,
+``to_host`` or ``synchronize``, so the same executor code is correct on both and the counted
+syncs are the ones CUDA would do.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from .pinning import PinReport
 
 # kind -> (row shape, dtype): what ``alloc_slots`` needs to build slot storage
 SlotLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -44,6 +55,7 @@ class DeviceStats:
     num_compute_charges: int = 0
     compute_bytes: int = 0
     compute_seconds: float = 0.0  # emulated: charged by the timing model; cuda: 0 (real time is measured)
+    host_syncs: int = 0  # to_host / synchronize calls: the points where the host waited for the device
 
     @property
     def copy_bytes_per_second(self) -> float:
@@ -102,7 +114,45 @@ class Device(Protocol):
         """New storage of ``new_num_slots`` holding old slot ``old`` at ``new`` per move; ``storage`` is emptied."""
         ...
 
-    def charge_compute(self, nbytes: int) -> float: ...
+    def charge_compute(self, nbytes: int, flops: float = 0.0) -> float:
+        """The emulated device's timing model (seconds booked); 0 where real kernels run and are timed."""
+        ...
+
+    def pin_host(self, tensors: list[torch.Tensor]) -> "PinReport":
+        """Page-lock the host bank for DMA as far as the OS allows (never raises for a refusal)."""
+        ...
+
+    def unpin_host(self, report: "PinReport") -> None:
+        """Undo ``pin_host`` (before the bank's memory is freed)."""
+        ...
+
+    # -- compute in stream order (see the module docstring) -------------------------------------
+    compute_device: torch.device  # where device tensors live (the emulated device: host RAM)
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor's copy on the device, queued in stream order; the host does not wait."""
+        ...
+
+    def to_host(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Device tensors on the host once the work queued so far has run: one host sync for all."""
+        ...
+
+    def enqueue(self, work: Callable[[], None]) -> None:
+        """Device work in stream order; it writes its results into tensors made before it."""
+        ...
+
+    def wait_copy(self, handle: CopyHandle) -> None:
+        """Device work queued after this waits for ``handle``'s copies; the host does not wait."""
+        ...
+
+    def flush(self) -> None:
+        """Queued work runs before host-side torch work that follows (a no-op where streams order it)."""
+        ...
+
+    def grouped_matmul(self, x: torch.Tensor, slots: SlotStore, name: str, slot_ids: Sequence[int],
+                       offsets: Sequence[int]) -> torch.Tensor:
+        """``x [T, K]`` float32, rows ``offsets[e]:offsets[e+1]`` times matrix ``name`` of slot ``slot_ids[e]``."""
+        ...
 
     def synchronize(self) -> None: ...
 

@@ -1,10 +1,13 @@
 """An emulated GPU on the CPU: slot memory in host RAM, a throttled background copy engine, a compute timing model.
 
-It lets the hybrid executor run (and be measured) on machines without a GPU. The copies are
-real memcpys done by one persistent copy thread, paced to ``b_p`` bytes/s, so they compete
-for DRAM with the CPU branch the way DMA over PCIe does. Device compute is not done here (the
-executor runs the expert on the CPU from slot tensors); ``charge_compute`` only books the time
-a GPU reading ``b_dev`` bytes/s of weights would take, and sleeps it when ``sleep_compute``.
+It lets the hybrid executor run (and be measured) on machines without a GPU, through the same
+code CUDA runs: its tensors are ordinary CPU tensors, device work is the same torch code
+(``cuda_kernels.grouped_matmul`` on CPU tensors), queued by ``enqueue`` and run in order at the
+next ``flush`` / ``to_host`` / ``synchronize``, as a stream runs it after the launches. The
+copies are real memcpys done by one persistent copy thread, paced to ``b_p`` bytes/s, so they
+compete for DRAM with the CPU branch the way DMA over PCIe does. ``charge_compute`` books the
+time a GPU reading ``b_dev`` bytes/s of weights would take (the real time of the torch code on
+these cores is not a GPU's), and sleeps it when ``sleep_compute``.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from .pinning import PinReport, pin_host_tensors, unpin
 from .device import (
     DeviceInfo,
     DeviceMemoryError,
@@ -69,6 +74,7 @@ class _Totals:
     num_compute_charges: int = 0
     compute_bytes: int = 0
     compute_seconds: float = 0.0
+    host_syncs: int = 0
 
 
 class _CopyEngine:
@@ -136,6 +142,21 @@ class _CopyEngine:
         job._event.set()
 
 
+_all_lock = threading.Lock()
+_all_allocated = 0  # device bytes held by every emulated device of this process
+
+
+def emulated_device_bytes() -> int:
+    """Device memory held by all emulated devices in this process (``torch.cuda.memory_allocated``'s twin)."""
+    return _all_allocated
+
+
+def _book_all(nbytes: int) -> None:
+    global _all_allocated
+    with _all_lock:
+        _all_allocated += nbytes
+
+
 class _Ledger:
     """Bytes of slot storage handed out, returned when freed or when the tensor is collected."""
 
@@ -151,6 +172,7 @@ class _Ledger:
         with self.lock:
             self.allocated += nbytes
             self.owned[key] = (nbytes, fin)
+        _book_all(nbytes)
 
     def release(self, tensor: torch.Tensor) -> None:
         with self.lock:
@@ -163,37 +185,49 @@ class _Ledger:
             entry = self.owned.pop(key, None)
             if entry is not None:
                 self.allocated -= entry[0]
+        if entry is not None:
+            _book_all(-entry[0])
 
 
 class EmulatedDevice:
     """A GPU stand-in: host-RAM slots, copies paced to ``b_p`` bytes/s, compute charged at ``b_dev`` bytes/s."""
 
     kind = "emulated"
+    compute_device = torch.device("cpu")
 
     def __init__(
         self,
         b_p: float = 25e9,
         b_dev: float = 1e12,
+        flops_dev: float = 200e12,
         capacity_bytes: int | None = None,
         sleep_compute: bool = False,
         *,
+        timing_only: bool = False,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         if not (b_p > 0):
             raise ValueError(f"emulated device: b_p (link bytes/s) must be > 0 (math.inf = unthrottled), got {b_p}")
         if not (b_dev > 0):
             raise ValueError(f"emulated device: b_dev (compute bytes/s) must be > 0, got {b_dev}")
+        if timing_only and not sleep_compute:
+            raise ValueError("emulated device: timing_only (no arithmetic) only makes sense with sleep_compute")
+        if not (flops_dev > 0):
+            raise ValueError(f"emulated device: flops_dev (FLOP/s) must be > 0, got {flops_dev}")
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"emulated device: capacity_bytes must be >= 0 or None, got {capacity_bytes}")
         if chunk_bytes < 1:
             raise ValueError(f"emulated device: chunk_bytes must be >= 1, got {chunk_bytes}")
         self.b_p = float(b_p)
         self.b_dev = float(b_dev)
+        self.flops_dev = float(flops_dev)
         self.capacity_bytes = capacity_bytes
         self.sleep_compute = sleep_compute
+        self.timing_only = timing_only
         self._totals = _Totals()
         self._ledger = _Ledger()
         self._engine = _CopyEngine(self.b_p, chunk_bytes, self._totals)
+        self._work: list[Callable[[], None]] = []  # the compute stream: queued, run in order at a flush
         # stop the copy thread when the device is collected or the program exits
         self._finalizer = weakref.finalize(self, self._engine.stop)
 
@@ -253,14 +287,17 @@ class EmulatedDevice:
         src: dict[str, torch.Tensor],
         src_rows: list[int],
         *,
-        wait_for_compute: bool = True,  # device compute is synchronous here: nothing to wait for
+        wait_for_compute: bool = True,
     ) -> EmulatedCopy | FinishedCopy:
+        """``wait_for_compute``: queued device work (which may read the slots written here) runs first."""
         check_copy(dst, dst_slots, src, src_rows)
         for kind in dst:
             if dst[kind].device.type != "cpu" or src[kind].device.type != "cpu":
                 raise ValueError(f"emulated device copies CPU tensors only; {kind!r} is not on the CPU")
         if not dst_slots:
             return FinishedCopy()
+        if wait_for_compute:
+            self.flush()
         pieces = []
         nbytes = 0
         for kind, d in dst.items():
@@ -286,11 +323,12 @@ class EmulatedDevice:
 
     # ----------------------------------------------------------------- compute and timing
 
-    def charge_compute(self, nbytes: int) -> float:
-        """Seconds a device reading weights at ``b_dev`` bytes/s needs for ``nbytes``; booked, and slept if asked."""
-        if nbytes < 0:
-            raise ValueError(f"charge_compute: nbytes must be >= 0, got {nbytes}")
-        seconds = nbytes / self.b_dev
+    def charge_compute(self, nbytes: int, flops: float = 0.0) -> float:
+        """Seconds a device needs to read ``nbytes`` of weights at ``b_dev`` bytes/s or to do ``flops`` at
+        ``flops_dev``, whichever is longer (a roofline); booked, and slept if asked."""
+        if nbytes < 0 or flops < 0:
+            raise ValueError(f"charge_compute: nbytes and flops must be >= 0, got {nbytes}, {flops}")
+        seconds = max(nbytes / self.b_dev, flops / self.flops_dev)
         with self._totals.lock:
             self._totals.num_compute_charges += 1
             self._totals.compute_bytes += nbytes
@@ -299,15 +337,75 @@ class EmulatedDevice:
             time.sleep(seconds)
         return seconds
 
+    # ----------------------------------------------------------------- pinned host memory
+
+    def pin_host(self, tensors: list[torch.Tensor]) -> PinReport:
+        """Book the host bank as pinned (host RAM is this device's memory: nothing to lock), through the real ledger."""
+        return pin_host_tensors(tensors, register=lambda ptr, nbytes: True, unregister=lambda ptr: None,
+                                method="emulated")
+
+    def unpin_host(self, report: PinReport) -> None:
+        unpin(report, unregister=lambda ptr: None)
+
+    # ----------------------------------------------------------------- compute in stream order
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Host RAM is this device's memory: a CPU tensor is already there."""
+        if tensor.device.type != "cpu":
+            raise ValueError(f"emulated device: tensors live in host RAM, got one on {tensor.device}")
+        return tensor
+
+    def enqueue(self, work: Callable[[], None]) -> None:
+        self._work.append(work)
+
+    def wait_copy(self, handle) -> None:
+        self._work.append(lambda: handle.wait())
+
+    def flush(self) -> None:
+        """Run the queued work in order; on a failure the rest is dropped and the error raised here."""
+        while self._work:
+            work, self._work = self._work, []
+            try:
+                for item in work:
+                    item()
+            except BaseException:
+                self._work = []
+                raise
+
+    def to_host(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self._count_sync()
+        self.flush()
+        return tensors
+
+    def grouped_matmul(self, x: torch.Tensor, slots: SlotStore, name: str, slot_ids: Sequence[int],
+                       offsets: Sequence[int]) -> torch.Tensor:
+        """The torch code CUDA runs for non-int4 slots, and int4's torch twin, on CPU tensors.
+
+        ``timing_only`` devices return zeros of the right shape instead: for benchmarks of the
+        executor's schedule under the timing model only (results are meaningless there).
+        """
+        from .cuda_kernels import grouped_matmul, output_width
+
+        if self.timing_only:
+            return torch.zeros((x.shape[0], output_width(slots, name)), dtype=torch.float32)
+        return grouped_matmul(x, slots, name, slot_ids, offsets)
+
+    def _count_sync(self) -> None:
+        with self._totals.lock:
+            self._totals.host_syncs += 1
+
     def synchronize(self) -> None:
-        """Wait until every queued copy has landed."""
+        """Run the queued work and wait until every queued copy has landed."""
+        self._count_sync()
+        self.flush()
         self._engine.jobs.join()
 
     def stats(self) -> DeviceStats:
         t = self._totals
         with t.lock:
             return DeviceStats(
-                t.num_copies, t.bytes_copied, t.copy_seconds, t.num_compute_charges, t.compute_bytes, t.compute_seconds
+                t.num_copies, t.bytes_copied, t.copy_seconds, t.num_compute_charges, t.compute_bytes, t.compute_seconds,
+                t.host_syncs,
             )
 
     def close(self) -> None:

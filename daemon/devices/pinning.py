@@ -10,7 +10,9 @@ backend).
 
 from __future__ import annotations
 
+import itertools
 import mmap
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +26,26 @@ _PAGE = mmap.PAGESIZE
 Register = Callable[[int, int], bool]
 Unregister = Callable[[int], None]
 
+_registered_lock = threading.Lock()
+_registered: dict[int, int] = {}  # report token -> its pinned bytes, not yet unpinned, in this process
+_tokens = itertools.count(1)
+
+
+def pinned_bytes_now() -> int:
+    """Host bytes this process has registered (any method) and not yet unpinned."""
+    with _registered_lock:
+        return sum(_registered.values())
+
+
+def _book(nbytes: int) -> int:
+    """Record a report's registered bytes; its token (0: nothing registered)."""
+    if nbytes == 0:
+        return 0
+    token = next(_tokens)
+    with _registered_lock:
+        _registered[token] = nbytes
+    return token
+
 
 @dataclass(frozen=True)
 class PinReport:
@@ -34,6 +56,7 @@ class PinReport:
     method: str  # "cudaHostRegister", "none" (no CUDA), or "custom" (an injected register)
     reason: str  # empty when everything was pinned
     regions: tuple[tuple[int, int], ...] = ()  # (ptr, nbytes) registered: what unpin() undoes
+    token: int = 0  # its entry in this process's ledger of registered bytes (pinned_bytes_now)
 
     @property
     def total_bytes(self) -> int:
@@ -139,12 +162,14 @@ def pin_host_tensors(
     register: Register | None = None,
     unregister: Unregister | None = None,
     chunk_bytes: int = PIN_CHUNK_BYTES,
+    method: str = "custom",
 ) -> PinReport:
     """Pin as much of ``tensors`` (CPU, contiguous) as the OS allows; never raises for a refusal.
 
     ``limit_bytes`` caps what is pinned (a budget of our own); ``register`` / ``unregister``
-    replace the CUDA calls (tests simulate refusals with them). Without CUDA and without an
-    injected ``register`` nothing is pinned and the report says why.
+    replace the CUDA calls (tests simulate refusals with them; the emulated device books with
+    them), ``method`` names them in the report. Without CUDA and without an injected
+    ``register`` nothing is pinned and the report says why.
     """
     for i, t in enumerate(tensors):
         if t.device.type != "cpu":
@@ -159,7 +184,7 @@ def pin_host_tensors(
     sizes = [t.numel() * t.element_size() for t in tensors]
     total = sum(sizes)
     if register is not None:
-        method = "custom"
+        pass
     elif _has_cuda():
         method, register = "cudaHostRegister", _cuda_register
     else:
@@ -247,7 +272,7 @@ def pin_host_tensors(
         if limited:
             parts.append(f"the pinning limit is {limit_bytes} bytes")
         reason = "; ".join(parts) or "part of the bank could not be registered"
-    return PinReport(pinned, total - pinned, method, reason, tuple(regions))
+    return PinReport(pinned, total - pinned, method, reason, tuple(regions), _book(pinned))
 
 
 def unpin(report: PinReport, *, unregister: Unregister | None = None) -> None:
@@ -258,8 +283,10 @@ def unpin(report: PinReport, *, unregister: Unregister | None = None) -> None:
         if report.method != "cudaHostRegister":
             raise ValueError(f"unpin: a {report.method!r} pin report needs the matching unregister callable")
         unregister = _cuda_unregister
-    for ptr, _ in report.regions:
+    for ptr, nbytes in report.regions:
         try:
             unregister(ptr)
         except Exception:
             pass  # already unregistered, or the context is gone at exit: nothing left to undo
+    with _registered_lock:
+        _registered.pop(report.token, None)

@@ -1,38 +1,35 @@
-"""Run one expert whose weights sit in device cache slots.
+"""Run a group of experts whose weights sit in device cache slots: one grouped computation per matrix.
 
-Emulated device: slots are host memory, and the same CPU kernel runs on the slot's copy of the
-bytes, so results are bit-identical to the CPU branch. CUDA: torch matmuls on the slot tensors
-(fp32 / bf16; q8 / mxfp4 dequantised to float32 on the device first) or the int4 RawKernel from native/.
+The rows of ``x`` are grouped by expert (rows ``offsets[e]:offsets[e+1]`` go to slot
+``slot_ids[e]``); gate_up, the activation and down each run once for the whole group through
+the device's ``grouped_matmul`` (CUDA: the int4 kernel over many slots, torch matmuls for
+fp32 / bf16 / q8 / mxfp4; the emulated device: the same torch code on CPU tensors). Nothing
+here reads a device tensor back to the host, so it can be queued on a stream.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from moed.cache.host_bank import ExpertBank
-from moed.experts.expert_ffn import apply_activation, run_expert
+from moed.experts.expert_ffn import apply_activation
 
 
-def run_slot_expert(slot_bank: ExpertBank, slot: int, x: torch.Tensor, *, on_cuda: bool) -> torch.Tensor:
-    """x [T, D] (on the slot's device) -> [T, D]."""
-    if not on_cuda:
-        return run_expert(slot_bank, slot, x)
+def run_grouped_experts(device, slot_bank: ExpertBank, x: torch.Tensor, slot_ids: Sequence[int],
+                        offsets: Sequence[int]) -> torch.Tensor:
+    """``x [T, D]`` float32 on the device, grouped by expert -> ``[T, D]`` float32 on the device."""
     t = slot_bank.tensors
-    gate_up = _matmul(t, "gate_up", slot, x, slot_bank.dtype)  # [T, 2I]
+    row_slot = None
+    if "gate_up_bias" in t or "down_bias" in t:
+        counts = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], dtype=torch.long)
+        row_slot = device.to_device(torch.repeat_interleave(torch.tensor(list(slot_ids), dtype=torch.long), counts))
+    gate_up = device.grouped_matmul(x, t, "gate_up", slot_ids, offsets)  # [T, 2I]
     if "gate_up_bias" in t:
-        gate_up = gate_up + t["gate_up_bias"][slot]
-    hidden = apply_activation(gate_up, slot_bank.activation)
-    out = _matmul(t, "down", slot, hidden, slot_bank.dtype)
+        gate_up = gate_up + t["gate_up_bias"].index_select(0, row_slot).float()
+    hidden = apply_activation(gate_up, slot_bank.activation)  # [T, I]
+    out = device.grouped_matmul(hidden.contiguous(), t, "down", slot_ids, offsets)  # [T, D]
     if "down_bias" in t:
-        out = out + t["down_bias"][slot]
+        out = out + t["down_bias"].index_select(0, row_slot).float()
     return out
-
-
-def _matmul(t: dict[str, torch.Tensor], name: str, slot: int, x: torch.Tensor, dtype: str) -> torch.Tensor:
-    if dtype == "int4":
-        from moed.devices.cuda_kernels import int4_matmul
-
-        return int4_matmul(x, t[f"{name}.q"][slot], t[f"{name}.scale"][slot], t[f"{name}.min"][slot])
-    from moed.devices.cuda_kernels import slot_matrix_f32
-
-    return x @ slot_matrix_f32(t, name, slot)  # fp32 / bf16 widened; q8 / mxfp4 dequantised on the device

@@ -27,6 +27,8 @@ class EngineStats:
     copy_seconds: float = 0.0  # transfer time
     device_compute_seconds: float = 0.0  # measured (cuda) or charged by the timing model (emulated)
     modelled_seconds: float = 0.0  # emulated: sum over layers of max(cpu branch, copies + device compute)
+    streamed_layers: int = 0  # prefill layer calls run from a streamed layer buffer (experts/prefill_stream.py)
+    streamed_bytes: int = 0  # expert bytes those buffers were loaded with
 
     @property
     def miss_rate(self) -> float:

@@ -6,7 +6,6 @@ from pathlib import Path
 
 from moed.cache.host_bank import ExpertBank
 from moed.config import EngineConfig
-from moed.devices.pinning import pin_host_tensors, unpin
 from moed.devices.select import select_device as _select_device
 from moed.errors import InvalidRequestError
 from moed.experts.bandwidth_model import BandwidthModel
@@ -52,15 +51,16 @@ def build_executor(bank: ExpertBank, cfg: EngineConfig, *, trace_out: str | Path
     device = select_device(cfg.device, b_p=cfg.emulated_b_p, b_dev=cfg.emulated_b_dev)
     stats = EngineStats(device=device.kind, policy=cfg.policy)
     release = None
-    if device.kind == "cuda":
-        report = pin_host_tensors(list(bank.tensors.values()))
+    if device.kind != "cpu":
+        report = device.pin_host(list(bank.tensors.values()))
         stats.pinned_bytes, stats.pageable_bytes, stats.pin_note = (
             report.pinned_bytes, report.pageable_bytes, report.reason)
-        if report.pinned_bytes == 0:
+        if report.pinned_bytes == 0 and bank.nbytes() > 0:
             # nothing could be registered for DMA: the CPU-only backend is slower but never fails
             device = select_device("cpu")
         else:
-            release = lambda: unpin(report)  # noqa: E731 - on close: the bank's pages stop being locked
+            pinned_on = device
+            release = lambda: pinned_on.unpin_host(report)  # noqa: E731 - on close: the bank's pages stop being locked
     else:
         stats.pageable_bytes = bank.nbytes()
     if device.kind == "cpu" and trace_out:
@@ -79,4 +79,4 @@ def build_executor(bank: ExpertBank, cfg: EngineConfig, *, trace_out: str | Path
     return HybridExecutor(bank, device, num_slots=cache_slots_for(bank, cfg.cache_fraction), policy=policy,
                           bandwidth=initial_bandwidth(device.kind, bank, cfg),
                           cpu_pool=CpuWorkerPool(cfg.cpu_kernel_threads), trace=trace, stats=stats,
-                          on_close=release)
+                          on_close=release, prefill_buffers=cfg.prefill_buffers)

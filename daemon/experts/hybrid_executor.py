@@ -3,8 +3,15 @@
 For one layer call: de-duplicate the routed experts of the whole batch, let the split policy
 classify hits H / misses M and choose the fill set F (q of them; q* = m * B_P / B_H for the
 adaptive policy) and the CPU set C = M - F; start the CPU branch first on the persistent worker,
-then run the device branch (copy F into cache slots, compute H and F); merge the per-slot outputs
-in a fixed order so the result never depends on placement.
+then queue the device branch in stream order (the copies of F into cache slots; H as one grouped
+computation at once; F as another once its copies have landed), upload the CPU branch's rows and
+merge the per-slot outputs on the device in fixed top-k order, so the result never depends on
+placement. The device owns compute (``Device.enqueue`` / ``grouped_matmul``): there is no
+per-device branch here.
+
+Host syncs per layer call: one. With the model on the host it is the result's download; with the
+model on the device (``model_on_device``) it is the download of the routing ids and hidden rows
+the policy and the CPU branch need, and the result stays on the device.
 
 Shapes: N routed tokens, A experts per token, D hidden.
 """
@@ -22,8 +29,9 @@ from moed.cache.expert_cache import ExpertCache
 from moed.cache.host_bank import ExpertBank
 from moed.experts.bandwidth_model import BandwidthModel
 from moed.experts.cpu_pool import CpuWorkerPool
-from moed.experts.device_ffn import run_slot_expert
+from moed.experts.device_ffn import run_grouped_experts
 from moed.experts.engine_stats import EngineStats
+from moed.experts.prefill_stream import STREAM_MIN_TOKENS, PrefillStream, stream_buffers
 from moed.experts.executor import merge_expert_outputs
 from moed.experts.expert_ffn import run_expert
 from moed.experts.routed_ffn import run_routed, uses_native
@@ -46,13 +54,24 @@ class HybridExecutor:
     def __init__(self, bank: ExpertBank, device, *, num_slots: int, policy: SplitPolicy,
                  bandwidth: BandwidthModel, cpu_pool: CpuWorkerPool | None = None,
                  trace: RoutingTraceWriter | None = None, stats: EngineStats | None = None,
-                 on_close: Callable[[], None] | None = None) -> None:
-        """``on_close`` releases what was set up for this executor outside it (the bank's pinning)."""
+                 on_close: Callable[[], None] | None = None, model_on_device: bool = False,
+                 prefill_buffers: int = 2) -> None:
+        """``on_close`` releases what was set up for this executor outside it (the bank's pinning).
+
+        ``model_on_device``: hidden states, routing ids and weights arrive as device tensors and the
+        result stays there; otherwise they are host tensors and the result comes back to the host.
+        ``prefill_buffers``: 2 streams prefill layers double-buffered, 1 loads each on demand
+        (experts/prefill_stream.py); fewer are used when the pool cannot spare them.
+        """
+        stream_buffers(0, 1, prefill_buffers)  # refuses anything but 1 or 2
+        self.prefill_buffers = prefill_buffers
+        self._stream: PrefillStream | None = None
         self.bank, self.device, self.policy, self.bandwidth = bank, device, policy, bandwidth
         self._on_close = on_close
         self.cpu_pool = cpu_pool or CpuWorkerPool()
         self.trace = trace
-        self.on_cuda = getattr(device, "kind", "") == "cuda"
+        self.model_on_device = model_on_device
+        self._pending_copies: list = []  # copy handles not yet fed to the bandwidth model
         self.use_transients = bool(getattr(policy, "transient_fills", False)) and num_slots > 0
         self.num_scratch = min(MAX_SCRATCH_SLOTS, max(1, num_slots // 4)) if self.use_transients else 0
         num_cached = num_slots - self.num_scratch  # scratch slots come out of the same byte budget
@@ -85,10 +104,49 @@ class HybridExecutor:
             prepare(self.cache, self.bank.num_experts, self.bank.num_moe_layers)
 
     def begin_step(self, phase: str, seq_ids: list, token_pos: list) -> None:
+        """A step starts (a safe point): a long prefill streams whole layers, anything else ends the stream."""
         self.step = StepContext(phase, seq_ids, token_pos)
+        store = self.cache.num_slots + self.num_scratch if self._stream is None else self._stream_store
+        want = phase == "prefill" and len(token_pos) >= STREAM_MIN_TOKENS
+        buffers = stream_buffers(store, self.bank.num_experts, self.prefill_buffers) if want else 0
+        if self._stream is not None and self._stream.num_buffers != buffers:
+            self._end_stream()
+        if buffers and self._stream is None:
+            self._begin_stream(buffers)
+        if self._stream is not None and self._stream.double:
+            # layer 0's load starts before its routing is known
+            self._stream.pending[0] = self._load_layer(0)
+
+    def _begin_stream(self, buffers: int) -> None:
+        """Take ``buffers`` layers at the top of the slot store from the cache (it keeps its best entries)."""
+        store = self.cache.num_slots + self.num_scratch
+        base = store - buffers * self.bank.num_experts
+        plan = self.cache.resize(min(self.cache.num_slots, base))
+        self.device.move_slots(self.slots, list(plan.moves))
+        self._stream_store = store
+        self._stream = PrefillStream(buffers, base, self.bank.num_experts, self.bank.num_moe_layers)
+
+    def _end_stream(self) -> None:
+        """Give the buffers back to the cache (as free slots); loads in flight land in them harmlessly."""
+        if self._stream is None:
+            return
+        self.cache.resize(self._stream_store - self.num_scratch)  # growing keeps every entry in place
+        self._stream = None
+
+    def _load_layer(self, moe_layer: int, experts: list[int] | None = None):
+        """Queue the copy of ``experts`` (default: all) of ``moe_layer`` into its buffer; the copy handle."""
+        st = self._stream
+        experts = list(range(self.bank.num_experts)) if experts is None else experts
+        base = self.bank.flat_id(moe_layer, 0)
+        handle = self.device.copy_rows_async(self.slots, [st.slot(moe_layer, e) for e in experts], self.bank.tensors,
+                                             [base + e for e in experts])
+        self._pending_copies.append(handle)
+        self.stats.streamed_bytes += handle.nbytes
+        return handle
 
     def resize(self, num_slots: int) -> None:
         """Change the cache size (call between steps: a safe point). Never changes results."""
+        self._end_stream()
         use = bool(getattr(self.policy, "transient_fills", False)) and num_slots > 0
         self.num_scratch = min(MAX_SCRATCH_SLOTS, max(1, num_slots // 4)) if use else 0
         self.use_transients = use
@@ -102,7 +160,10 @@ class HybridExecutor:
         self._refresh_cache_stats()
 
     def close(self) -> None:
+        """Stop the CPU worker, free the device slots and release the bank's pinning; safe to call twice."""
         self.cpu_pool.close()
+        if self.slots:
+            self.device.free_slots(self.slots)  # empties the dict; CUDA also returns its cached VRAM
         if self.trace is not None:
             self.trace.close()
         on_close, self._on_close = self._on_close, None
@@ -112,12 +173,22 @@ class HybridExecutor:
     # -- the step -----------------------------------------------------------------------------
     def run(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
             topk_weights: torch.Tensor) -> torch.Tensor:
+        """One MoE layer: one host sync (see the module docstring), whatever the placement."""
+        if self._stream is not None:
+            return self._run_streamed(moe_layer, hidden, topk_ids, topk_weights)
+        dev = self.device
         num_tokens, top_k = topk_ids.shape
+        width = hidden.shape[1]
+        if self.model_on_device:
+            # the layer's one host sync: the routing ids the policy needs and the rows the CPU branch reads
+            topk_ids_host, hidden_host = dev.to_host(topk_ids, hidden)
+        else:
+            topk_ids_host, hidden_host = topk_ids, hidden
         base = moe_layer * self.bank.num_experts
-        flat = (topk_ids.reshape(-1) + base).numpy()  # [N * A]
+        flat = (topk_ids_host.reshape(-1) + base).numpy()  # [N * A]
         ids, inverse, counts = np.unique(flat, return_inverse=True, return_counts=True)
         if self.trace is not None:
-            self._record(moe_layer, topk_ids)
+            self._record(moe_layer, topk_ids_host)
         self.cache.advance()
         b_p, b_h = self.bandwidth.current()
         plan = self.policy.plan(self.cache, ids.tolist(), counts.tolist(), phase=self.step.phase, b_p=b_p, b_h=b_h)
@@ -130,56 +201,128 @@ class HybridExecutor:
                 hottest = sorted(cpu_ids, key=lambda i: (-len(tokens_of[i][1]), i))[:room]
                 transients = [(flat_id, self.cache.num_slots + k) for k, flat_id in enumerate(hottest)]
                 cpu_ids = [i for i in cpu_ids if i not in set(hottest)]
-        per_slot = hidden.new_empty(num_tokens, top_k, hidden.shape[1])  # [N, A, D]
-        flat_out = per_slot.view(-1, hidden.shape[1])
 
         # CPU branch first: it gets a head start on DRAM
-        cpu_job = self.cpu_pool.submit(lambda: self._run_cpu(cpu_ids, tokens_of, hidden, top_k)) if cpu_ids else None
+        cpu_job = self.cpu_pool.submit(lambda: self._run_cpu(cpu_ids, tokens_of, hidden_host, top_k)) if cpu_ids else None
 
-        # device branch: copy the fill set into its slots (concurrently with the CPU branch)
-        copy_s = 0.0
+        # device branch, in stream order: the fill set's copies start, hits compute at once, fills
+        # once their copies have landed; nothing here makes the host wait
         copies = list(zip(plan.fills, plan.fill_slots)) + transients
         if copies:
-            handle = self.device.copy_rows_async(self.slots, [slot for _, slot in copies], self.bank.tensors,
-                                                 [flat_id for flat_id, _ in copies])
-            handle.wait()
-            copy_s = handle.seconds
-            self.bandwidth.observe_copy(handle.nbytes, handle.seconds)
-        device_work = list(zip(plan.hits, plan.hit_slots)) + copies
-        cpu_s = 0.0
-        if not self.on_cuda:
-            # emulated device: its compute runs on these same CPU cores, so let the CPU branch finish
-            # first (its time stays honest) and charge device compute by the timing model instead
-            cpu_s = self._collect_cpu(cpu_job, cpu_ids, tokens_of, flat_out)
-        started = time.perf_counter()
-        charged = 0.0
-        for flat_id, slot in device_work:
-            picks, tokens = tokens_of[flat_id]
-            x = hidden[tokens].contiguous()
-            if self.on_cuda:
-                flat_out[picks] = run_slot_expert(self.slot_bank, slot, x.to(self._device_of()), on_cuda=True).cpu()
-            else:
-                flat_out[picks] = run_slot_expert(self.slot_bank, slot, x, on_cuda=False)
-            charged += self.device.charge_compute(self.bank.bytes_per_expert())
-        device_s = time.perf_counter() - started if self.on_cuda else charged
-        if self.on_cuda:
-            cpu_s = self._collect_cpu(cpu_job, cpu_ids, tokens_of, flat_out)
-        self._account(plan, len(transients), cpu_s, copy_s, device_s)
-        return merge_expert_outputs(per_slot, topk_weights)
+            handle = dev.copy_rows_async(self.slots, [slot for _, slot in copies], self.bank.tensors,
+                                         [flat_id for flat_id, _ in copies])
+            self._pending_copies.append(handle)
+        x_dev = dev.to_device(hidden)
+        per_slot = torch.empty((num_tokens * top_k, width), dtype=torch.float32, device=dev.compute_device)
+        charged: list[float] = []
+        self._enqueue_group(x_dev, per_slot, list(zip(plan.hits, plan.hit_slots)), tokens_of, charged)
+        if copies:
+            dev.wait_copy(handle)
+            self._enqueue_group(x_dev, per_slot, copies, tokens_of, charged)
+        cpu_s = self._collect_cpu(cpu_job, cpu_ids, tokens_of, per_slot)
 
-    def _collect_cpu(self, cpu_job, cpu_ids, tokens_of, flat_out) -> float:
+        # merge on the device in fixed top-k order (never depends on where an expert ran)
+        weights = dev.to_device(topk_weights)
+        out = torch.empty((num_tokens, width), dtype=hidden.dtype, device=dev.compute_device)
+        dev.enqueue(lambda: out.copy_(merge_expert_outputs(per_slot.view(num_tokens, top_k, width), weights)))
+        if self.model_on_device:
+            dev.flush()
+        else:
+            (out,) = dev.to_host(out)  # the layer's one host sync: the model reads the result on the host
+        copy_s = self._observe_copies()
+        self._account(plan, len(transients), cpu_s, copy_s, sum(charged))
+        return out
+
+    def _run_streamed(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> torch.Tensor:
+        """A prefill layer from its buffer: every routed expert on the device, one host sync."""
+        dev, st = self.device, self._stream
+        num_tokens, top_k = topk_ids.shape
+        width = hidden.shape[1]
+        topk_ids_host = dev.to_host(topk_ids)[0] if self.model_on_device else topk_ids
+        base = self.bank.flat_id(moe_layer, 0)
+        flat = (topk_ids_host.reshape(-1) + base).numpy()
+        ids, inverse, _ = np.unique(flat, return_inverse=True, return_counts=True)
+        if self.trace is not None:
+            self._record(moe_layer, topk_ids_host)
+        tokens_of = self._tokens_by_expert(ids, inverse, top_k)
+        if st.double:
+            handle = st.pending.pop(moe_layer, None) or self._load_layer(moe_layer)
+            if moe_layer + 1 < st.num_layers:  # the next layer's load overlaps this layer's compute
+                st.pending[moe_layer + 1] = self._load_layer(moe_layer + 1)
+        else:  # on demand: the routed experts only, now that the routing is known
+            handle = self._load_layer(moe_layer, [int(i) - base for i in ids])
+        dev.wait_copy(handle)
+        x_dev = dev.to_device(hidden)
+        per_slot = torch.empty((num_tokens * top_k, width), dtype=torch.float32, device=dev.compute_device)
+        charged: list[float] = []
+        work = [(int(flat_id), st.slot(moe_layer, int(flat_id) - base)) for flat_id in ids]
+        self._enqueue_group(x_dev, per_slot, work, tokens_of, charged)
+        weights = dev.to_device(topk_weights)
+        out = torch.empty((num_tokens, width), dtype=hidden.dtype, device=dev.compute_device)
+        dev.enqueue(lambda: out.copy_(merge_expert_outputs(per_slot.view(num_tokens, top_k, width), weights)))
+        if self.model_on_device:
+            dev.flush()
+        else:
+            (out,) = dev.to_host(out)
+        copy_s = self._observe_copies()
+        self.stats.streamed_layers += 1
+        self.stats.copy_seconds += copy_s
+        self.stats.device_compute_seconds += sum(charged)
+        return out
+
+    def _enqueue_group(self, x_dev: torch.Tensor, per_slot: torch.Tensor, work: list[tuple[int, int]],
+                       tokens_of: dict, charged: list[float]) -> None:
+        """Queue the experts of ``work`` ((flat id, slot) pairs) as one grouped computation."""
+        if not work:
+            return
+        dev = self.device
+        rows = torch.cat([tokens_of[flat_id][1] for flat_id, _ in work])  # token rows, grouped by expert
+        picks = torch.cat([tokens_of[flat_id][0] for flat_id, _ in work])  # their places in [N * A]
+        offsets = [0]
+        for flat_id, _ in work:
+            offsets.append(offsets[-1] + len(tokens_of[flat_id][1]))
+        slot_ids = [slot for _, slot in work]
+        rows_dev, picks_dev = dev.to_device(rows), dev.to_device(picks)
+        nbytes = len(work) * self.bank.bytes_per_expert()
+        d, inter = self.bank.hidden_size, self.bank.intermediate_size
+        flops = 6.0 * d * inter * offsets[-1]  # gate_up (D x 2I) and down (I x D), 2 FLOP per weight per row
+
+        def compute() -> None:
+            x = x_dev.index_select(0, rows_dev).float()
+            y = run_grouped_experts(dev, self.slot_bank, x, slot_ids, offsets)
+            per_slot.index_copy_(0, picks_dev, y)
+            charged.append(dev.charge_compute(nbytes, flops))
+
+        dev.enqueue(compute)
+
+    def _collect_cpu(self, cpu_job, cpu_ids, tokens_of, per_slot: torch.Tensor) -> float:
+        """Wait for the CPU branch (a host thread, not the device) and queue its rows' upload into ``per_slot``."""
         if cpu_job is None:
             return 0.0
         results, cpu_s = cpu_job.result()
+        picks = torch.cat([tokens_of[flat_id][0] for flat_id in cpu_ids])
         if isinstance(results, torch.Tensor):  # one native call: per-slot rows [N * A, D]
-            for flat_id in cpu_ids:
-                picks = tokens_of[flat_id][0]
-                flat_out[picks] = results[picks]
-            results = ()
-        for flat_id, out in results:
-            flat_out[tokens_of[flat_id][0]] = out
+            rows = results.index_select(0, picks)
+        else:  # (flat id, [T, D]) in cpu_ids order
+            rows = torch.cat([out for _, out in results])
+        dev = self.device
+        rows_dev, picks_dev = dev.to_device(rows.float()), dev.to_device(picks)
+        dev.enqueue(lambda: per_slot.index_copy_(0, picks_dev, rows_dev))
         self.bandwidth.observe_cpu(len(cpu_ids) * self.bank.bytes_per_expert(), cpu_s)
         return cpu_s
+
+    def _observe_copies(self) -> float:
+        """Feed the copies that have landed to the bandwidth model; their link seconds."""
+        seconds, still = 0.0, []
+        for handle in self._pending_copies:
+            if handle.done():
+                self.bandwidth.observe_copy(handle.nbytes, handle.seconds)
+                seconds += handle.seconds
+            else:
+                still.append(handle)
+        self._pending_copies = still
+        return seconds
 
     def _run_cpu(self, cpu_ids, tokens_of, hidden, top_k: int) -> tuple[list | torch.Tensor, float]:
         started = time.perf_counter()
@@ -206,9 +349,6 @@ class HybridExecutor:
             picks = torch.from_numpy(order[bounds[i] : bounds[i + 1]].astype(np.int64))
             out[flat_id] = (picks, picks // top_k)
         return out
-
-    def _device_of(self):
-        return next(iter(self.slots.values())).device
 
     def _account(self, plan, num_transient: int, cpu_s: float, copy_s: float, device_s: float) -> None:
         s = self.stats

@@ -322,8 +322,12 @@ def cuda_executor_factory(monkeypatch, fake_cuda):
     from moed.devices.emulated import EmulatedDevice
     from moed.experts import executor_factory
 
+    from moed.devices.cuda import CudaDevice
+
     class FakeCudaDevice(EmulatedDevice):
         kind = "cuda"
+        pin_host = CudaDevice.pin_host  # the real CUDA pinning, through the fake driver
+        unpin_host = CudaDevice.unpin_host
 
     real = executor_factory._select_device
     monkeypatch.setattr(executor_factory, "_select_device",

@@ -24,6 +24,14 @@ class FakeCudaDevice(EmulatedDevice):
     """Stands in for a CUDA device so the pinning decision can be exercised without a GPU."""
 
     kind = "cuda"
+    report: PinReport | None = None  # what pin_host answers
+    unpinned: list = []
+
+    def pin_host(self, tensors):
+        return self.report
+
+    def unpin_host(self, report):
+        FakeCudaDevice.unpinned.append(report)
 
 
 REAL_SELECT = executor_factory._select_device
@@ -36,7 +44,7 @@ def fake_select(name, **opts):
 def test_nothing_pinnable_falls_back_to_the_cpu_backend(monkeypatch):
     bank = tiny_bank()
     monkeypatch.setattr(executor_factory, "_select_device", fake_select)
-    monkeypatch.setattr(executor_factory, "pin_host_tensors", lambda tensors: PinReport(
+    monkeypatch.setattr(FakeCudaDevice, "report", PinReport(
         0, bank.nbytes(), "cudaHostRegister", "RLIMIT_MEMLOCK is 8 MiB"))
     executor = executor_factory.build_executor(bank, EngineConfig(device="cuda"))
     assert isinstance(executor, CpuExecutor)
@@ -48,8 +56,9 @@ def test_partial_pinning_keeps_the_hybrid_engine_and_reports_it(monkeypatch):
     bank = tiny_bank()
     monkeypatch.setattr(executor_factory, "_select_device", fake_select)
     half = bank.nbytes() // 2
-    monkeypatch.setattr(executor_factory, "pin_host_tensors", lambda tensors: PinReport(
-        half, bank.nbytes() - half, "cudaHostRegister", "pinned what the memlock limit allows"))
+    report = PinReport(half, bank.nbytes() - half, "cudaHostRegister", "pinned what the memlock limit allows")
+    monkeypatch.setattr(FakeCudaDevice, "report", report)
+    monkeypatch.setattr(FakeCudaDevice, "unpinned", [])
     executor = executor_factory.build_executor(bank, EngineConfig(device="cuda", cache_fraction=0.5))
     try:
         assert isinstance(executor, HybridExecutor)
@@ -57,6 +66,7 @@ def test_partial_pinning_keeps_the_hybrid_engine_and_reports_it(monkeypatch):
         assert executor.stats.cache_slots == 4  # half of 8 experts fit the byte budget
     finally:
         executor.close()
+    assert FakeCudaDevice.unpinned == [report]  # closing released the pinning
 
 
 def test_cache_slots_follow_the_byte_budget():

@@ -1,4 +1,4 @@
-"""HybridExecutor under many steps, concurrent branches and resizes: no deadlock, exact results."""
+"""HybridExecutor under many steps, concurrent branches and resizes: no deadlock, the CPU executor's results."""
 
 from __future__ import annotations
 
@@ -50,9 +50,11 @@ def test_many_steps_with_resizes_match_the_cpu_executor_and_never_deadlock():
             x, ids, w = routed_call(gen, experts, tokens, 4, hidden)
             got = executor.run(layer, x, ids, w)
             want = reference.run(layer, x, ids, w)
-            # exact: both sides run the same numba kernel on the same bytes (tokens <= DIRECT_MAX_TOKENS)
-            if not torch.equal(got, want):
-                failures.append(f"call {call}: outputs differ")
+            # device experts run the device's torch code on float32 activations, the CPU branch the
+            # native int4 kernels on int8-quantised ones (as llama.cpp does): within that rounding
+            err = float((got - want).abs().max() / want.abs().max())
+            if err > 3e-2:
+                failures.append(f"call {call}: outputs differ by {err:.2e} of their range")
                 return
 
     worker = threading.Thread(target=work, daemon=True)

@@ -1,10 +1,9 @@
-"""Results never depend on where experts ran: bit-identical logits for every cache size and policy.
+"""Results never depend on where experts ran: the same greedy tokens for every cache size and policy.
 
-Bit-identity is a claim we can keep here because we control the arithmetic: on the emulated
-device a slot holds a byte copy of its bank row and the same numba kernel runs on it as on the
-CPU branch (every expert call of these steps has at most DIRECT_MAX_TOKENS tokens, so no BLAS
-call whose kernel choice could depend on alignment is involved), on the same thread count, and
-the merge sums in a fixed order. On a real GPU the claim is "equal within float tolerance".
+Device experts are computed by the device's torch code (on the emulated device: the same torch
+code CUDA runs, on CPU tensors), the CPU branch by the native / numba kernels, so a step's logits
+agree within float32 rounding (stated: LOGIT_TOL of the logits' range), not bit for bit; the
+merge sums the top-k slots in a fixed order wherever they ran. Greedy tokens must be identical.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from moed.runner.forward_batch import ForwardBatch
 POLICIES = ("adaptive", "fill-all", "cpu-all", "static", "hot-set", "fixed-share", "lru-freq")
 FRACTIONS = (0.0, 0.1, 0.5, 1.0)
 STEPS = 32
+LOGIT_TOL = 1e-4  # max |difference| / max |logit|, per step
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "deepseek_v3"])
@@ -44,7 +44,7 @@ def greedy_logits(runtime, prompts: list[list[int]]) -> list[torch.Tensor]:
     return out
 
 
-def test_logits_are_bit_identical_for_every_cache_size_and_policy(model_dir):
+def test_greedy_tokens_are_identical_for_every_cache_size_and_policy(model_dir):
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (9, 4)]
     assert sum(map(len, prompts)) <= DIRECT_MAX_TOKENS, "an expert call could leave the numba kernel"
@@ -63,7 +63,9 @@ def test_logits_are_bit_identical_for_every_cache_size_and_policy(model_dir):
             finally:
                 runtime.close()
             for step, (a, b) in enumerate(zip(baseline, got)):
-                assert torch.equal(a, b), f"{policy} at cache {fraction:.0%}: step {step} logits differ"
+                assert torch.equal(a.argmax(-1), b.argmax(-1)), f"{policy} at cache {fraction:.0%}: step {step} tokens differ"
+                err = float((a - b).abs().max() / a.abs().max())
+                assert err <= LOGIT_TOL, f"{policy} at cache {fraction:.0%}: step {step} logits differ by {err:.2e}"
             if fraction > 0 and policy not in ("cpu-all",):
                 assert stats.hits + stats.fills + stats.transient_fills > 0, f"{policy} at {fraction:.0%} never used the device"
             if fraction == 0:
