@@ -66,7 +66,14 @@ def run_bench_bw(args: argparse.Namespace) -> int:
     if device.kind == "cpu":
         raise InvalidRequestError("no CUDA device here: calibrate against `--device emulated` or on a GPU machine")
     bank = load_model(args.model, experts_dtype=args.experts_dtype).bank
-    profile = calibrate(device, bank, seconds=args.seconds)
+    # serving copies from the pinned bank, so B_P is measured from pinned memory too
+    report = device.pin_host(list(bank.tensors.values()))
+    try:
+        profile = calibrate(device, bank, seconds=args.seconds)
+    finally:
+        device.unpin_host(report)
+    if report.pageable_bytes:
+        print(f"warning: {report.summary()}; B_P below is partly from pageable memory")
     gb = 1e9
     print(f"machine: {profile.machine}\ndevice:  {profile.device}\nexperts: {profile.expert_shape}, "
           f"{profile.bytes_per_expert / 1e6:.2f} MB each")

@@ -103,13 +103,25 @@ def _copy_pass(device, slots: dict, bank: ExpertBank, ids: list[int], num_slots:
 
 
 def calibrate(device, bank: ExpertBank, *, seconds: float = 1.0, num_slots: int = 8) -> CalibrationProfile:
-    """Measure both bandwidths alone, then together; ``seconds`` is roughly the time per phase."""
+    """Measure both bandwidths alone, then together; ``seconds`` is roughly the time per phase.
+
+    Copies come from ``bank`` as it is: pin it first (``device.pin_host``), as serving does, or
+    B_P is the pageable rate. The slots it measures with are freed before it returns.
+    """
     per_expert = bank.bytes_per_expert()
     run_expert(bank, 0, torch.randn(1, bank.hidden_size))  # compile the kernel outside timing
     # enough distinct experts per pass that caches cannot serve them
     count = max(num_slots, min(bank.num_slots, int(2 * 2**30 // max(per_expert, 1)) or 1))
     ids = [i % bank.num_slots for i in range(count)]
     slots = device.alloc_slots(num_slots, {n: (tuple(t.shape[1:]), t.dtype) for n, t in bank.tensors.items()})
+    try:
+        return _measure(device, bank, ids, slots, seconds, num_slots)
+    finally:
+        device.free_slots(slots)
+
+
+def _measure(device, bank: ExpertBank, ids: list[int], slots: dict, seconds: float, num_slots: int) -> CalibrationProfile:
+    per_expert = bank.bytes_per_expert()
 
     def timed(fn, *args):
         total_bytes, total_s = 0, 0.0

@@ -78,3 +78,26 @@ def test_bench_bw_measures_both_bandwidths(capsys, tiny_dir, tmp_path, monkeypat
     assert code == 0, err
     assert "B_P alone" in out and "B_H alone" in out and "q*/m" in out
     assert list((tmp_path / "calibration").glob("*.json")), "profile not saved"
+
+
+def test_bench_bw_measures_copies_from_the_pinned_bank_and_gives_everything_back(capsys, tiny_dir, tmp_path,
+                                                                                  monkeypatch):
+    """B_P is measured as serving copies (from pinned memory); the pinning and the slots are released after."""
+    from moed.devices.emulated import emulated_device_bytes
+    from moed.devices.pinning import pinned_bytes_now
+    from moed.experts import calibration
+
+    monkeypatch.setenv("MOED_CACHE_DIR", str(tmp_path))
+    real, seen = calibration.calibrate, []
+
+    def spy(device, bank, **kw):
+        seen.append(pinned_bytes_now())
+        return real(device, bank, **kw)
+
+    monkeypatch.setattr(calibration, "calibrate", spy)
+    pinned_before, device_before = pinned_bytes_now(), emulated_device_bytes()
+    code, out, err = run_cli(capsys, "bench", "bw", "--model", str(tiny_dir), "--device", "emulated",
+                             "--emulated-bp", "2", "--seconds", "0.1", "--no-save")
+    assert code == 0, err
+    assert seen and seen[0] > pinned_before, "the bank was not pinned while B_P was measured"
+    assert pinned_bytes_now() == pinned_before and emulated_device_bytes() <= device_before
