@@ -141,3 +141,22 @@ def test_stream_buffers_refuses_other_counts_and_fits_the_pool() -> None:
     assert stream_buffers(16, 8, 1) == 1
     with pytest.raises(ValueError, match="1 .*or 2"):
         stream_buffers(16, 8, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("buffers", [2, 1])
+def test_streamed_prefill_on_cuda_matches_the_cpu(buffers: int) -> None:
+    from moed.devices.cuda import CudaDevice
+    from moed.devices.pinning import pin_host_tensors, unpin
+
+    bank = _bank("int4")
+    report = pin_host_tensors(list(bank.tensors.values()))
+    executor = HybridExecutor(bank, CudaDevice(), num_slots=2 * EXPERTS, policy=make_policy("adaptive"),
+                              bandwidth=BandwidthModel(20e9, 20e9), prefill_buffers=buffers)
+    try:
+        _prefill(executor, CpuExecutor(bank), STREAM_MIN_TOKENS, torch.Generator().manual_seed(5))
+        assert executor.stats.streamed_layers == LAYERS
+    finally:
+        executor.close()
+        unpin(report)
