@@ -221,14 +221,7 @@ class HybridExecutor:
             self._enqueue_group(x_dev, per_slot, copies, tokens_of, charged)
         cpu_s = self._collect_cpu(cpu_job, cpu_ids, tokens_of, per_slot)
 
-        # merge on the device in fixed top-k order (never depends on where an expert ran)
-        weights = dev.to_device(topk_weights)
-        out = torch.empty((num_tokens, width), dtype=hidden.dtype, device=dev.compute_device)
-        dev.enqueue(lambda: out.copy_(merge_expert_outputs(per_slot.view(num_tokens, top_k, width), weights)))
-        if self.model_on_device:
-            dev.flush()
-        else:
-            (out,) = dev.to_host(out)  # the layer's one host sync: the model reads the result on the host
+        out = self._merge(per_slot, topk_weights, hidden.dtype)
         copy_s = self._observe_copies()
         self._account(plan, len(transients), cpu_s, copy_s, sum(charged))
         return out
@@ -258,18 +251,25 @@ class HybridExecutor:
         charged: list[float] = []
         work = [(int(flat_id), st.slot(moe_layer, int(flat_id) - base)) for flat_id in ids]
         self._enqueue_group(x_dev, per_slot, work, tokens_of, charged)
-        weights = dev.to_device(topk_weights)
-        out = torch.empty((num_tokens, width), dtype=hidden.dtype, device=dev.compute_device)
-        dev.enqueue(lambda: out.copy_(merge_expert_outputs(per_slot.view(num_tokens, top_k, width), weights)))
-        if self.model_on_device:
-            dev.flush()
-        else:
-            (out,) = dev.to_host(out)
+        out = self._merge(per_slot, topk_weights, hidden.dtype)
         copy_s = self._observe_copies()
         self.stats.streamed_layers += 1
         self.stats.copy_seconds += copy_s
         self.stats.device_compute_seconds += sum(charged)
         return out
+
+    def _merge(self, per_slot: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Queue the merge on the device in fixed top-k order (never depends on where an expert ran);
+        the result on the host after the layer's one host sync, or left on the device with the model."""
+        dev = self.device
+        num_tokens, top_k = topk_weights.shape
+        weights = dev.to_device(topk_weights)
+        out = torch.empty((num_tokens, per_slot.shape[1]), dtype=dtype, device=dev.compute_device)
+        dev.enqueue(lambda: out.copy_(merge_expert_outputs(per_slot.view(num_tokens, top_k, -1), weights)))
+        if self.model_on_device:
+            dev.flush()
+            return out
+        return dev.to_host(out)[0]
 
     def _enqueue_group(self, x_dev: torch.Tensor, per_slot: torch.Tensor, work: list[tuple[int, int]],
                        tokens_of: dict, charged: list[float]) -> None:
