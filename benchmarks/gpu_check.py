@@ -9,7 +9,8 @@ test of this script; its decode figures are then this CPU's, not a GPU's). Print
 1. parity: 32 greedy tokens with every expert on the CPU against the device with the expert
    cache at 0 / 50 / 100% (adaptive), on tiny mixtral, qwen2_moe and deepseek_v3 models; the
    tokens must be identical, and the largest logit difference is reported.
-2. host syncs per decode step on the bench model (the executor's contract: one per MoE layer).
+2. host syncs per decode step on the bench model (the contract: one per MoE layer, plus one for
+   the logits when the model is on the device).
 3. decode tok/s on the bench model (Qwen3-30B-A3B-shaped layers: 128 experts x 768, hidden 2048,
    top-8) with the cache at 25% / 50% of the pool, for adaptive / fill-all / cpu-all.
 4. prefill tok/s of a 1024-token prompt at the same settings (double-buffered prefill is not
@@ -110,8 +111,11 @@ def syncs_per_step(device: str, model: Path, tokens: int) -> None:
             logits = rt.model.forward(ForwardBatch.from_token_lists([[int(logits[0].argmax())]], [4 + step], [0]),
                                       cache)
         per_step = (dev.stats().host_syncs - before) / tokens
-        print(f"{per_step:.2f} host syncs per decode step over {tokens} steps; {moe_layers} MoE layers "
-              f"({per_step / moe_layers:.2f} per MoE layer)")
+        on_device = rt.model.device is not None
+        expect = moe_layers + 1 if on_device else moe_layers
+        print(f"{per_step:.2f} host syncs per decode step over {tokens} steps; {moe_layers} MoE layers; model on "
+              f"the {'device' if on_device else 'host'} (expected {expect}: one per MoE layer"
+              f"{' and one for the logits' if on_device else ''}){'' if on_device else ': ' + rt.executor.stats.model_note}")
     finally:
         rt.close()
 

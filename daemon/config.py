@@ -29,6 +29,7 @@ class EngineConfig:
     adapt_bandwidth: bool = True  # keep re-estimating B_P / B_H from real steps
     cpu_kernel_threads: int | None = None  # numba threads for the CPU branch (None = all cores)
     prefill_buffers: int = 2  # layer buffers a long prefill streams through: 2 double-buffers, 1 loads on demand
+    model_on_device: bool = True  # with a device: non-expert weights, KV cache and hidden states live there
 
     def __post_init__(self) -> None:
         from moed.errors import InvalidRequestError

@@ -11,12 +11,12 @@ import torch
 
 class KVCache:
     def __init__(self, layer_entries: list[dict[str, tuple[int, ...]]], num_slots: int, max_len: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
         """``layer_entries[i]`` maps an entry name ("k", "v", "latent", ...) to its per-token shape."""
         self.num_slots = num_slots
         self.max_len = max_len
         self.layers = [
-            {name: torch.zeros(num_slots, max_len, *shape, dtype=dtype) for name, shape in entries.items()}
+            {name: torch.zeros(num_slots, max_len, *shape, dtype=dtype, device=device) for name, shape in entries.items()}
             for entries in layer_entries
         ]
 

@@ -72,6 +72,9 @@ class CpuDevice:
     def unpin_host(self, report: PinReport) -> None:
         return None
 
+    def adopt(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 

@@ -219,6 +219,15 @@ class CudaDevice:
 
     # ----------------------------------------------------------------- compute in stream order
 
+    def adopt(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A model tensor (non-expert weight, KV cache) moved to VRAM in its dtype (at load: a blocking copy)."""
+        try:
+            return tensor.to(self.device)
+        except torch.OutOfMemoryError as exc:
+            raise DeviceMemoryError(
+                f"{self.device}: no room for a model tensor of {tuple(tensor.shape)} {tensor.dtype}: {exc}; "
+                "free GPU memory, or load with --device cpu") from exc
+
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Upload from pinned memory without waiting (a pageable source would make the copy blocking)."""
         if tensor.device == self.device:

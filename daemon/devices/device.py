@@ -129,6 +129,10 @@ class Device(Protocol):
     # -- compute in stream order (see the module docstring) -------------------------------------
     compute_device: torch.device  # where device tensors live (the emulated device: host RAM)
 
+    def adopt(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A model tensor (weight, KV cache) made resident on the device for good (at load)."""
+        ...
+
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor's copy on the device, queued in stream order; the host does not wait."""
         ...

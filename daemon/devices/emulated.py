@@ -349,6 +349,17 @@ class EmulatedDevice:
 
     # ----------------------------------------------------------------- compute in stream order
 
+    def adopt(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A model tensor (non-expert weight, KV cache) made device-resident: here the same host tensor,
+        booked as device memory until it is collected, as VRAM would be taken."""
+        if tensor.device.type != "cpu":
+            raise ValueError(f"emulated device: tensors live in host RAM, got one on {tensor.device}")
+        with self._ledger.lock:
+            known = id(tensor) in self._ledger.owned
+        if not known:
+            self._ledger.add(tensor)
+        return tensor
+
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host RAM is this device's memory: a CPU tensor is already there."""
         if tensor.device.type != "cpu":

@@ -56,7 +56,10 @@ class LoadedEntry:
         return weights + self.runtime.loaded.bank.nbytes()
 
     def vram_bytes(self) -> int:
-        return self.stats.cache_bytes if self.stats.device in ("cuda", "emulated") else 0
+        """Device memory of this model: its expert cache and, when the model runs there, weights + KV."""
+        if self.stats.device not in ("cuda", "emulated"):
+            return 0
+        return self.stats.cache_bytes + self.stats.model_device_bytes
 
 
 def is_model_dir(path: Path) -> bool:
@@ -260,7 +263,9 @@ class ModelManager:
             bank = entry.runtime.loaded.bank
             wanted = int(entry.options.cache_fraction * bank.nbytes())
             if cache_bytes is not None:
-                wanted = min(wanted, cache_bytes // max(len(hybrid), 1))
+                # the model's own weights and KV cache on the device come out of its share first
+                share = cache_bytes // max(len(hybrid), 1) - entry.stats.model_device_bytes
+                wanted = min(wanted, max(share, 0))
             slots = max(0, min(bank.num_slots, wanted // bank.bytes_per_expert()))
             if slots != entry.stats.cache_slots:
                 entry.loop.run_at_safe_point(lambda e=entry, n=slots: e.runtime.executor.resize(n))

@@ -9,7 +9,7 @@ from typing import Callable
 from moed.errors import InvalidRequestError
 from moed.config import EngineConfig
 from moed.experts.executor_factory import build_executor
-from moed.models.moe_transformer import MoeTransformer
+from moed.models.moe_transformer import MoeTransformer, device_mode_blocker
 from moed.text.tokenizer import Tokenizer
 from moed.weights.model_loader import LoadedModel, load_model
 
@@ -48,6 +48,18 @@ def compile_expert_kernels(bank) -> None:
         run_expert(bank, 0, torch.zeros(tokens, bank.hidden_size))
 
 
+def model_device(executor, engine: EngineConfig, weights: dict):
+    """The device the non-expert model runs on (None: the host), and why not when it cannot."""
+    device = getattr(executor, "device", None)
+    if device is None or device.kind == "cpu" or not engine.model_on_device:
+        return None
+    blocker = device_mode_blocker(weights)
+    if blocker is not None:
+        executor.stats.model_note = blocker
+        return None
+    return device
+
+
 def _tokenizer_of(loaded: LoadedModel) -> Tokenizer | None:
     """A directory's tokenizer.json, or the one a GGUF file's metadata describes; None without either."""
     if loaded.tokenizer_files is not None:
@@ -61,7 +73,11 @@ def open_runtime(path: str | Path, *, experts_dtype: str | None = None, verify: 
     loaded = load_model(path, experts_dtype=experts_dtype, verify=verify, progress=progress,
                         weights_dtype=weights_dtype)
     compile_expert_kernels(loaded.bank)
-    executor = build_executor(loaded.bank, engine or EngineConfig(device="cpu"), trace_out=trace_out)
-    model = MoeTransformer(loaded.config, loaded.weights, executor, where=str(loaded.path))
+    engine = engine or EngineConfig(device="cpu")
+    executor = build_executor(loaded.bank, engine, trace_out=trace_out)
+    device = model_device(executor, engine, loaded.weights)
+    model = MoeTransformer(loaded.config, loaded.weights, executor, where=str(loaded.path), device=device)
+    if device is not None:
+        executor.model_on_device = True  # hidden states, routing and results stay on the device
     tokenizer = _tokenizer_of(loaded)
     return ModelRuntime(loaded, model, executor, tokenizer)

@@ -21,6 +21,7 @@ what the CPU has).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -575,9 +576,26 @@ _loaded = False
 _load_lock = threading.Lock()
 
 
+_torch_only = threading.local()  # .depth > 0 on a thread inside torch_paths()
+
+
+@contextlib.contextmanager
+def torch_paths():
+    """On this thread, ``native()`` is None: the layers take their torch code, as they do on CUDA
+    tensors. The device-resident model runs inside it, so the emulated device runs CUDA's lines."""
+    _torch_only.depth = getattr(_torch_only, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _torch_only.depth -= 1
+
+
 def native() -> NativeCpu | None:
-    """The process's native kernels, loaded on first use; None when absent or disabled."""
+    """The process's native kernels, loaded on first use; None when absent or disabled (or inside
+    ``torch_paths`` on this thread)."""
     global _native, _native_error, _loaded
+    if getattr(_torch_only, "depth", 0):
+        return None
     if _loaded:
         return _native
     with _load_lock:

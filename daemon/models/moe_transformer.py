@@ -18,6 +18,7 @@ from moed.layers.dense_mlp import DenseMlp
 from moed.layers.linear import linear
 from moed.layers.mla_attention import MlaAttention
 from moed.layers.moe import MoeLayer
+from moed.kernels.native_cpu import torch_paths
 from moed.layers.norms import add_rms_norm, rms_norm
 from moed.layers.rotary import RotaryEmbedding
 from moed.models.decode_chain import DecodeChain, Unsupported
@@ -26,12 +27,29 @@ from moed.models.weight_spec import expected_weight_shapes
 from moed.runner.forward_batch import ForwardBatch
 
 
+def device_mode_blocker(weights: dict) -> str | None:
+    """Why these weights cannot live on a device (None when they can)."""
+    packed = [name for name, w in weights.items() if not isinstance(w, torch.Tensor)]
+    if packed:
+        return (f"{len(packed)} weights are kept packed from a quantised GGUF (e.g. {packed[0]!r}); the device "
+                "path multiplies plain tensors only, so the model stays on the host")
+    return None
+
+
 class MoeTransformer:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], executor: ExpertExecutor,
-                 *, where: str = "model") -> None:
+                 *, where: str = "model", device=None) -> None:
+        """``device``: run on it (non-expert weights and the KV cache there, hidden states kept there,
+        the layers' torch code); None runs on the host with the native CPU kernels."""
         check_weights(config, weights, where)
         self.config = config
         self.executor = executor
+        self.device = device
+        self._weight_device_bytes = self._kv_device_bytes = 0
+        if device is not None:
+            weights = {name: device.adopt(w) for name, w in weights.items()}
+            self._weight_device_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+            self._book_device_bytes()
         self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
@@ -57,23 +75,47 @@ class MoeTransformer:
         return self._chain
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """The KV cache of ``num_slots`` sequences of up to ``max_len`` tokens (``kv_cache_bytes`` of it)."""
-        return KVCache([attention.cache_entries() for _, attention, _, _ in self.layers], num_slots, max_len)
+        """The KV cache of ``num_slots`` sequences of up to ``max_len`` tokens (``kv_cache_bytes`` of it);
+        on the model's device when it has one."""
+        cache = KVCache([attention.cache_entries() for _, attention, _, _ in self.layers], num_slots, max_len,
+                        device=None if self.device is None else self.device.compute_device)
+        if self.device is not None:
+            for entries in cache.layers:
+                for t in entries.values():
+                    self.device.adopt(t)
+            self._kv_device_bytes = cache.nbytes()
+            self._book_device_bytes()
+        return cache
+
+    def _book_device_bytes(self) -> None:
+        """Tell the executor's stats what the model holds on the device (weights + the newest KV cache)."""
+        stats = getattr(self.executor, "stats", None)
+        if stats is not None:
+            stats.model_device_bytes = self._weight_device_bytes + self._kv_device_bytes
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache, *, last_only: bool = True) -> torch.Tensor:
-        """Run one step; returns logits [B, V] of each sequence's last valid token, or [B, T, V]."""
-        eps = self.config.rms_norm_eps
-        x = F.embedding(batch.input_ids, self.embed).float()  # [B, T, D] (the table may be bf16)
-        cos_sin = self.rotary.cos_sin(batch.positions)
-        valid = batch.valid
-        all_valid = all(n == valid.shape[1] for n in batch.lengths)
+        """Run one step; returns logits [B, V] of each sequence's last valid token, or [B, T, V] (on the host)."""
         begin_step = getattr(self.executor, "begin_step", None)
         if begin_step is not None:  # executors that trace routing or plan by phase want to know
-            rows = valid.nonzero()[:, 0].tolist()
+            rows = batch.valid.nonzero()[:, 0].tolist()
             begin_step("prefill" if max(batch.lengths) > 1 else "decode", [batch.slots[r] for r in rows],
-                       batch.positions[valid].tolist())
-        chain = self.decode_chain() if all_valid and x.shape[1] == 1 else None
+                       batch.positions[batch.valid].tolist())
+        if self.device is None:
+            return self._forward(batch, cache, self.rotary.cos_sin(batch.positions), last_only)
+        dev = self.device
+        with torch_paths():  # the layers' torch code, as on CUDA tensors (the emulated device's are CPU ones)
+            cos_sin = tuple(dev.to_device(t) for t in self.rotary.cos_sin(batch.positions))
+            logits = self._forward(batch.moved(dev.to_device), cache, cos_sin, last_only)
+            return dev.to_host(logits)[0]  # the step's last host sync: the samplers read the logits
+
+    def _forward(self, batch: ForwardBatch, cache: KVCache, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                 last_only: bool) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        x = F.embedding(batch.input_ids, self.embed).float()  # [B, T, D] (the table may be bf16)
+        valid = batch.valid
+        all_valid = all(n == valid.shape[1] for n in batch.lengths)
+        chain = self.decode_chain() if all_valid and x.shape[1] == 1 and self.device is None else None
         if isinstance(chain, DecodeChain) and chain.applies(x, cache):
             # decode on the CPU executor: every layer (and the final norm and lm_head when their weights
             # suit it) in one native call, the same bits as the code below
@@ -97,8 +139,10 @@ class MoeTransformer:
             else:
                 x = x + mlp.forward(h)
         if last_only:
-            last = torch.tensor(batch.lengths) - 1
-            x = x[torch.arange(x.shape[0]), last][:, None]  # [B, 1, D]
+            rows, last = torch.arange(x.shape[0]), torch.tensor(batch.lengths) - 1
+            if self.device is not None:
+                rows, last = self.device.to_device(rows), self.device.to_device(last)
+            x = x[rows, last][:, None]  # [B, 1, D]
         logits = linear(rms_norm(x, self.final_norm, eps), self.lm_head)
         return logits[:, 0] if last_only else logits
 

@@ -6,7 +6,9 @@ A prefill of prompts with different lengths and a decode step (T = 1) are the sa
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -40,8 +42,25 @@ class ForwardBatch:
             ids[row, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
         return cls(ids, list(starts), [len(t) for t in tokens], list(slots))
 
+    def moved(self, to: Callable[[torch.Tensor], torch.Tensor]) -> "ForwardBatch":
+        """The same step with its tensors (ids, positions, valid, masks as they are made) through ``to``
+        (a device's upload); the lists stay on the host. The original is unchanged."""
+        out = copy.copy(self)
+        out._host_positions = self.positions
+        out.input_ids, out.positions, out.valid = to(self.input_ids), to(self.positions), to(self.valid)
+        out._masks, out._to = {}, to
+        return out
+
     def attention_mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, T, L] bool: key j is visible to query t iff j <= pos(t) and, with a window w, j > pos(t) - w."""
+        to = getattr(self, "_to", None)
+        if to is not None:  # a moved batch: made on the host, then uploaded once per window
+            if window not in self._masks:
+                host = copy.copy(self)
+                host._to, host._masks = None, {}
+                host.positions = self._host_positions
+                self._masks[window] = to(host.attention_mask(window))
+            return self._masks[window]
         if window not in self._masks:
             keys = torch.arange(self.num_keys)[None, None, :]  # [1, 1, L]
             query_pos = self.positions[:, :, None]  # [B, T, 1]

@@ -154,7 +154,8 @@ def test_queued_work_runs_in_order_at_the_sync_and_a_failure_loses_nothing_after
     assert seen == [1, 2, 4]
 
 
-def test_a_decode_step_of_a_model_syncs_once_per_moe_layer(tmp_path) -> None:
+def test_a_decode_step_of_a_model_syncs_once_per_moe_layer_and_once_for_the_logits(tmp_path) -> None:
+    """The model on the device: each MoE layer downloads its routing ids (one sync), the step its logits."""
     build_tiny_model("qwen3_moe", tmp_path)
     runtime = open_runtime(tmp_path, engine=EngineConfig(device="emulated", cache_fraction=0.5, policy="adaptive",
                                                          emulated_b_p=50e9))
@@ -167,7 +168,54 @@ def test_a_decode_step_of_a_model_syncs_once_per_moe_layer(tmp_path) -> None:
             feed = [[int(t)] for t in logits.argmax(-1)]
             before = device.stats().host_syncs
             logits = model.forward(ForwardBatch.from_token_lists(feed, [3 + step, 2 + step], [0, 1]), cache)
-            assert device.stats().host_syncs - before == moe_layers, f"decode step {step}"
+            assert device.stats().host_syncs - before == moe_layers + 1, f"decode step {step}"
+        assert runtime.executor.model_on_device and model.device is device
         assert runtime.executor.stats.hits + runtime.executor.stats.fills > 0
     finally:
         runtime.close()
+
+
+def test_the_model_lives_on_the_device_and_can_be_kept_on_the_host(tmp_path) -> None:
+    """Device mode books the non-expert weights and the KV cache as device memory and runs the layers'
+    torch code; EngineConfig(model_on_device=False) keeps the
+    model on the host, with one sync per MoE layer for the result."""
+    from moed.devices.emulated import EmulatedDevice
+
+    build_tiny_model("qwen3_moe", tmp_path)
+    on = open_runtime(tmp_path, engine=EngineConfig(device="emulated", cache_fraction=0.5, emulated_b_p=50e9))
+    off = open_runtime(tmp_path, engine=EngineConfig(device="emulated", cache_fraction=0.5, emulated_b_p=50e9,
+                                                     model_on_device=False))
+    try:
+        dev = on.executor.device
+        assert isinstance(dev, EmulatedDevice) and on.model.device is dev and off.model.device is None
+        weights = sum(t.numel() * t.element_size() for t in on.loaded.weights.values())
+        slots = dev._ledger.allocated
+        cache = on.model.new_cache(2, 64)
+        assert dev._ledger.allocated == slots + cache.nbytes()
+        assert on.executor.stats.model_device_bytes == weights + cache.nbytes() > 0
+        batch = ForwardBatch.from_token_lists([[5, 9, 11], [7, 3]], [0, 0], [0, 1])
+        want = off.model.forward(batch, off.model.new_cache(2, 64))
+        got = on.model.forward(batch, cache)
+        assert got.device.type == "cpu" and not off.executor.model_on_device
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+    finally:
+        on.close()
+        off.close()
+
+
+def test_torch_paths_hide_the_native_kernels_from_this_thread_only() -> None:
+    import threading
+
+    from moed.kernels.native_cpu import native, torch_paths
+
+    outside = native()
+    seen = []
+    with torch_paths():
+        assert native() is None
+        with torch_paths():
+            assert native() is None
+        assert native() is None
+        worker = threading.Thread(target=lambda: seen.append(native()))  # the CPU branch's threads keep it
+        worker.start()
+        worker.join()
+    assert native() is outside and seen == [outside]
