@@ -29,7 +29,7 @@ fi
 status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt" || status=1
 timeout 240 $PY -m pytest -q -p no:cacheprovider \
-  tests/devices tests/engine/test_device_hygiene.py tests/experts/test_device_syncs.py \
+  tests/devices tests/engine/test_device_hygiene.py tests/experts/test_device_syncs.py tests/experts/test_prefill_stream.py \
   tests/experts/test_placement_invariance.py 2>&1 | tee "$OUT/tests.txt" || status=1
 timeout 300 $PY benchmarks/gpu_check.py --device cuda --work /tmp/moed-gpu-work 2>&1 | tee "$OUT/report.md" || status=1
 exit $status

@@ -33,6 +33,18 @@ RATE_WINDOW_S = 5.0  # tokens_per_second looks this far back
 MAX_REQUEST_ID_CHARS = 256  # every response carries it back
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per sequence per step (see docs/benchmarks.md: 256 -> 512 gave +20-40% prefill on Zen 3)
 DEFAULT_MAX_STEP_TOKENS = 1024  # tokens per step, all sequences together
+# With the model on a device a long prefill streams the whole expert pool over the link once per
+# step (experts/prefill_stream.py), so a step must carry thousands of tokens to hide it (the paper:
+# 8192-token chunks); attention runs there too, so the activations live in VRAM.
+DEVICE_PREFILL_CHUNK = 4096
+DEVICE_MAX_STEP_TOKENS = 8192
+
+
+def step_sizes(runtime: ModelRuntime, batch: int = 1) -> tuple[int, int]:
+    """(prompt tokens per sequence per step, tokens per step) for this runtime: larger on a device."""
+    if getattr(runtime.model, "device", None) is not None:
+        return DEVICE_PREFILL_CHUNK, max(DEVICE_MAX_STEP_TOKENS, DEVICE_PREFILL_CHUNK * batch)
+    return DEFAULT_PREFILL_CHUNK, max(DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK * batch)
 
 
 @dataclass
@@ -52,8 +64,13 @@ class _Live:
 
 class EngineLoop:
     def __init__(self, runtime: ModelRuntime, *, name: str, max_batch: int = 8, max_queue: int = 64,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+                 prefill_chunk: int | None = None, max_step_tokens: int | None = None,
                  context_length: int | None = None) -> None:
+        """``prefill_chunk`` / ``max_step_tokens``: None takes ``step_sizes(runtime)`` (the CPU's 512 /
+        1024, or 4096 / 8192 with the model on a device)."""
+        default_chunk, default_step = step_sizes(runtime)
+        prefill_chunk = default_chunk if prefill_chunk is None else prefill_chunk
+        max_step_tokens = default_step if max_step_tokens is None else max_step_tokens
         config = runtime.model.config
         max_pos = config.max_position_embeddings
         context = min(DEFAULT_CONTEXT, max_pos) if context_length is None else context_length

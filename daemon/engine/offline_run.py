@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from moed.engine.engine_loop import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK, EngineLoop
+from moed.engine.engine_loop import EngineLoop, step_sizes
 from moed.engine.request import GenerationRequest, StreamEvent, Usage
 from moed.engine.runtime import ModelRuntime
 from moed.engine.sampling import SamplingParams
@@ -39,7 +39,7 @@ def run_offline(runtime: ModelRuntime, prompts: list[list[int]], params: list[Sa
         raise InvalidRequestError("give at least one prompt and one SamplingParams per prompt")
     batch = max_batch or len(prompts)
     loop = EngineLoop(runtime, name="offline", max_batch=batch, max_queue=len(prompts),
-                      max_step_tokens=max(DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK * batch), context_length=context_length)
+                      max_step_tokens=step_sizes(runtime, batch)[1], context_length=context_length)
     try:
         handles = [loop.submit(GenerationRequest(f"offline-{i}", list(p), sp))
                    for i, (p, sp) in enumerate(zip(prompts, params))]
