@@ -173,9 +173,24 @@ class HybridExecutor:
     # -- the step -----------------------------------------------------------------------------
     def run(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
             topk_weights: torch.Tensor) -> torch.Tensor:
-        """One MoE layer: one host sync (see the module docstring), whatever the placement."""
-        if self._stream is not None:
-            return self._run_streamed(moe_layer, hidden, topk_ids, topk_weights)
+        """One MoE layer: one host sync (see the module docstring), whatever the placement.
+
+        If anything fails (a kernel, the CPU branch), the device work this call queued is run out
+        and dropped before the error propagates, so the next call (another request's) starts clean.
+        """
+        try:
+            if self._stream is not None:
+                return self._run_streamed(moe_layer, hidden, topk_ids, topk_weights)
+            return self._run_split(moe_layer, hidden, topk_ids, topk_weights)
+        except BaseException:
+            try:
+                self.device.flush()
+            except Exception:  # the queued work failed too: it is dropped all the same
+                pass
+            raise
+
+    def _run_split(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor) -> torch.Tensor:
         dev = self.device
         num_tokens, top_k = topk_ids.shape
         width = hidden.shape[1]

@@ -219,3 +219,40 @@ def test_torch_paths_hide_the_native_kernels_from_this_thread_only() -> None:
         worker.start()
         worker.join()
     assert native() is outside and seen == [outside]
+
+
+def test_a_failing_cpu_branch_fails_its_call_only_and_leaves_no_queued_work() -> None:
+    bank = _bank()
+    device = EmulatedDevice(b_p=2e9)
+    executor = HybridExecutor(bank, device, num_slots=10, policy=make_policy("adaptive"),
+                              bandwidth=BandwidthModel(2e9, 4e9))
+    reference = CpuExecutor(bank)
+    gen = torch.Generator().manual_seed(9)
+    real = executor._run_cpu
+    failures = iter([True])
+
+    def flaky(*args):
+        if next(failures, False):
+            raise RuntimeError("CPU kernel failed")
+        return real(*args)
+
+    executor._run_cpu = flaky
+    try:
+        for _ in range(3):  # warm the cache so the failing call also has device work queued
+            x, ids, w = _call(gen, 3)
+            executor._run_cpu = real
+            executor.run(0, x, ids, w)
+        executor._run_cpu = flaky
+        x, ids, w = _call(gen, 3)
+        with pytest.raises(RuntimeError, match="CPU kernel failed"):
+            while True:  # the first call that has a CPU branch fails
+                executor.run(0, x, ids, w)
+                x, ids, w = _call(gen, 3)
+        assert device._work == []  # nothing of the failed call is left to run into the next one
+        for layer in range(LAYERS):
+            x, ids, w = _call(gen, 2)
+            want = reference.run(layer, x, ids, w)
+            torch.testing.assert_close(executor.run(layer, x, ids, w), want, rtol=0,
+                                       atol=1e-5 * float(want.abs().max()))
+    finally:
+        executor.close()
