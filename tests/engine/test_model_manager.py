@@ -81,3 +81,25 @@ def test_close_stops_a_load_in_flight_leaves_nothing_loaded_and_refuses_new_load
     assert manager.loaded() == [] and not manager.is_loading
     with pytest.raises(InvalidRequestError, match="shutting down"):
         manager.load(str(ftw), LoadOptions(device="cpu"))
+
+
+def test_a_device_resident_model_pays_for_its_weights_and_kv_before_its_expert_cache(models):
+    """With the model on the (emulated) device, `moed ps`'s device memory counts its weights and KV
+    cache, and a VRAM budget goes to them first: the expert cache gets only what is left."""
+    manager = ModelManager([models])
+    entry = manager.load("tiny", LoadOptions(device="emulated", cache_fraction=1.0, context_length=64, max_batch=2))
+    try:
+        stats, bank = entry.stats, entry.runtime.loaded.bank
+        resident = stats.model_device_bytes
+        assert resident > 0 and entry.runtime.model.device is entry.runtime.executor.device
+        assert entry.vram_bytes() == stats.cache_bytes + resident
+        per_expert = bank.bytes_per_expert()
+        for experts in (3, 0):
+            manager.apply_cache_budget(resident + experts * per_expert + per_expert // 2)
+            entry.loop.run_at_safe_point(lambda: None).result(timeout=30)  # the resize has been applied
+            assert stats.cache_slots == experts, f"a budget for {experts} experts beyond the model"
+        manager.apply_cache_budget(None)
+        entry.loop.run_at_safe_point(lambda: None).result(timeout=30)
+        assert stats.cache_slots == bank.num_slots
+    finally:
+        manager.unload("tiny")
