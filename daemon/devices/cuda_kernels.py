@@ -110,9 +110,9 @@ def _check_groups(num_tokens: int, num_slots: int, slot_ids: Index, offsets: Ind
 def dequantize_slot(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     """One slot's ``q [K, N/2]``, ``scale/min [K/32, N]`` -> float32 ``W [K, N]`` (``w = q*scale + min``)."""
     levels = torch.cat([q & 0x0F, q >> 4], dim=-1).float()  # [K, N]
-    s = scale.float().repeat_interleave(INT4_GROUP_SIZE, dim=0)  # [K, N]
-    m = mn.float().repeat_interleave(INT4_GROUP_SIZE, dim=0)
-    return levels * s + m
+    k, n = levels.shape
+    g = levels.view(k // INT4_GROUP_SIZE, INT4_GROUP_SIZE, n)  # scales broadcast over each group's rows
+    return (g * scale.float()[:, None] + mn.float()[:, None]).view(k, n)
 
 
 def int4_grouped_matmul_reference(
@@ -222,7 +222,8 @@ def int4_matmul_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 def dequantize_q8_slot(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """One slot's ``qs`` int8 ``[K, N]``, ``d`` fp16 ``[K/32, N]`` -> float32 ``W [K, N]`` (exact)."""
-    return qs.float() * d.float().repeat_interleave(BLOCK_GROUP_SIZE, dim=0)
+    k, n = qs.shape
+    return (qs.view(k // BLOCK_GROUP_SIZE, BLOCK_GROUP_SIZE, n).float() * d.float()[:, None]).view(k, n)
 
 
 def dequantize_mxfp4_slot(fp4: torch.Tensor, e8m0: torch.Tensor) -> torch.Tensor:
@@ -236,7 +237,8 @@ def dequantize_mxfp4_slot(fp4: torch.Tensor, e8m0: torch.Tensor) -> torch.Tensor
     value = torch.where((codes & 8) != 0, -magnitude, magnitude)
     e = e8m0.to(torch.int32)
     scale = torch.where(e > 0, e << 23, torch.full_like(e, 1 << 22)).view(torch.float32)  # 2**(e - 127)
-    return value * scale.repeat_interleave(BLOCK_GROUP_SIZE, dim=0)
+    k, n = value.shape
+    return (value.view(k // BLOCK_GROUP_SIZE, BLOCK_GROUP_SIZE, n) * scale[:, None]).view(k, n)
 
 
 def _check_block_scaled(x: torch.Tensor, slots: dict[str, torch.Tensor], name: str, fmt: str) -> tuple[int, int, int]:
