@@ -54,7 +54,9 @@ def engine_figures(stats) -> control_pb2.EngineFigures:
         device=stats.device, policy=stats.policy, hits=stats.hits, misses=stats.misses, fills=stats.fills,
         cpu_experts=stats.cpu_experts, transient_fills=stats.transient_fills, last_q=stats.last_q, last_m=stats.last_m, b_p=stats.b_p, b_h=stats.b_h,
         cache_slots=stats.cache_slots, cache_bytes=stats.cache_bytes, pinned_bytes=stats.pinned_bytes,
-        pageable_bytes=stats.pageable_bytes, pin_note=stats.pin_note)
+        pageable_bytes=stats.pageable_bytes, pin_note=stats.pin_note,
+        model_device_bytes=getattr(stats, "model_device_bytes", 0), model_note=getattr(stats, "model_note", ""),
+        streamed_layers=getattr(stats, "streamed_layers", 0))
 
 
 def memory_figures(figures: dict) -> control_pb2.MemoryFigures:

@@ -229,6 +229,10 @@ def print_status(s) -> None:
         print(f"  experts: hits {e.hits} misses {e.misses} ({rate:.0%}) fills {e.fills} cpu {e.cpu_experts} | "
               f"q/m {e.last_q}/{e.last_m} | B_P {e.b_p / 1e9:.1f} GB/s B_H {e.b_h / 1e9:.1f} GB/s | "
               f"cache {e.cache_slots} slots {gb(e.cache_bytes)} | pinned {gb(e.pinned_bytes)} pageable {gb(e.pageable_bytes)}")
+        if e.device in ("cuda", "emulated"):
+            where = (f"on the device ({gb(e.model_device_bytes)} weights + KV cache)" if e.model_device_bytes
+                     else f"on the host ({e.model_note or 'kept there'})")
+            print(f"  model {where} | prefill layers streamed {e.streamed_layers}")
     vram = (f"VRAM total {gb(mem.vram_total)}, other apps {gb(mem.vram_other_apps)}, ours {gb(mem.vram_ours)}, "
             f"free {gb(mem.vram_free)}" if mem.has_gpu else "no GPU memory readings")
     cap = gb(mem.cap_bytes) if mem.cap_bytes else "auto"

@@ -123,7 +123,7 @@ class WatchStatusRequest(_message.Message):
     def __init__(self, interval_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineFigures(_message.Message):
-    __slots__ = ("device", "policy", "hits", "misses", "fills", "cpu_experts", "last_q", "last_m", "b_p", "b_h", "cache_slots", "cache_bytes", "pinned_bytes", "pageable_bytes", "pin_note", "transient_fills")
+    __slots__ = ("device", "policy", "hits", "misses", "fills", "cpu_experts", "last_q", "last_m", "b_p", "b_h", "cache_slots", "cache_bytes", "pinned_bytes", "pageable_bytes", "pin_note", "transient_fills", "model_device_bytes", "model_note", "streamed_layers")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,9 @@ class EngineFigures(_message.Message):
     PAGEABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIN_NOTE_FIELD_NUMBER: _ClassVar[int]
     TRANSIENT_FILLS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NOTE_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_LAYERS_FIELD_NUMBER: _ClassVar[int]
     device: str
     policy: str
     hits: int
@@ -156,7 +159,10 @@ class EngineFigures(_message.Message):
     pageable_bytes: int
     pin_note: str
     transient_fills: int
-    def __init__(self, device: _Optional[str] = ..., policy: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., fills: _Optional[int] = ..., cpu_experts: _Optional[int] = ..., last_q: _Optional[int] = ..., last_m: _Optional[int] = ..., b_p: _Optional[float] = ..., b_h: _Optional[float] = ..., cache_slots: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., pageable_bytes: _Optional[int] = ..., pin_note: _Optional[str] = ..., transient_fills: _Optional[int] = ...) -> None: ...
+    model_device_bytes: int
+    model_note: str
+    streamed_layers: int
+    def __init__(self, device: _Optional[str] = ..., policy: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., fills: _Optional[int] = ..., cpu_experts: _Optional[int] = ..., last_q: _Optional[int] = ..., last_m: _Optional[int] = ..., b_p: _Optional[float] = ..., b_h: _Optional[float] = ..., cache_slots: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., pageable_bytes: _Optional[int] = ..., pin_note: _Optional[str] = ..., transient_fills: _Optional[int] = ..., model_device_bytes: _Optional[int] = ..., model_note: _Optional[str] = ..., streamed_layers: _Optional[int] = ...) -> None: ...
 
 class MemoryFigures(_message.Message):
     __slots__ = ("has_gpu", "vram_total", "vram_free", "vram_other_apps", "vram_ours", "budget_bytes", "cap_bytes", "host_total", "host_available", "source")

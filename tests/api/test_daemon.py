@@ -139,6 +139,8 @@ def test_load_and_unload_while_another_model_generates(daemon):
         worker.start()
         load(client, "tiny", name="second", device="emulated")
         assert collect(client, "Every token", "second", max_tokens=4)[1]
+        engine = client.status().engine  # the most recently used model: "second", on the emulated device
+        assert engine.device == "emulated" and engine.model_device_bytes > 0 and not engine.model_note
         assert client.unload("second")
         worker.join(120)
         assert result["out"] == expected

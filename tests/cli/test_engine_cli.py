@@ -101,3 +101,18 @@ def test_bench_bw_measures_copies_from_the_pinned_bank_and_gives_everything_back
     assert code == 0, err
     assert seen and seen[0] > pinned_before, "the bank was not pinned while B_P was measured"
     assert pinned_bytes_now() == pinned_before and emulated_device_bytes() <= device_before
+
+
+def test_status_says_where_the_non_expert_model_runs(capsys):
+    from moed.cli.client_cmds import print_status
+    from moed.v1 import control_pb2
+
+    print_status(control_pb2.Status(state="idle", engine=control_pb2.EngineFigures(
+        device="emulated", policy="adaptive", model_device_bytes=1_730_000_000, streamed_layers=12)))
+    print_status(control_pb2.Status(state="idle", engine=control_pb2.EngineFigures(
+        device="cuda", policy="adaptive", model_note="weights are kept packed")))
+    print_status(control_pb2.Status(state="idle", engine=control_pb2.EngineFigures(device="cpu", policy="cpu-all")))
+    out = capsys.readouterr().out
+    assert "model on the device (1.73 GB weights + KV cache) | prefill layers streamed 12" in out
+    assert "model on the host (weights are kept packed)" in out
+    assert out.count("model on the") == 2  # nothing of the kind for the cpu backend
