@@ -283,3 +283,24 @@ def test_bad_parameters_are_refused() -> None:
         EmulatedDevice(b_dev=-1)
     with pytest.raises(ValueError, match="capacity_bytes"):
         EmulatedDevice(capacity_bytes=-5)
+
+
+def test_the_timing_model_is_a_roofline_and_bad_settings_are_refused() -> None:
+    dev = EmulatedDevice(b_p=1e9, b_dev=1e9, flops_dev=1e12)
+    assert dev.charge_compute(10**9) == pytest.approx(1.0)  # bytes dominate
+    assert dev.charge_compute(10**6, flops=3e12) == pytest.approx(3.0)  # FLOPs dominate
+    with pytest.raises(ValueError, match="flops"):
+        dev.charge_compute(1, flops=-1.0)
+    with pytest.raises(ValueError, match="flops_dev"):
+        EmulatedDevice(flops_dev=0)
+    with pytest.raises(ValueError, match="sleep_compute"):
+        EmulatedDevice(timing_only=True)
+
+
+def test_engine_config_refuses_other_prefill_buffer_counts() -> None:
+    from moed.config import EngineConfig
+    from moed.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="prefill_buffers"):
+        EngineConfig(prefill_buffers=3)
+    assert EngineConfig(prefill_buffers=1).prefill_buffers == 1
