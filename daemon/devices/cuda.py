@@ -101,6 +101,9 @@ class CudaDevice:
         self._bytes = 0
         self._seconds = 0.0
         self._pending: list[CudaCopy] = []
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # enqueued work not yet booked
+        self._num_computes = 0
+        self._compute_seconds = 0.0
 
     @staticmethod
     def available() -> bool:
@@ -205,8 +208,10 @@ class CudaDevice:
 
     # ----------------------------------------------------------------- compute and timing
 
+    measured_compute = True  # compute time comes from CUDA events around enqueued work (stats().compute_seconds)
+
     def charge_compute(self, nbytes: int, flops: float = 0.0) -> float:
-        return 0.0  # real kernels run: their time is measured, not modelled
+        return 0.0  # real kernels run: their time is measured by events, not modelled
 
     # ----------------------------------------------------------------- pinned host memory
 
@@ -253,7 +258,14 @@ class CudaDevice:
         return tuple(out)
 
     def enqueue(self, work: Callable[[], None]) -> None:
-        work()  # torch launches its kernels asynchronously on the current stream
+        """Launch ``work`` now (torch queues its kernels on the current stream), between two timing events
+        whose interval is booked as compute seconds once the stream has passed them."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        with self._lock:
+            self._timed.append((start, end))
 
     def wait_copy(self, handle) -> None:
         if isinstance(handle, CudaCopy):
@@ -277,7 +289,8 @@ class CudaDevice:
     def stats(self) -> DeviceStats:
         self._sweep()
         with self._lock:
-            return DeviceStats(self._num_copies, self._bytes, self._seconds, host_syncs=self._host_syncs)
+            return DeviceStats(self._num_copies, self._bytes, self._seconds, self._num_computes, 0,
+                               self._compute_seconds, host_syncs=self._host_syncs)
 
     def _sweep(self) -> None:
         """Book the copies that finished since the last look (``done()`` books them; outside the lock)."""
@@ -286,3 +299,10 @@ class CudaDevice:
         still = [h for h in pending if not h.done()]
         with self._lock:
             self._pending = still + self._pending
+            timed, self._timed = self._timed, []
+        done = [b.query() for _, b in timed]  # a pair is done once the stream has passed its end event
+        seconds = sum(a.elapsed_time(b) for (a, b), ok in zip(timed, done) if ok) / 1e3
+        with self._lock:
+            self._timed = [p for p, ok in zip(timed, done) if not ok] + self._timed
+            self._num_computes += sum(done)
+            self._compute_seconds += seconds

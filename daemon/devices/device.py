@@ -54,7 +54,7 @@ class DeviceStats:
     copy_seconds: float = 0.0  # time the copies occupied the link (measured)
     num_compute_charges: int = 0
     compute_bytes: int = 0
-    compute_seconds: float = 0.0  # emulated: charged by the timing model; cuda: 0 (real time is measured)
+    compute_seconds: float = 0.0  # emulated: charged by the timing model; cuda: measured by events around enqueued work
     host_syncs: int = 0  # to_host / synchronize calls: the points where the host waited for the device
 
     @property

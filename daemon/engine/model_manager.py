@@ -52,8 +52,12 @@ class LoadedEntry:
         return self.runtime.executor.stats
 
     def host_bytes(self) -> int:
+        """Host RAM of this model: its expert bank, and its non-expert weights unless they live on the device."""
+        bank = self.runtime.loaded.bank.nbytes()
+        if self.runtime.model.device is not None:
+            return bank  # weights (and KV) are device memory, counted by vram_bytes
         weights = sum(weight_nbytes(t) for t in self.runtime.loaded.weights.values())  # tensors or PackedLinear
-        return weights + self.runtime.loaded.bank.nbytes()
+        return weights + bank
 
     def vram_bytes(self) -> int:
         """Device memory of this model: its expert cache and, when the model runs there, weights + KV."""

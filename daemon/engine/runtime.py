@@ -79,5 +79,7 @@ def open_runtime(path: str | Path, *, experts_dtype: str | None = None, verify: 
     model = MoeTransformer(loaded.config, loaded.weights, executor, where=str(loaded.path), device=device)
     if device is not None:
         executor.model_on_device = True  # hidden states, routing and results stay on the device
+        # the host copies go: on a GPU the weights now live in VRAM, and host RAM would hold them twice
+        loaded.weights = model.weights
     tokenizer = _tokenizer_of(loaded)
     return ModelRuntime(loaded, model, executor, tokenizer)

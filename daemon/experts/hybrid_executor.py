@@ -72,6 +72,7 @@ class HybridExecutor:
         self.trace = trace
         self.model_on_device = model_on_device
         self._pending_copies: list = []  # copy handles not yet fed to the bandwidth model
+        self._compute_seen = 0.0  # measuring devices (CUDA): their compute seconds booked so far
         self.use_transients = bool(getattr(policy, "transient_fills", False)) and num_slots > 0
         self.num_scratch = min(MAX_SCRATCH_SLOTS, max(1, num_slots // 4)) if self.use_transients else 0
         num_cached = num_slots - self.num_scratch  # scratch slots come out of the same byte budget
@@ -238,7 +239,7 @@ class HybridExecutor:
 
         out = self._merge(per_slot, topk_weights, hidden.dtype)
         copy_s = self._observe_copies()
-        self._account(plan, len(transients), cpu_s, copy_s, sum(charged))
+        self._account(plan, len(transients), cpu_s, copy_s, self._device_seconds(charged))
         return out
 
     def _run_streamed(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
@@ -270,7 +271,7 @@ class HybridExecutor:
         copy_s = self._observe_copies()
         self.stats.streamed_layers += 1
         self.stats.copy_seconds += copy_s
-        self.stats.device_compute_seconds += sum(charged)
+        self.stats.device_compute_seconds += self._device_seconds(charged)
         return out
 
     def _merge(self, per_slot: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -326,6 +327,15 @@ class HybridExecutor:
         dev.enqueue(lambda: per_slot.index_copy_(0, picks_dev, rows_dev))
         self.bandwidth.observe_cpu(len(cpu_ids) * self.bank.bytes_per_expert(), cpu_s)
         return cpu_s
+
+    def _device_seconds(self, charged: list[float]) -> float:
+        """Device compute time of this layer: what the timing model charged (emulated), or the event-measured
+        time a measuring device (CUDA) has booked since the last look (it lags: kernels finish later)."""
+        if not getattr(self.device, "measured_compute", False):
+            return sum(charged)
+        total = self.device.stats().compute_seconds
+        seconds, self._compute_seen = total - self._compute_seen, total
+        return seconds
 
     def _observe_copies(self) -> float:
         """Feed the copies that have landed to the bandwidth model; their link seconds."""

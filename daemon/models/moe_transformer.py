@@ -50,6 +50,7 @@ class MoeTransformer:
             weights = {name: device.adopt(w) for name, w in weights.items()}
             self._weight_device_bytes = sum(w.numel() * w.element_size() for w in weights.values())
             self._book_device_bytes()
+        self.weights = weights  # what the model runs with (on its device when it has one)
         self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers.tiny_models import build_tiny_model_dir
 from helpers.tiny_tokenizer import write_tiny_tokenizer
@@ -101,5 +102,34 @@ def test_a_device_resident_model_pays_for_its_weights_and_kv_before_its_expert_c
         manager.apply_cache_budget(None)
         entry.loop.run_at_safe_point(lambda: None).result(timeout=30)
         assert stats.cache_slots == bank.num_slots
+    finally:
+        manager.unload("tiny")
+
+
+def test_a_device_resident_model_keeps_no_host_copy_of_its_weights(models, monkeypatch):
+    """After the weights move to the device, the loaded model refers to the device copies only (on a GPU
+    host RAM would otherwise hold them twice), and host memory reported is the expert bank alone."""
+    from moed.devices.emulated import EmulatedDevice
+
+    adopted: dict[int, torch.Tensor] = {}
+    plain_adopt = EmulatedDevice.adopt
+
+    def copying_adopt(self, tensor):  # as CUDA does: a new tensor, the host one left behind
+        moved = plain_adopt(self, tensor.clone())
+        adopted[id(moved)] = moved
+        return moved
+
+    monkeypatch.setattr(EmulatedDevice, "adopt", copying_adopt)
+    manager = ModelManager([models])
+    entry = manager.load("tiny", LoadOptions(device="emulated", cache_fraction=0.5, context_length=64, max_batch=1))
+    try:
+        weights = entry.runtime.loaded.weights
+        assert weights and all(id(w) in adopted for w in weights.values()), "host copies still referenced"
+        assert entry.host_bytes() == entry.runtime.loaded.bank.nbytes()
+    finally:
+        manager.unload("tiny")
+    cpu = manager.load("tiny", LoadOptions(device="cpu"))
+    try:
+        assert cpu.host_bytes() > cpu.runtime.loaded.bank.nbytes()  # on the host the weights count there
     finally:
         manager.unload("tiny")
