@@ -90,7 +90,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                            cache_fraction=fraction, context_length=request.context_length or None,
                            experts_dtype=request.experts_dtype or None, verify=request.verify,
                            max_batch=request.max_batch or 8, max_queue=request.max_queue or 64,
-                           emulated_b_p=request.emulated_b_p or 16e9, weights_dtype=request.weights_dtype or "auto")
+                           emulated_b_p=request.emulated_b_p or 16e9, weights_dtype=request.weights_dtype or "auto",
+                           prefix_cache=not request.no_prefix_cache)
 
     def UnloadModel(self, request, context):
         if not request.model:
@@ -151,7 +152,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             last_error=ctx.last_error, cache_resizes=ctx.cache_resizes)
         recent = next((e for e in loaded if e.name == ctx.manager.last_used), loaded[0] if loaded else None)
         if recent is not None:
-            status.engine.CopyFrom(engine_figures(recent.stats))
+            status.engine.CopyFrom(engine_figures(recent.stats, recent.loop.kv_figures()))
         return status
 
     def GetStatus(self, request, context):

@@ -49,14 +49,19 @@ def model_info(entry=None, *, path=None, disk_bytes: int = 0) -> control_pb2.Mod
         policy=stats.policy, context_length=entry.loop.context_length, active_requests=entry.loop.num_active)
 
 
-def engine_figures(stats) -> control_pb2.EngineFigures:
+def engine_figures(stats, kv=None) -> control_pb2.EngineFigures:
+    """From the executor's EngineStats, and the engine loop's KVFigures when given."""
     return control_pb2.EngineFigures(
         device=stats.device, policy=stats.policy, hits=stats.hits, misses=stats.misses, fills=stats.fills,
         cpu_experts=stats.cpu_experts, transient_fills=stats.transient_fills, last_q=stats.last_q, last_m=stats.last_m, b_p=stats.b_p, b_h=stats.b_h,
         cache_slots=stats.cache_slots, cache_bytes=stats.cache_bytes, pinned_bytes=stats.pinned_bytes,
         pageable_bytes=stats.pageable_bytes, pin_note=stats.pin_note,
         model_device_bytes=getattr(stats, "model_device_bytes", 0), model_note=getattr(stats, "model_note", ""),
-        streamed_layers=getattr(stats, "streamed_layers", 0))
+        streamed_layers=getattr(stats, "streamed_layers", 0),
+        **({} if kv is None else dict(
+            kv_blocks=kv.num_blocks, kv_block_size=kv.block_size, kv_used_blocks=kv.used_blocks,
+            kv_cached_blocks=kv.cached_blocks, kv_bytes=kv.pool_bytes, prompt_tokens=kv.prompt_tokens,
+            cached_prompt_tokens=kv.cached_tokens, kv_evicted_blocks=kv.evicted_blocks, prefix_cache=kv.prefix_cache)))
 
 
 def memory_figures(figures: dict) -> control_pb2.MemoryFigures:

@@ -53,7 +53,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     u = event.usage
                     response.usage.CopyFrom(inference_pb2.Usage(
                         prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, ttft_seconds=u.ttft_s,
-                        decode_tokens_per_second=u.decode_tok_s, seed=u.seed or 0))
+                        decode_tokens_per_second=u.decode_tok_s, seed=u.seed or 0,
+                        cached_prompt_tokens=u.cached_tokens))
                 if event.done and event.finish_reason == "error":
                     self.ctx.last_error = one_line(f"generation failed: {event.error}")
                     context.abort(grpc.StatusCode.INTERNAL, self.ctx.last_error)

@@ -1,44 +1,150 @@
-"""KVCache: per-layer key/value (or MLA latent) storage for a fixed number of sequence slots.
+"""KVCache: a paged pool of per-layer key/value (or MLA latent) storage, addressed through block tables.
 
-Entries are token-major, ``[slots, max_len, ...]``, so a step writes each sequence's new tokens
-with one slice assignment and reads the first L tokens of the slots in the batch.
+Each entry of each layer is one tensor ``[num_blocks, block_size, ...]`` in the cache's dtype (the
+model's: bfloat16 for bf16/fp16 checkpoints, float32 for fp32 ones or ``--weights-dtype fp32``).
+Token ``j`` of a sequence lives in row ``j % block_size`` of pool block ``table[j // block_size]``;
+sequences share the pool, and blocks can be shared between sequences (a common prefix).
+
+A step names each row's table in ``ForwardBatch.block_tables``; a batch without tables uses the
+cache's static slot tables (``KVCache.for_slots``: slot ``s`` owns a fixed run of blocks, the layout
+every caller had before paging). The torch path writes with one ``index_put`` per entry and reads by
+gathering ``[B, L]`` rows; the native decode kernel (native/cpu/attn_decode.c) walks the tables itself.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per block (a power of two: the native kernel shifts instead of dividing)
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def kv_dtype_for(weight_dtype: torch.dtype | None) -> torch.dtype:
+    """The KV dtype of a model whose non-expert weights have ``weight_dtype``: float32 stays float32;
+    bf16, fp16 and quantised (None) models keep bfloat16 K/V (fp16's range can overflow on K)."""
+    return torch.float32 if weight_dtype == torch.float32 else torch.bfloat16
+
+
+# ``batch`` below is a runner.forward_batch.ForwardBatch (not imported: cache/ sits below runner/):
+# starts, lengths, slots, block_tables, num_keys, host_positions, host_valid, memo, upload().
+
+
+def kv_bytes_per_token(layer_entries: list[dict[str, tuple[int, ...]]], dtype: torch.dtype) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(shape) * size for entries in layer_entries for shape in entries.values())
 
 
 class KVCache:
-    def __init__(self, layer_entries: list[dict[str, tuple[int, ...]]], num_slots: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+    def __init__(self, layer_entries: list[dict[str, tuple[int, ...]]], num_blocks: int,
+                 block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
         """``layer_entries[i]`` maps an entry name ("k", "v", "latent", ...) to its per-token shape."""
-        self.num_slots = num_slots
-        self.max_len = max_len
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"KV block size must be a power of two, got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
+        if dtype not in KV_DTYPES.values():
+            raise ValueError(f"KV dtype must be float32 or bfloat16, got {dtype}")
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.layers = [
-            {name: torch.zeros(num_slots, max_len, *shape, dtype=dtype, device=device) for name, shape in entries.items()}
+            {name: torch.zeros(num_blocks, block_size, *shape, dtype=dtype, device=device)
+             for name, shape in entries.items()}
             for entries in layer_entries
         ]
+        self.num_slots = 0  # static slots (for_slots); 0: every step brings its own block tables
+        self.max_len = 0
+
+    @classmethod
+    def for_slots(cls, layer_entries: list[dict[str, tuple[int, ...]]], num_slots: int, max_len: int,
+                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> "KVCache":
+        """A pool with ``num_slots`` fixed sequences of up to ``max_len`` tokens (slot s: blocks
+        ``[s * n, (s + 1) * n)``), for batches that name slots instead of block tables."""
+        if num_slots < 1 or max_len < 1:
+            raise ValueError(f"a KV cache needs at least one slot of one token, got {num_slots} x {max_len}")
+        per_slot = -(-max_len // block_size)
+        cache = cls(layer_entries, num_slots * per_slot, block_size, dtype, device)
+        cache.num_slots, cache.max_len = num_slots, max_len
+        return cache
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for entries in self.layers for t in entries.values())
 
     def entry(self, layer: int, name: str) -> torch.Tensor:
-        """The whole ``[slots, max_len, ...]`` store of one entry (kernels that write and read in place)."""
+        """The whole ``[num_blocks, block_size, ...]`` pool of one entry (kernels that write and read in place)."""
         return self.layers[layer][name]
 
-    def write(self, layer: int, name: str, values: torch.Tensor, slots: list[int], starts: list[int],
-              lengths: list[int]) -> None:
-        """values [B, T, ...]: store the first ``lengths[b]`` tokens of row b at ``starts[b]`` of its slot."""
-        store = self.layers[layer][name]
-        for row, (slot, start, length) in enumerate(zip(slots, starts, lengths)):
-            if start + length > self.max_len:
-                raise ValueError(f"KV cache slot {slot} holds {self.max_len} tokens; {start + length} needed")
-            store[slot, start : start + length] = values[row, :length]
+    # ---- block tables of a step (host lists in; tensors made once per step and memoised on the batch)
 
-    def read(self, layer: int, name: str, slots: list[int], num_keys: int) -> torch.Tensor:
-        """[B, L, ...] for the given slots (positions past a sequence's length are masked by the caller)."""
+    def tables(self, batch) -> list[list[int]]:
+        """Each row's block table: the batch's own, or its slot's static run of blocks."""
+        if batch.block_tables is not None:
+            tables = batch.block_tables
+        else:
+            if not self.num_slots:
+                raise ValueError("this KV pool has no static slots: the step must give block tables")
+            per_slot = self.num_blocks // self.num_slots
+            for s in batch.slots:
+                if not 0 <= s < self.num_slots:
+                    raise ValueError(f"KV cache slot {s} does not exist ({self.num_slots} slots)")
+            tables = [list(range(s * per_slot, (s + 1) * per_slot)) for s in batch.slots]
+        for row, (table, start, length) in enumerate(zip(tables, batch.starts, batch.lengths)):
+            need = -(-(start + length) // self.block_size)
+            if need > len(table):
+                raise ValueError(f"KV cache: row {row} needs {need} blocks for {start + length} tokens, its table "
+                                 f"has {len(table)}")
+            if any(not 0 <= b < self.num_blocks for b in table[:need]):
+                raise ValueError(f"KV cache: row {row}'s block table names a block outside the pool "
+                                 f"({self.num_blocks} blocks)")
+        return tables
+
+    def table_tensor(self, batch) -> torch.Tensor:
+        """``[B, max_blocks]`` int32 on the host (rows padded with block 0), for the native kernels."""
+        memo = batch.memo
+        key = ("kv_table", id(self))
+        if key not in memo:
+            tables = self.tables(batch)
+            width = max(1, max(len(t) for t in tables))
+            out = torch.zeros(len(tables), width, dtype=torch.int32)
+            for row, table in enumerate(tables):
+                if table:
+                    out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            memo[key] = out
+        return memo[key]
+
+    def _indices(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pool rows written [N], their (row, step) places [N] as flat indices into [B * T],
+        pool rows read [B, L]); on the batch's device."""
+        memo = batch.memo
+        key = ("kv_index", id(self))
+        if key not in memo:
+            bs = self.block_size
+            table = self.table_tensor(batch).long()  # [B, MB]
+            width = table.shape[1]
+            positions = batch.host_positions  # [B, T]
+            valid = batch.host_valid
+            blocks = (positions // bs).clamp(max=width - 1)
+            rows = table.gather(1, blocks) * bs + positions % bs  # [B, T]
+            write_rows = rows[valid]
+            places = valid.reshape(-1).nonzero()[:, 0]
+            keys = torch.arange(batch.num_keys)
+            read_blocks = (keys // bs).clamp(max=width - 1)
+            read = table[:, read_blocks] * bs + (keys % bs)[None, :]  # [B, L]; past a row's end: masked
+            memo[key] = tuple(batch.upload(t) for t in (write_rows, places, read))
+        return memo[key]
+
+    def write(self, layer: int, name: str, values: torch.Tensor, batch) -> None:
+        """values [B, T, ...]: store each row's valid new tokens at their positions (cast to the pool's dtype)."""
         store = self.layers[layer][name]
-        if slots == list(range(slots[0], slots[0] + len(slots))):
-            return store[slots[0] : slots[0] + len(slots), :num_keys]
-        return store[slots, :num_keys]
+        write_rows, places, _ = self._indices(batch)
+        flat = values.reshape(-1, *values.shape[2:]).index_select(0, places)
+        store.view(-1, *store.shape[2:]).index_copy_(0, write_rows, flat.to(store.dtype))
+
+    def read(self, layer: int, name: str, batch, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[B, L, ...] keys 0..L-1 of each row (past a row's length: garbage the caller masks), in ``dtype``."""
+        store = self.layers[layer][name]
+        _, _, read = self._indices(batch)
+        out = store.view(-1, *store.shape[2:])[read]
+        return out if dtype is None else out.to(dtype)

@@ -40,6 +40,8 @@ def add_client_commands(sub, add_address) -> None:
     load.add_argument("--cache-fraction", type=float)
     load.add_argument("--context", type=int, default=0)
     load.add_argument("--experts-dtype", default="", choices=("", *EXPERT_DTYPES))
+    load.add_argument("--no-prefix-cache", action="store_true",
+                      help="prefill every prompt from its first token (default: reuse the K/V of cached prefixes)")
     load.add_argument("--weights-dtype", default="auto", choices=("auto", "fp32"),
                       help="non-expert weights: the checkpoint's own dtype (auto) or widened to fp32")
     load.add_argument("--max-batch", type=int, default=0)
@@ -165,7 +167,7 @@ def run_client_command(args: argparse.Namespace, client: MoedClient) -> int:
     elif cmd == "load":
         options = dict(name=args.name, device=args.device, policy=args.policy, context_length=args.context,
                        experts_dtype=args.experts_dtype, verify=args.verify, max_batch=args.max_batch,
-                       weights_dtype=args.weights_dtype)
+                       weights_dtype=args.weights_dtype, no_prefix_cache=args.no_prefix_cache)
         if args.cache_fraction is not None:
             options["cache_fraction"] = args.cache_fraction
         bar = ProgressBar(f"loading {args.model}", min_seconds=0.0)
@@ -233,6 +235,12 @@ def print_status(s) -> None:
             where = (f"on the device ({gb(e.model_device_bytes)} weights + KV cache)" if e.model_device_bytes
                      else f"on the host ({e.model_note or 'kept there'})")
             print(f"  model {where} | prefill layers streamed {e.streamed_layers}")
+    if e.kv_blocks:
+        share = e.cached_prompt_tokens / e.prompt_tokens if e.prompt_tokens else 0.0
+        cache = (f"prefix cache {e.kv_cached_blocks} blocks, {e.cached_prompt_tokens} of {e.prompt_tokens} prompt "
+                 f"tokens reused ({share:.0%}), {e.kv_evicted_blocks} blocks evicted" if e.prefix_cache
+                 else "prefix cache off")
+        print(f"  KV pool {e.kv_used_blocks}/{e.kv_blocks} blocks of {e.kv_block_size} tokens ({gb(e.kv_bytes)}) | {cache}")
     vram = (f"VRAM total {gb(mem.vram_total)}, other apps {gb(mem.vram_other_apps)}, ours {gb(mem.vram_ours)}, "
             f"free {gb(mem.vram_free)}" if mem.has_gpu else "no GPU memory readings")
     cap = gb(mem.cap_bytes) if mem.cap_bytes else "auto"

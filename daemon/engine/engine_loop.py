@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import torch
 
+from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE
+from moed.engine.kv_manager import KVFigures, KVManager
 from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent, Usage
 from moed.engine.runtime import DEFAULT_CONTEXT, ModelRuntime
 from moed.engine.sampling import Sampler, SamplingParams
@@ -65,9 +67,10 @@ class _Live:
 class EngineLoop:
     def __init__(self, runtime: ModelRuntime, *, name: str, max_batch: int = 8, max_queue: int = 64,
                  prefill_chunk: int | None = None, max_step_tokens: int | None = None,
-                 context_length: int | None = None) -> None:
+                 context_length: int | None = None, prefix_cache: bool = True) -> None:
         """``prefill_chunk`` / ``max_step_tokens``: None takes ``step_sizes(runtime)`` (the CPU's 512 /
-        1024, or 4096 / 8192 with the model on a device)."""
+        1024, or 4096 / 8192 with the model on a device). ``prefix_cache``: reuse the K/V of earlier
+        requests' common prefixes (engine/kv_manager.py)."""
         default_chunk, default_step = step_sizes(runtime)
         prefill_chunk = default_chunk if prefill_chunk is None else prefill_chunk
         max_step_tokens = default_step if max_step_tokens is None else max_step_tokens
@@ -83,14 +86,18 @@ class EngineLoop:
         self.runtime = runtime
         self.context_length = context
         self.max_batch = max_batch
-        self._scheduler = Scheduler(SchedulerConfig(max_batch, max_queue, prefill_chunk, max_step_tokens))
+        # the KV pool: room for max_batch sequences of the whole context, shared through block tables;
+        # what running sequences leave free holds earlier requests' prefixes until it is needed
+        num_blocks = max_batch * -(-context // DEFAULT_BLOCK_SIZE)
+        self._kv = KVManager(num_blocks, DEFAULT_BLOCK_SIZE, prefix_cache=prefix_cache)
+        self._scheduler = Scheduler(SchedulerConfig(max_batch, max_queue, prefill_chunk, max_step_tokens),
+                                    on_admit=self._kv.admit)
         self._vocab_size = config.vocab_size
         eos = set(config.eos_token_ids)
         if runtime.tokenizer is not None:
             eos |= set(runtime.tokenizer.eos_token_ids)
         self._eos_ids = frozenset(eos)
-        # one slot per running sequence, allocated once; a slot is overwritten from position 0 on reuse
-        self._cache = runtime.model.new_cache(max_batch, context)
+        self._cache = runtime.model.new_pool(num_blocks, DEFAULT_BLOCK_SIZE)
 
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -195,6 +202,19 @@ class EngineLoop:
             busy = self._scheduler.num_running or self._scheduler.num_waiting
         return "generating" if busy else "idle"
 
+    def kv_figures(self) -> KVFigures:
+        """The KV pool's blocks and the prefix cache's hits so far."""
+        with self._lock:
+            figures = self._kv.figures()
+        cache = self._cache
+        nbytes = getattr(cache, "nbytes", None)
+        figures.pool_bytes = nbytes() if nbytes is not None else 0
+        return figures
+
+    def clear_prefix_cache(self) -> Future:
+        """Drop every cached prefix at the next safe point (the future's result: blocks freed)."""
+        return self.run_at_safe_point(self._kv.clear_cache)
+
     @property
     def tokens_per_second(self) -> float:
         """Tokens sampled per second over the last RATE_WINDOW_S seconds (decays to 0 when idle)."""
@@ -262,8 +282,10 @@ class EngineLoop:
         self._after_forward(chunks, logits)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        tables = [list(self._kv.ensure(c.seq_id, c.start + len(c.token_ids))) for c in chunks]
+        # with block tables the batch's "slots" are the sequences' ids (the routing trace keys on them)
         batch = ForwardBatch.from_token_lists([c.token_ids for c in chunks], [c.start for c in chunks],
-                                              [c.slot for c in chunks])
+                                              [c.seq_id for c in chunks], tables)
         logits = self.runtime.model.forward(batch, self._cache)
         self.num_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(chunks))
@@ -327,6 +349,9 @@ class EngineLoop:
     def _finish_locked(self, seq_id: int, reason: str, error: str = "") -> None:
         """End a request: flush held-back text, free its slot, drop every reference to its state, send done."""
         live = self._live.pop(seq_id, None)
+        cached = self._kv.cached_tokens(seq_id)
+        # the blocks of a sequence whose step failed may hold half-written K/V: not cached then
+        self._kv.release(seq_id, None if reason == "error" else self._scheduler.cached_token_ids(seq_id))
         self._scheduler.finish(seq_id)
         if live is None:
             return
@@ -344,7 +369,8 @@ class EngineLoop:
         span = live.last_token_at - first if first is not None else 0.0
         usage = Usage(prompt_tokens=len(live.request.prompt_ids), completion_tokens=n,
                       ttft_s=first - live.submitted_at if first is not None else 0.0,
-                      decode_tok_s=(n - 1) / span if n > 1 and span > 0 else 0.0, seed=live.sampler.seed)
+                      decode_tok_s=(n - 1) / span if n > 1 and span > 0 else 0.0, seed=live.sampler.seed,
+                      cached_tokens=cached)
         live.handle.push(StreamEvent(text=tail, token_ids=(), done=True, finish_reason=reason, usage=usage,
                                      error=error))
         self.requests_served += 1

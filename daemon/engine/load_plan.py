@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moed.cache.host_bank import EXPERT_DTYPES
+from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE
 from moed.devices.select import DEVICE_NAMES
 from moed.engine.engine_loop import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK
 from moed.engine.runtime import DEFAULT_CONTEXT
@@ -66,8 +67,8 @@ def plan_load(path: Path, options) -> LoadPlan:
     if not (MIN_EMULATED_B_P <= b_p <= MAX_EMULATED_B_P):  # NaN fails both comparisons
         raise InvalidRequestError(f"emulated_b_p {b_p!r} bytes/s is out of range: give a value between "
                                   f"{MIN_EMULATED_B_P:.0e} and {MAX_EMULATED_B_P:.0e}")
-    per_token = kv_cache_bytes(config, 1, 1)
     est = estimate_load(path, options.experts_dtype, options.weights_dtype)
+    per_token = kv_cache_bytes(config, 1, 1, est.kv_dtype) // DEFAULT_BLOCK_SIZE
     others = tuple((dtype, est.total - est.bank_bytes + nbytes) for dtype, nbytes in est.bank_bytes_by_dtype.items()
                    if dtype != est.bank_dtype)
     return LoadPlan(context_length=context, max_batch=options.max_batch, weight_bytes=est.total,

@@ -36,6 +36,7 @@ class LoadOptions:
     max_queue: int = 64
     emulated_b_p: float = 16e9
     weights_dtype: str = "auto"  # non-expert weights: the checkpoint's dtype, or "fp32"
+    prefix_cache: bool = True  # reuse the K/V of earlier requests' common prefixes
 
 
 @dataclass
@@ -190,7 +191,7 @@ class ModelManager:
             if runtime.tokenizer is None:
                 raise ModelFormatError(f"{path}: no tokenizer.json; the daemon serves text and needs one")
             loop = EngineLoop(runtime, name=name, max_batch=options.max_batch, max_queue=options.max_queue,
-                              context_length=plan.context_length)
+                              context_length=plan.context_length, prefix_cache=options.prefix_cache)
             entry = LoadedEntry(name, path, runtime, loop, options)
             with self._lock:
                 if self._closing:

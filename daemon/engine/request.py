@@ -27,6 +27,7 @@ class Usage:
     ttft_s: float  # submit to first token (queue wait included: what the client sees)
     decode_tok_s: float  # tokens after the first / time from the first to the last
     seed: int  # the sampler's seed (drawn when the request gave none), to reproduce an output
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (their K/V reused, not prefilled)
 
 
 @dataclass(frozen=True)

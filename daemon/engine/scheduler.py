@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from moed.errors import InvalidRequestError, QueueFullError, quoted
 
@@ -78,7 +79,10 @@ class Cancelled:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, on_admit: Callable[[int, list[int]], int] | None = None) -> None:
+        """``on_admit(seq_id, prompt_ids)``: called as a sequence takes a slot; returns how many of its
+        first prompt tokens are already in the KV cache (a reused prefix), which are then not fed."""
+        self._on_admit = on_admit
         self.max_batch = config.max_batch
         self.max_queue = config.max_queue
         self.prefill_chunk = config.prefill_chunk
@@ -128,6 +132,11 @@ class Scheduler:
             seq.slot = self._free_slots.pop(0)
             self._running[seq.seq_id] = seq
             admitted.append(seq.seq_id)
+            if self._on_admit is not None:
+                cached = self._on_admit(seq.seq_id, seq.token_ids)
+                if not 0 <= cached < seq.num_prompt:
+                    raise ValueError(f"on_admit: {cached} cached tokens for a prompt of {seq.num_prompt}")
+                seq.num_cached = cached
         cancelled = [s.seq_id for s in self._running.values() if s.is_cancelled]
         live = [s for s in self._running.values() if not s.is_cancelled and s.num_cached < len(s.token_ids)]
         chunks = [self._chunk(s, len(s.token_ids) - s.num_cached) for s in live if not s.is_prefilling]
@@ -153,6 +162,11 @@ class Scheduler:
         seq.num_cached += num_fed
         if new_token is not None:
             seq.token_ids.append(new_token)
+
+    def cached_token_ids(self, seq_id: int) -> list[int]:
+        """The tokens of a running sequence whose K/V are in its blocks (empty for a waiting one)."""
+        seq = self._running.get(seq_id)
+        return [] if seq is None else seq.token_ids[: seq.num_cached]
 
     def finish(self, seq_id: int) -> bool:
         """Remove a sequence (running: its slot is free again; waiting: it leaves the queue). False if unknown."""

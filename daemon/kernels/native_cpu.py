@@ -95,8 +95,9 @@ class _AttnDecode(ctypes.Structure):  # moed_attn_decode_args (native/cpu/attn_d
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("eps", ctypes.c_float),
                 ("rot_dim", ctypes.c_int32), ("interleaved", ctypes.c_int32),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("max_len", ctypes.c_int64),
-                ("slot", ctypes.c_void_p), ("start", ctypes.c_void_p), ("pos", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("block_size", ctypes.c_int64),
+                ("num_blocks", ctypes.c_int64), ("kv_bf16", ctypes.c_int32), ("max_blocks", ctypes.c_int32),
+                ("block_table", ctypes.c_void_p), ("start", ctypes.c_void_p), ("pos", ctypes.c_void_p),
                 ("length", ctypes.c_void_p), ("num_keys", ctypes.c_int64), ("window", ctypes.c_int64),
                 ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p), ("out", ctypes.c_void_p)]
 
@@ -116,7 +117,8 @@ class ChainLayer(ctypes.Structure):  # moed_chain_layer (native/cpu/decode_chain
 
 class _ChainStep(ctypes.Structure):  # moed_chain_step (native/cpu/decode_chain.c)
     _fields_ = [("B", ctypes.c_int32), ("D", ctypes.c_int64), ("eps", ctypes.c_float), ("cos", ctypes.c_void_p),
-                ("sin", ctypes.c_void_p), ("slot", ctypes.c_void_p), ("start", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p), ("block_table", ctypes.c_void_p), ("max_blocks", ctypes.c_int32),
+                ("start", ctypes.c_void_p),
                 ("pos", ctypes.c_void_p), ("length", ctypes.c_void_p), ("num_keys", ctypes.c_int64)]
 
 
@@ -344,33 +346,40 @@ class NativeCpu:
     def attn_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_heads: int, num_kv_heads: int,
                     q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, rot_dim: int,
                     interleaved: bool, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slots: list[int], starts: list[int], positions: list[int],
+                    v_cache: torch.Tensor, block_tables: torch.Tensor, starts: list[int], positions: list[int],
                     lengths: list[int], num_keys: int, window: int | None, scale: float,
                     sinks: torch.Tensor | None) -> torch.Tensor:
         """One new token per row: q [B, H*Dh], k [B, Hk*Dh], v [B, Hk*Dv] float32 -> attention output
-        [B, H*Dv] (the input of o_proj), storing the normalised, rotated k and v in the caches
-        [slots, max_len, Hk, Dh|Dv] (float32) at ``starts``. See native/cpu/attn_decode.h."""
+        [B, H*Dv] (the input of o_proj), storing the normalised, rotated k and v in the paged pools
+        [num_blocks, block_size, Hk, Dh|Dv] (float32 or bfloat16) through ``block_tables`` [B, max_blocks]
+        int32 at ``starts``. See native/cpu/attn_decode.h."""
         rows = q.shape[0]
         dh, dv = q.shape[1] // num_heads, v.shape[1] // num_kv_heads
-        f32 = [q, k, v, cos, sin, k_cache, v_cache] + [t for t in (q_norm, k_norm, sinks) if t is not None]
+        f32 = [q, k, v, cos, sin] + [t for t in (q_norm, k_norm, sinks) if t is not None]
         if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in f32):
             raise ValueError("attn_decode: tensors must be contiguous float32 in host memory")
-        slots_max = k_cache.shape[0]
+        if (k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
+                or not k_cache.is_contiguous() or not v_cache.is_contiguous() or k_cache.device.type != "cpu"
+                or v_cache.device.type != "cpu"):
+            raise ValueError("attn_decode: the KV pools must be contiguous float32 or bfloat16 in host memory")
+        if (block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != rows
+                or not block_tables.is_contiguous()):
+            raise ValueError(f"attn_decode: block_tables must be contiguous int32 [{rows}, max_blocks]")
         if (q.shape != (rows, num_heads * dh) or k.shape != (rows, num_kv_heads * dh)
                 or v.shape != (rows, num_kv_heads * dv) or k_cache.shape[2:] != (num_kv_heads, dh)
                 or v_cache.shape[:3] != k_cache.shape[:3] or v_cache.shape[3] != dv
-                or any(not 0 <= s < slots_max for s in slots) or len(slots) != rows
                 or cos.shape != (rows, rot_dim // 2) or sin.shape != cos.shape
                 or (q_norm is not None and q_norm.shape != (dh,)) or (k_norm is not None and k_norm.shape != (dh,))
                 or (sinks is not None and sinks.shape != (num_heads,))):
             raise ValueError("attn_decode: inconsistent shapes")
         out = torch.empty(rows, num_heads * dv, dtype=torch.float32)
-        ints = torch.tensor([slots, starts, positions], dtype=torch.int64)
+        ints = torch.tensor([starts, positions], dtype=torch.int64)
         lens = torch.tensor(lengths, dtype=torch.int32)
         args = _AttnDecode(rows, num_heads, num_kv_heads, dh, dv, q.data_ptr(), k.data_ptr(), v.data_ptr(),
                            _ptr(q_norm), _ptr(k_norm), eps, rot_dim, int(interleaved), cos.data_ptr(),
                            sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
-                           ints[0].data_ptr(), ints[1].data_ptr(), ints[2].data_ptr(), lens.data_ptr(),
+                           k_cache.shape[0], int(k_cache.dtype == torch.bfloat16), block_tables.shape[1],
+                           block_tables.data_ptr(), ints[0].data_ptr(), ints[1].data_ptr(), lens.data_ptr(),
                            num_keys, window or 0, scale, _ptr(sinks), out.data_ptr())
         with self._lock:
             rc = self._lib.moed_cpu_attn_decode(self._pool, ctypes.byref(args))
@@ -473,18 +482,22 @@ class NativeCpu:
         return int(self._lib.moed_chain_work_floats(layers, len(layers), rows, hidden))
 
     def decode_layers(self, layers: "ctypes.Array[ChainLayer]", x: torch.Tensor, *, eps: float, cos: torch.Tensor,
-                      sin: torch.Tensor, ints: torch.Tensor, lengths: torch.Tensor, num_keys: int, work: torch.Tensor,
+                      sin: torch.Tensor, ints: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor,
+                      num_keys: int, work: torch.Tensor,
                       ids_out: torch.Tensor, experts_out: torch.Tensor, head: "ChainHead | None" = None,
                       timings: torch.Tensor | None = None) -> None:
         """Every layer of one decode step on ``x [B, D]`` float32, in place (native/cpu/decode_chain.c):
-        ``ints [3, B]`` int64 (slots, starts, positions), ``lengths [B]`` int32, ``cos``/``sin [B, R/2]``
+        ``ints [2, B]`` int64 (starts, positions), ``block_tables [B, max_blocks]`` int32 (each row's
+        pool blocks, see attn_decode.h), ``lengths [B]`` int32, ``cos``/``sin [B, R/2]``
         float32; ``ids_out [layers, B, A]`` int32 and ``experts_out [layers]`` int32 are filled; with
         ``head`` the final norm and lm_head write its ``logits [B, V]``; ``timings [6]`` float64
         (``CHAIN_PARTS``) accumulates seconds when given. The caller (the
         model's DecodeChain) has checked shapes and dtypes; the C side checks the layer descriptions."""
         rows, d = x.shape
-        step = _ChainStep(rows, d, eps, cos.data_ptr(), sin.data_ptr(), ints[0].data_ptr(), ints[1].data_ptr(),
-                          ints[2].data_ptr(), lengths.data_ptr(), num_keys)
+        if block_tables.dtype != torch.int32 or block_tables.shape[0] != rows or not block_tables.is_contiguous():
+            raise ValueError(f"decode_layers: block_tables must be contiguous int32 [{rows}, max_blocks]")
+        step = _ChainStep(rows, d, eps, cos.data_ptr(), sin.data_ptr(), block_tables.data_ptr(),
+                          block_tables.shape[1], ints[0].data_ptr(), ints[1].data_ptr(), lengths.data_ptr(), num_keys)
         with self._lock:
             rc = self._lib.moed_cpu_decode_layers(self._pool, layers, len(layers), ctypes.byref(step), x.data_ptr(),
                                                   None if head is None else ctypes.byref(head), work.data_ptr(),

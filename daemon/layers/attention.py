@@ -84,10 +84,10 @@ class MhaAttention:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, Dh]
         q, k = self._rotate(q, cos_sin), self._rotate(k, cos_sin)
-        cache.write(self.layer, "k", k.transpose(1, 2), batch.slots, batch.starts, batch.lengths)
-        cache.write(self.layer, "v", v, batch.slots, batch.starts, batch.lengths)
-        keys = cache.read(self.layer, "k", batch.slots, batch.num_keys).transpose(1, 2)  # [B, Hk, L, Dh]
-        values = cache.read(self.layer, "v", batch.slots, batch.num_keys).transpose(1, 2)
+        cache.write(self.layer, "k", k.transpose(1, 2), batch)
+        cache.write(self.layer, "v", v, batch)
+        keys = cache.read(self.layer, "k", batch, q.dtype).transpose(1, 2)  # [B, Hk, L, Dh]
+        values = cache.read(self.layer, "v", batch, q.dtype).transpose(1, 2)
         out = attend(q, keys, values, batch.attention_mask(self.window), cfg.scaling, self.sinks)
         return linear(out, self.wo, self.bo)
 
@@ -99,7 +99,7 @@ class MhaAttention:
         if lib is None or q.device.type != "cpu":
             return None
         k_store, v_store = cache.entry(self.layer, "k"), cache.entry(self.layer, "v")
-        if k_store.dtype != torch.float32 or v_store.dtype != torch.float32:
+        if k_store.dtype not in (torch.float32, torch.bfloat16) or k_store.device.type != "cpu":
             return None
         q_norm, k_norm, sinks = self.native_f32()
         cos, sin = (t[:, 0].float().contiguous() for t in cos_sin)
@@ -109,7 +109,8 @@ class MhaAttention:
             v.reshape(rows, -1).float().contiguous(), num_heads=self.cfg.num_heads,
             num_kv_heads=self.cfg.num_kv_heads, q_norm=q_norm, k_norm=k_norm, eps=self.eps,
             rot_dim=self.rotary.dim, interleaved=self.rotary.interleaved, cos=cos, sin=sin, k_cache=k_store,
-            v_cache=v_store, slots=batch.slots, starts=batch.starts, positions=batch.positions[:, 0].tolist(),
+            v_cache=v_store, block_tables=cache.table_tensor(batch), starts=batch.starts,
+            positions=batch.positions[:, 0].tolist(),
             lengths=batch.lengths, num_keys=batch.num_keys, window=self.window, scale=self.cfg.scaling,
             sinks=sinks)
 

@@ -52,10 +52,10 @@ class MlaAttention:
         latent = rms_norm(latent, self.kv_a_norm, self.eps)  # [B, T, C]
         q_rot = self.rotary.apply(q_rot, *cos_sin)
         k_rot = self.rotary.apply(k_rot[:, None], *cos_sin)[:, 0]  # [B, T, Rr], shared by all heads
-        cache.write(self.layer, "latent", latent, batch.slots, batch.starts, batch.lengths)
-        cache.write(self.layer, "k_rot", k_rot, batch.slots, batch.starts, batch.lengths)
-        latent_all = cache.read(self.layer, "latent", batch.slots, batch.num_keys)  # [B, L, C]
-        k_rot_all = cache.read(self.layer, "k_rot", batch.slots, batch.num_keys)  # [B, L, Rr]
+        cache.write(self.layer, "latent", latent, batch)
+        cache.write(self.layer, "k_rot", k_rot, batch)
+        latent_all = cache.read(self.layer, "latent", batch, latent.dtype)  # [B, L, C]
+        k_rot_all = cache.read(self.layer, "k_rot", batch, k_rot.dtype)  # [B, L, Rr]
         num_keys = latent_all.shape[1]
         kv = linear(latent_all, self.kv_b).view(bsz, num_keys, cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, values = kv.transpose(1, 2).split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)

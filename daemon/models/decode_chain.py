@@ -187,7 +187,8 @@ class DecodeChain:
     def applies(self, x: torch.Tensor, cache: KVCache) -> bool:
         """Whether this step (``x [B, 1, D]``, every row one real token) can run here."""
         return native() is self.lib and x.device.type == "cpu" and x.dtype == torch.float32 \
-            and 0 < x.shape[0] <= MAX_TOKENS and x.shape[1] == 1 and cache.entry(0, "k").dtype == torch.float32
+            and 0 < x.shape[0] <= MAX_TOKENS and x.shape[1] == 1 \
+            and cache.entry(0, "k").dtype in (torch.float32, torch.bfloat16) and cache.entry(0, "k").device.type == "cpu"
 
     def _bind(self, cache: KVCache) -> None:
         """Point the layer structs at this step's KV cache and the bank's current arrays."""
@@ -201,7 +202,9 @@ class DecodeChain:
         if cache is not self._cache_ref:
             for s, attention in zip(self.layers, self.attentions):
                 k, v = cache.entry(attention.layer, "k"), cache.entry(attention.layer, "v")
-                s.attn.k_cache, s.attn.v_cache, s.attn.max_len = k.data_ptr(), v.data_ptr(), k.shape[1]
+                s.attn.k_cache, s.attn.v_cache = k.data_ptr(), v.data_ptr()
+                s.attn.block_size, s.attn.num_blocks = k.shape[1], k.shape[0]
+                s.attn.kv_bf16 = int(k.dtype == torch.bfloat16)
             self._cache_ref = cache
 
     def run(self, x: torch.Tensor, batch, cache: KVCache, cos_sin: tuple[torch.Tensor, torch.Tensor]
@@ -209,21 +212,19 @@ class DecodeChain:
         """``x [B, 1, D]`` after the embedding -> (the hidden state before the final norm ``[B, 1, D]``,
         the logits ``[B, V]`` when the chain runs the final norm and lm_head too, else None)."""
         rows = x.shape[0]
-        if any(not 0 <= s < cache.num_slots for s in batch.slots) or any(
-                s >= cache.max_len for s in batch.starts):
-            raise ValueError(f"decode step: slots {batch.slots} / starts {batch.starts} do not fit the KV cache "
-                             f"({cache.num_slots} slots of {cache.max_len} tokens)")
+        tables = cache.table_tensor(batch)  # checks that every row's table holds its tokens
         self._bind(cache)
         h = x.reshape(rows, self.hidden).contiguous()
         cos, sin = (t[:, 0].float().contiguous() for t in cos_sin)
-        ints = torch.tensor([batch.slots, batch.starts, batch.starts], dtype=torch.int64)  # position = start
+        ints = torch.tensor([batch.starts, batch.starts], dtype=torch.int64)  # position = start
         lengths = torch.ones(rows, dtype=torch.int32)
         ids = self._ids[: len(self.layers) * rows * self.top_k].view(len(self.layers), rows, self.top_k)
         logits = None
         if self.head is not None:
             logits = torch.empty(rows, self.vocab, dtype=torch.float32)
             self.head.logits = logits.data_ptr()
-        self.lib.decode_layers(self.layers, h, eps=self.eps, cos=cos, sin=sin, ints=ints, lengths=lengths,
+        self.lib.decode_layers(self.layers, h, eps=self.eps, cos=cos, sin=sin, ints=ints, block_tables=tables,
+                               lengths=lengths,
                                num_keys=batch.num_keys, work=self.work, ids_out=ids, experts_out=self.experts,
                                head=self.head, timings=self.timings)
         self.last_ids = ids

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from moed.cache.kv_cache import KVCache
+from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, kv_dtype_for
 from moed.errors import ModelFormatError
 from moed.experts.executor import ExpertExecutor
 from moed.layers.attention import MhaAttention
@@ -51,6 +51,8 @@ class MoeTransformer:
             self._weight_device_bytes = sum(w.numel() * w.element_size() for w in weights.values())
             self._book_device_bytes()
         self.weights = weights  # what the model runs with (on its device when it has one)
+        embed = weights["model.embed_tokens.weight"]
+        self.kv_dtype = kv_dtype_for(embed.dtype if isinstance(embed, torch.Tensor) else None)
         self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
@@ -75,11 +77,24 @@ class MoeTransformer:
             self._chain = DecodeChain.build(self)
         return self._chain
 
+    def cache_entries(self) -> list[dict[str, tuple[int, ...]]]:
+        return [attention.cache_entries() for _, attention, _, _ in self.layers]
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """The KV cache of ``num_slots`` sequences of up to ``max_len`` tokens (``kv_cache_bytes`` of it);
-        on the model's device when it has one."""
-        cache = KVCache([attention.cache_entries() for _, attention, _, _ in self.layers], num_slots, max_len,
-                        device=None if self.device is None else self.device.compute_device)
+        """A KV pool of ``num_slots`` static sequences of up to ``max_len`` tokens (``kv_cache_bytes`` of it),
+        in the model's KV dtype; on the model's device when it has one."""
+        return self._adopt_cache(KVCache.for_slots(self.cache_entries(), num_slots, max_len, self.kv_dtype,
+                                                   self._cache_device()))
+
+    def new_pool(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVCache:
+        """A KV pool of ``num_blocks`` blocks that steps address through block tables."""
+        return self._adopt_cache(KVCache(self.cache_entries(), num_blocks, block_size, self.kv_dtype,
+                                         self._cache_device()))
+
+    def _cache_device(self) -> torch.device | None:
+        return None if self.device is None else self.device.compute_device
+
+    def _adopt_cache(self, cache: KVCache) -> KVCache:
         if self.device is not None:
             for entries in cache.layers:
                 for t in entries.values():
@@ -161,11 +176,10 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: 
             )
 
 
-KV_DTYPE_BYTES = 4  # KVCache stores float32
-
-
-def kv_cache_bytes(config: ModelConfig, num_slots: int, max_len: int) -> int:
-    """Bytes ``new_cache(num_slots, max_len)`` allocates, from the config alone (checked before a load)."""
+def kv_cache_bytes(config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes ``new_cache(num_slots, max_len)`` allocates with ``dtype`` K/V, from the config alone
+    (checked before a load; whole blocks per slot)."""
     attention_cls = MlaAttention if config.attention.kind == "mla" else MhaAttention
     per_token = sum(math.prod(shape) for shape in attention_cls.cache_entries_for(config.attention).values())
-    return per_token * KV_DTYPE_BYTES * config.num_layers * num_slots * max_len
+    tokens = -(-max_len // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
+    return per_token * torch.empty((), dtype=dtype).element_size() * config.num_layers * num_slots * tokens

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moed/v1/inference.proto\x12\x07moed.v1\"\xeb\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.moed.v1.ChatMessage\"\xa1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.moed.v1.ChatMessagesH\x00\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.moed.v1.SamplingParamsB\x07\n\x05input\"\x7f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cttft_seconds\x18\x03 \x01(\x01\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"\x8b\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1d\n\x05usage\x18\x06 \x01(\x0b\x32\x0e.moed.v1.Usage\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x32\xca\x01\n\tInference\x12\x41\n\x08Generate\x12\x18.moed.v1.GenerateRequest\x1a\x19.moed.v1.GenerateResponse0\x01\x12?\n\x08Tokenize\x12\x18.moed.v1.TokenizeRequest\x1a\x19.moed.v1.TokenizeResponse\x12\x39\n\x06\x43\x61ncel\x12\x16.moed.v1.CancelRequest\x1a\x17.moed.v1.CancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moed/v1/inference.proto\x12\x07moed.v1\"\xeb\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.moed.v1.ChatMessage\"\xa1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.moed.v1.ChatMessagesH\x00\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.moed.v1.SamplingParamsB\x07\n\x05input\"\x9d\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cttft_seconds\x18\x03 \x01(\x01\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\x05\"\x8b\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1d\n\x05usage\x18\x06 \x01(\x0b\x32\x0e.moed.v1.Usage\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x32\xca\x01\n\tInference\x12\x41\n\x08Generate\x12\x18.moed.v1.GenerateRequest\x1a\x19.moed.v1.GenerateResponse0\x01\x12?\n\x08Tokenize\x12\x18.moed.v1.TokenizeRequest\x1a\x19.moed.v1.TokenizeResponse\x12\x39\n\x06\x43\x61ncel\x12\x16.moed.v1.CancelRequest\x1a\x17.moed.v1.CancelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,18 +39,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_end=374
   _globals['_GENERATEREQUEST']._serialized_start=377
   _globals['_GENERATEREQUEST']._serialized_end=538
-  _globals['_USAGE']._serialized_start=540
-  _globals['_USAGE']._serialized_end=667
-  _globals['_GENERATERESPONSE']._serialized_start=670
-  _globals['_GENERATERESPONSE']._serialized_end=809
-  _globals['_TOKENIZEREQUEST']._serialized_start=811
-  _globals['_TOKENIZEREQUEST']._serialized_end=885
-  _globals['_TOKENIZERESPONSE']._serialized_start=887
-  _globals['_TOKENIZERESPONSE']._serialized_end=924
-  _globals['_CANCELREQUEST']._serialized_start=926
-  _globals['_CANCELREQUEST']._serialized_end=961
-  _globals['_CANCELRESPONSE']._serialized_start=963
-  _globals['_CANCELRESPONSE']._serialized_end=998
-  _globals['_INFERENCE']._serialized_start=1001
-  _globals['_INFERENCE']._serialized_end=1203
+  _globals['_USAGE']._serialized_start=541
+  _globals['_USAGE']._serialized_end=698
+  _globals['_GENERATERESPONSE']._serialized_start=701
+  _globals['_GENERATERESPONSE']._serialized_end=840
+  _globals['_TOKENIZEREQUEST']._serialized_start=842
+  _globals['_TOKENIZEREQUEST']._serialized_end=916
+  _globals['_TOKENIZERESPONSE']._serialized_start=918
+  _globals['_TOKENIZERESPONSE']._serialized_end=955
+  _globals['_CANCELREQUEST']._serialized_start=957
+  _globals['_CANCELREQUEST']._serialized_end=992
+  _globals['_CANCELRESPONSE']._serialized_start=994
+  _globals['_CANCELRESPONSE']._serialized_end=1029
+  _globals['_INFERENCE']._serialized_start=1032
+  _globals['_INFERENCE']._serialized_end=1234
 # @@protoc_insertion_point(module_scope)

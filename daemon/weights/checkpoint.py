@@ -17,6 +17,7 @@ import torch
 
 from moed.cache.bank_builder import bank_tensor_specs
 from moed.cache.host_bank import EXPERT_DTYPES
+from moed.cache.kv_cache import kv_dtype_for
 from moed.errors import ModelFormatError
 from moed.layers.packed_linear import packed_nbytes
 from moed.weights.hf_checkpoint import CHUNK_EXPERTS, HfCheckpoint
@@ -74,6 +75,7 @@ class LoadBytes:
     working_bytes: int  # one chunk of experts in float32 + the largest weight being converted
     bank_dtype: str
     bank_bytes_by_dtype: dict[str, int]  # every bank dtype this model can be stored in
+    kv_dtype: torch.dtype = torch.bfloat16  # the K/V the model will keep (cache/kv_cache.kv_dtype_for)
 
     @property
     def total(self) -> int:
@@ -103,5 +105,8 @@ def checkpoint_load_bytes(checkpoint: Checkpoint, experts_dtype: str | None, wei
         by_dtype[dtype] = sum(math.prod(shape) * tdtype.itemsize for shape, tdtype in specs.values())
     bank_dtype = experts_dtype or checkpoint.default_bank_dtype()
     chunk = min(CHUNK_EXPERTS, moe.num_experts) * 3 * d * inter * 4 * 2  # float32 rows + their conversion
-    return LoadBytes(weights, by_dtype.get(bank_dtype, 0), chunk + largest, bank_dtype, by_dtype)
+    embed = "model.embed_tokens.weight"
+    run_dtype = torch.float32 if weights_dtype == "fp32" else (
+        None if packed is not None and packed(embed) is not None else checkpoint.weight_dtype(embed))
+    return LoadBytes(weights, by_dtype.get(bank_dtype, 0), chunk + largest, bank_dtype, by_dtype, kv_dtype_for(run_dtype))
 

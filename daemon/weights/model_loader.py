@@ -11,6 +11,7 @@ import torch
 
 from moed.cache.bank_builder import bank_tensor_specs
 from moed.cache.host_bank import EXPERT_DTYPES, INT4_GROUP_SIZE, ExpertActivation, ExpertBank
+from moed.cache.kv_cache import kv_dtype_for
 from moed.errors import InvalidRequestError, ModelFormatError
 from moed.layers.packed_linear import PackedLinear
 from moed.models.families import parse_model_config
@@ -217,7 +218,9 @@ def estimate_load(path: str | Path, experts_dtype: str | None = None, weights_dt
             widen = 4 // t.torch_dtype.itemsize if weights_dtype == "fp32" and t.torch_dtype.is_floating_point else 1
             weights += t.size * max(1, widen)
     dtype = index.metadata.get("bank", {}).get("dtype", "?")
-    return LoadBytes(weights, bank, 0, dtype, {dtype: bank})
+    embed = index.tensors.get("model.embed_tokens.weight")
+    run_dtype = torch.float32 if weights_dtype == "fp32" else (embed.torch_dtype if embed is not None else None)
+    return LoadBytes(weights, bank, 0, dtype, {dtype: bank}, kv_dtype_for(run_dtype))
 
 
 def estimate_host_bytes(path: str | Path, experts_dtype: str | None = None, weights_dtype: str = "auto") -> int:

@@ -14,7 +14,34 @@
 
 int64_t moed_attn_work_floats(const moed_attn_decode_args *a) {
     const int64_t G = a->H / a->Hk;
-    return G * a->Dh + 2 * (int64_t)a->Dh + G * a->Dv + G * (a->num_keys > 0 ? a->num_keys : 1) + 16;
+    return G * a->Dh + 2 * (int64_t)a->Dh + G * a->Dv + G * (a->num_keys > 0 ? a->num_keys : 1) + a->Dh + a->Dv +
+           16;
+}
+
+/* One cached row of n values at element `at` of a pool: float32 in place, or bf16 widened into `tmp`. */
+static inline __attribute__((always_inline)) const float *attn_load_row(const void *pool, int bf16, int64_t at,
+                                                                        int n, float *tmp) {
+    if (!bf16) return (const float *)pool + at;
+    const uint16_t *src = (const uint16_t *)pool + at;
+    uint32_t *dst = (uint32_t *)tmp;
+    for (int d = 0; d < n; d++) dst[d] = (uint32_t)src[d] << 16;
+    return tmp;
+}
+
+/* Store n float32 values at element `at` of a pool (bf16: round to nearest even, as torch converts). */
+static inline __attribute__((always_inline)) void attn_store_row(void *pool, int bf16, int64_t at, const float *x,
+                                                                 int n) {
+    if (!bf16) {
+        memcpy((float *)pool + at, x, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)pool + at;
+    for (int d = 0; d < n; d++) {
+        uint32_t u;
+        memcpy(&u, &x[d], sizeof u);
+        if ((u & 0x7fffffffu) > 0x7f800000u) dst[d] = (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+        else dst[d] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
 }
 
 #define VW 4
@@ -76,12 +103,24 @@ static void attn_task(void *ctx, int64_t task, int thread) {
 
 int moed_cpu_attn_decode(void *h, const moed_attn_decode_args *a) {
     if (!h || !a || a->B < 1 || a->H < 1 || a->Hk < 1 || a->H % a->Hk || a->Dh < 1 || a->Dv < 1 ||
-        a->rot_dim < 0 || a->rot_dim > a->Dh || a->rot_dim % 2 || a->max_len < 1 || a->num_keys < 0 ||
-        a->num_keys > a->max_len || !a->q || !a->k || !a->v || !a->k_cache || !a->v_cache || !a->out ||
-        !a->slot || !a->start || !a->pos || !a->length || (a->rot_dim && (!a->cos || !a->sin)))
+        a->rot_dim < 0 || a->rot_dim > a->Dh || a->rot_dim % 2 || a->block_size < 1 ||
+        (a->block_size & (a->block_size - 1)) || a->num_blocks < 1 || a->max_blocks < 1 || a->num_keys < 0 ||
+        a->num_keys > (int64_t)a->max_blocks * a->block_size || !a->q || !a->k || !a->v || !a->k_cache ||
+        !a->v_cache || !a->out || !a->block_table || !a->start || !a->pos || !a->length ||
+        (a->rot_dim && (!a->cos || !a->sin)))
         return -1;
-    for (int b = 0; b < a->B; b++)
-        if (a->length[b] && (a->start[b] < 0 || a->start[b] >= a->max_len || a->slot[b] < 0)) return -1;
+    for (int b = 0; b < a->B; b++) {
+        if (!a->length[b]) continue;
+        const int64_t st = a->start[b], p = a->pos[b];
+        if (st < 0 || st >= (int64_t)a->max_blocks * a->block_size) return -1;
+        /* every block the row writes or reads must be a block of the pool */
+        const int64_t last_read = p < a->num_keys ? p : a->num_keys - 1;
+        const int64_t last = st > last_read ? st : last_read;
+        for (int64_t i = 0; i <= last / a->block_size; i++) {
+            const int32_t blk = a->block_table[b * (int64_t)a->max_blocks + i];
+            if (blk < 0 || blk >= a->num_blocks) return -1;
+        }
+    }
     moed_pool *p = (moed_pool *)h;
     attn_job j;
     j.a = a;

@@ -1,5 +1,5 @@
 /* Decode attention (attn_decode.c): one new token per row, everything after the q/k/v projections
- * up to the input of o_proj, in one call. */
+ * up to the input of o_proj, in one call, over a paged KV pool (cache/kv_cache.py). */
 #ifndef MOED_ATTN_DECODE_H
 #define MOED_ATTN_DECODE_H
 
@@ -15,10 +15,14 @@ typedef struct {
     int32_t rot_dim;               /* R: the first R dims of each q/k head are rotated (even, <= Dh) */
     int32_t interleaved;           /* 0: pairs (i, R/2 + i); 1: pairs (2i, 2i + 1) */
     const float *cos, *sin;        /* [B][R/2] (the rotary attention factor already applied) */
-    float *k_cache, *v_cache;      /* [slots][max_len][Hk][Dh] / [..][Dv] float32 */
-    int64_t max_len;
-    const int64_t *slot;           /* [B] cache slot of each row */
-    const int64_t *start;          /* [B] cache index the new token is written at */
+    void *k_cache, *v_cache;       /* paged pools [num_blocks][block_size][Hk][Dh] / [..][Dv]: float32,
+                                    * or bfloat16 bits when kv_bf16 (written round-to-nearest-even) */
+    int64_t block_size;            /* tokens per block, a power of two */
+    int64_t num_blocks;            /* blocks in each pool */
+    int32_t kv_bf16;
+    int32_t max_blocks;            /* entries per row of block_table */
+    const int32_t *block_table;    /* [B][max_blocks]: the pool block of tokens [i*bs, (i+1)*bs) of row b */
+    const int64_t *start;          /* [B] token index the new token is written at */
     const int64_t *pos;            /* [B] its position: keys j <= pos are visible */
     const int32_t *length;         /* [B] 1, or 0 for a padding row (nothing written, output 0) */
     int64_t num_keys;              /* keys j < num_keys are read (the batch's longest sequence) */

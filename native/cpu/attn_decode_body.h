@@ -44,14 +44,18 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     }
     const int64_t L = a->num_keys;
     float *qs = work, *kx = qs + (int64_t)G * Dh, *tmp = kx + Dh, *acc = tmp + Dh, *sc = acc + (int64_t)G * Dv;
+    float *widen = sc + (a->num_keys > 0 ? a->num_keys : 1) * (int64_t)G;  /* [Dh + Dv] */
     const float *cs = a->cos + b * (int64_t)(R / 2), *sn = a->sin + b * (int64_t)(R / 2);
     const int64_t kstride = (int64_t)a->Hk * Dh, vstride = (int64_t)a->Hk * Dv;
-    float *kc = a->k_cache + a->slot[b] * a->max_len * kstride + g * (int64_t)Dh;
-    float *vc = a->v_cache + a->slot[b] * a->max_len * vstride + g * (int64_t)Dv;
+    const int32_t *tab = a->block_table + b * (int64_t)a->max_blocks;
+    const int sh = __builtin_ctzll((unsigned long long)a->block_size);
+    const int64_t lo = a->block_size - 1;
+#define ATTN_TOKEN(j) (((int64_t)tab[(j) >> sh] << sh) | ((j) & lo)) /* pool row of the row's token j */
     /* the new key and value into the cache */
     ATTN_PREP(kx, a->k + b * kstride + g * (int64_t)Dh, Dh, a->k_norm, a->eps, R, a->interleaved, cs, sn, tmp);
-    memcpy(kc + a->start[b] * kstride, kx, sizeof(float) * (size_t)Dh);
-    memcpy(vc + a->start[b] * vstride, a->v + b * vstride + g * (int64_t)Dv, sizeof(float) * (size_t)Dv);
+    const int64_t at = ATTN_TOKEN(a->start[b]);
+    attn_store_row(a->k_cache, a->kv_bf16, at * kstride + g * (int64_t)Dh, kx, Dh);
+    attn_store_row(a->v_cache, a->kv_bf16, at * vstride + g * (int64_t)Dv, a->v + b * vstride + g * (int64_t)Dv, Dv);
     for (int i = 0; i < G; i++)
         ATTN_PREP(qs + (int64_t)i * Dh, a->q + b * (int64_t)a->H * Dh + (g * (int64_t)G + i) * Dh, Dh, a->q_norm,
                   a->eps, R, a->interleaved, cs, sn, tmp);
@@ -62,7 +66,8 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     const int64_t n = j1 > j0 ? j1 - j0 : 0;
     /* scores [G][n]: four query heads at a time share each load of k_j (four independent sums) */
     for (int64_t j = 0; j < n; j++) {
-        const float *kj = kc + (j0 + j) * kstride;
+        const float *kj = attn_load_row(a->k_cache, a->kv_bf16, ATTN_TOKEN(j0 + j) * kstride + g * (int64_t)Dh,
+                                        Dh, widen);
         int i = 0;
         for (; i + 4 <= G; i += 4) {
             const float *q0 = qs + (int64_t)i * Dh;
@@ -107,7 +112,8 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     /* out[i] = sum_j p[i][j] v[j] */
     memset(acc, 0, sizeof(float) * (size_t)G * (size_t)Dv);
     for (int64_t j = 0; j < n; j++) {
-        const float *vj = vc + (j0 + j) * vstride;
+        const float *vj = attn_load_row(a->v_cache, a->kv_bf16, ATTN_TOKEN(j0 + j) * vstride + g * (int64_t)Dv,
+                                        Dv, widen + Dh);
         for (int i = 0; i < G; i++) {
             float *oi = acc + (int64_t)i * Dv;
             const float w = sc[(int64_t)i * n + j];
@@ -122,6 +128,7 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     memcpy(out, acc, sizeof(float) * (size_t)G * (size_t)Dv);
 }
 
+#undef ATTN_TOKEN
 #undef VW
 #undef ATTN_HSUM
 #undef ATTN_VEC

@@ -47,7 +47,9 @@ typedef struct {
     int64_t D;
     float eps;
     const float *cos, *sin;              /* [B][rot_dim/2] */
-    const int64_t *slot, *start, *pos;   /* [B] */
+    const int32_t *block_table;          /* [B][max_blocks] (attn_decode.h) */
+    int32_t max_blocks;
+    const int64_t *start, *pos;          /* [B] */
     const int32_t *length;               /* [B] (1 per row) */
     int64_t num_keys;
 } moed_chain_step;
@@ -213,7 +215,7 @@ int moed_cpu_decode_layers(void *h, const moed_chain_layer *layers, int n, const
         LAP(T_PROJ);
         moed_attn_decode_args a = L->attn;
         a.B = B; a.q = q; a.k = k; a.v = v; a.cos = s->cos; a.sin = s->sin;
-        a.slot = s->slot; a.start = s->start; a.pos = s->pos; a.length = s->length; a.num_keys = s->num_keys;
+        a.block_table = s->block_table; a.max_blocks = s->max_blocks; a.start = s->start; a.pos = s->pos; a.length = s->length; a.num_keys = s->num_keys;
         a.out = ao;
         if ((rc = moed_cpu_attn_decode(h, &a))) return rc;
         LAP(T_ATTN);

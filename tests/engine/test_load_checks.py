@@ -46,7 +46,8 @@ def test_kv_cache_bytes_from_the_config_equal_what_the_model_allocates(family, t
     try:
         for slots, length in ((1, 1), (3, 17), (8, 128)):
             cache = runtime.model.new_cache(slots, length)
-            assert kv_cache_bytes(read_model_config(tmp_path), slots, length) == cache.nbytes() > 0
+            want = kv_cache_bytes(read_model_config(tmp_path), slots, length, runtime.model.kv_dtype)
+            assert want == cache.nbytes() > 0
     finally:
         runtime.close()
 
@@ -83,6 +84,7 @@ def test_the_estimate_is_what_the_load_really_allocates(models):
             assert est.bank_bytes == runtime.loaded.bank.nbytes() == est.bank_bytes_by_dtype[est.bank_dtype]
             assert est.weight_bytes == sum(t.numel() * t.element_size() for t in runtime.loaded.weights.values())
             assert est.working_bytes > 0
+            assert est.kv_dtype == runtime.model.kv_dtype == torch.float32  # an fp32 checkpoint keeps fp32 K/V
         finally:
             runtime.close()
 

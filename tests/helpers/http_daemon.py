@@ -105,7 +105,7 @@ class ChatScriptedModel(ScriptedModel):
     """Answers chat prompts with text chosen by the test: ``answer(prompt_text) -> output text``.
 
     A prompt is recognised by its end (the generation prompt ``<|im_start|>assistant\\n``); from
-    there the slot follows the script prompt + encode(answer) + EOS (then ``filler``).
+    there the sequence follows the script prompt + encode(answer) + EOS (then ``filler``).
     """
 
     def __init__(self, tokenizer: Tokenizer, answer: Callable[[str], str], *, family: str = "qwen3_moe",
@@ -119,17 +119,17 @@ class ChatScriptedModel(ScriptedModel):
         self._slot_scripts: dict[int, list[int]] = {}
         self.prompts: list[str] = []  # every prompt answered, as text
 
-    def next_token(self, slot: int, fed: dict[int, int], n: int, *, is_new: bool) -> int:
+    def next_token(self, seq: int, fed: dict[int, int], n: int, *, is_new: bool) -> int:
         if is_new:
-            self._slot_scripts.pop(slot, None)
-        script = self._slot_scripts.get(slot)
+            self._slot_scripts.pop(seq, None)
+        script = self._slot_scripts.get(seq)
         if script is None:
-            seq = [fed[i] for i in range(n)]
-            if seq[-len(self._marker):] == self._marker:
-                prompt = self.tokenizer.decode(seq, skip_special_tokens=False)
+            tokens = [fed[i] for i in range(n)]
+            if tokens[-len(self._marker):] == self._marker:
+                prompt = self.tokenizer.decode(tokens, skip_special_tokens=False)
                 self.prompts.append(prompt)
                 out = self.tokenizer.encode(self.answer(prompt), add_special_tokens=False)
-                script = self._slot_scripts[slot] = seq + out + [EOS]
+                script = self._slot_scripts[seq] = tokens + out + [EOS]
         return script[n] if script is not None and n < len(script) else self.filler
 
 

@@ -3,8 +3,9 @@
 `ScriptedModel(scripts)` knows whole token sequences, keyed by their first token: for a sequence
 whose position 0 holds `f`, the next token after positions 0..p-1 is `scripts[f][p]` (and `filler`
 past the end). A prompt is a prefix of its script, so what a request generates is written in the
-test. It records every token fed to every KV slot, so a test can check that the loop feeds back
-exactly what it sampled and never writes past the context.
+test. Its KV pool holds the token ids fed, read back through each step's block tables, so a test
+can check that the loop feeds back exactly what it sampled, that a reused prefix holds the right
+tokens, and that nothing is written past a sequence's blocks.
 """
 
 from __future__ import annotations
@@ -26,12 +27,22 @@ class ScriptedConfig:
 
 @dataclass
 class ScriptedCache:
-    num_slots: int
-    max_len: int
-    fed: list[dict[int, int]] = field(default_factory=list)  # per slot: position -> token fed there
+    """A paged KV pool holding token ids instead of keys and values: what a sequence "attends to" is read
+    back through its block table, so a wrong table or a reused block with other contents shows up as
+    the wrong next token."""
 
-    def __post_init__(self) -> None:
-        self.fed = [{} for _ in range(self.num_slots)]
+    num_blocks: int
+    block_size: int
+    num_slots: int = 0  # a for-slots cache (new_cache): slot s owns a fixed run of blocks
+    rows: dict[int, int] = field(default_factory=dict)  # pool row -> token written there
+    fed: dict[int, dict[int, int]] = field(default_factory=dict)  # per sequence: position -> token it sees
+
+    def table(self, batch, row: int) -> list[int]:
+        if batch.block_tables is not None:
+            return batch.block_tables[row]
+        per_slot = self.num_blocks // self.num_slots
+        slot = batch.slots[row]
+        return list(range(slot * per_slot, (slot + 1) * per_slot))
 
 
 class ScriptedModel:
@@ -45,13 +56,19 @@ class ScriptedModel:
         self.caches: list[ScriptedCache] = []  # every cache handed out (the loop drops its own on stop)
 
     def new_cache(self, num_slots: int, max_len: int) -> ScriptedCache:
-        cache = ScriptedCache(num_slots, max_len)
+        cache = ScriptedCache(num_slots * -(-max_len // 16), 16, num_slots)
         self.caches.append(cache)
         return cache
 
-    def fed(self, slot: int = 0) -> list[int]:
-        """Tokens fed to `slot` of the newest cache, by position (0, 1, ...)."""
-        fed = self.caches[-1].fed[slot]
+    def new_pool(self, num_blocks: int, block_size: int) -> ScriptedCache:
+        cache = ScriptedCache(num_blocks, block_size)
+        self.caches.append(cache)
+        return cache
+
+    def fed(self, seq: int = 0) -> list[int]:
+        """Tokens sequence ``seq`` (the engine's seq id: 0, 1, ... in submission order) saw in the newest
+        cache, by position (0, 1, ...)."""
+        fed = self.caches[-1].fed[seq]
         assert sorted(fed) == list(range(len(fed))), "positions were skipped"
         return [fed[i] for i in range(len(fed))]
 
@@ -60,21 +77,23 @@ class ScriptedModel:
             time.sleep(self.step_delay_s)
         self.num_forwards += 1
         logits = torch.zeros(len(batch.slots), self.config.vocab_size)  # [B, V]
-        for row, slot in enumerate(batch.slots):
+        bs = cache.block_size
+        for row, seq in enumerate(batch.slots):
             start, length = batch.starts[row], batch.lengths[row]
-            fed = cache.fed[slot]
-            if start == 0:
-                fed.clear()  # a reused slot starts over
+            table = cache.table(batch, row)
+            assert start + length <= len(table) * bs, "the loop fed a token past the blocks of its sequence"
             for i in range(length):
-                assert start + i < cache.max_len, "the loop fed a token past the end of the context"
-                fed[start + i] = int(batch.input_ids[row, i])
-            nxt = self.next_token(slot, fed, start + length, is_new=start == 0)
+                p = start + i
+                cache.rows[table[p // bs] * bs + p % bs] = int(batch.input_ids[row, i])
+            is_new = seq not in cache.fed or start == 0  # (a for-slots cache reuses its slots from 0)
+            cache.fed[seq] = {p: cache.rows[table[p // bs] * bs + p % bs] for p in range(start + length)}
+            nxt = self.next_token(seq, cache.fed[seq], start + length, is_new=is_new)
             logits[row, nxt] = 100.0  # certain even when the request samples (temperature 1)
         return logits
 
-    def next_token(self, slot: int, fed: dict[int, int], n: int, *, is_new: bool) -> int:
-        """The token after positions 0..n-1 of ``slot`` (``fed``: position -> token); ``is_new``: the
-        slot started over in this step. Here: the script keyed by the first token, then ``filler``."""
+    def next_token(self, seq: int, fed: dict[int, int], n: int, *, is_new: bool) -> int:
+        """The token after positions 0..n-1 of sequence ``seq`` (``fed``: position -> token, read back
+        from the pool); ``is_new``: its first step. Here: the script keyed by the first token, then ``filler``."""
         script = self.scripts[fed[0]]
         return script[n] if n < len(script) else self.filler
 

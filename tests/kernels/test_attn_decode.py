@@ -52,19 +52,24 @@ def _run(layer: MhaAttention, rotary: RotaryEmbedding, cache: KVCache, x: torch.
     return layer.forward(x, batch, cache, rotary.cos_sin(batch.positions))
 
 
+# block size 4: row 1 (11 tokens cached) and row 3 (16) share their first two blocks (a common
+# prefix) and write into blocks of their own; row 2 is padding (length 0, nothing written)
+TABLES = [[3], [7, 2, 9], [5, 6], [7, 2, 0, 14, 10]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_native_decode_attention_matches_torch(case, isa, monkeypatch):
+def test_native_decode_attention_matches_torch(case, dtype, isa, monkeypatch):
     gen = torch.Generator().manual_seed(7)
     layer, cfg, rotary, _ = _layer(case, gen)
-    caches = [KVCache([layer.cache_entries()], num_slots=3, max_len=20) for _ in range(2)]
-    history = {name: torch.randn(3, 20, *shape, generator=gen) for name, shape in layer.cache_entries().items()}
+    caches = [KVCache([layer.cache_entries()], num_blocks=16, block_size=4, dtype=dtype) for _ in range(2)]
+    history = {name: torch.randn(16, 4, *shape, generator=gen).to(dtype) for name, shape in layer.cache_entries().items()}
     for cache in caches:
         for name, t in history.items():
             cache.entry(0, name).copy_(t)
-    # rows at different depths and slots; row 2 is padding (length 0)
     batch = ForwardBatch(torch.zeros(4, 1, dtype=torch.int64), starts=[0, 11, 5, 16], lengths=[1, 1, 0, 1],
-                         slots=[2, 0, 1, 1])
-    batch_ref = ForwardBatch(batch.input_ids, batch.starts, batch.lengths, batch.slots)
+                         slots=[0, 1, 2, 3], block_tables=TABLES)
+    batch_ref = ForwardBatch(batch.input_ids, batch.starts, batch.lengths, batch.slots, TABLES)
     x = torch.randn(4, 1, 24, generator=gen)
     got = _run(layer, rotary, caches[0], x, batch)
     with monkeypatch.context() as m:
@@ -72,17 +77,39 @@ def test_native_decode_attention_matches_torch(case, isa, monkeypatch):
         want = _run(layer, rotary, caches[1], x, batch_ref)
     valid = [0, 1, 3]
     torch.testing.assert_close(got[valid], want[valid], rtol=1e-4, atol=1e-5)
+    # the new keys and values landed in the same pool rows (bf16: both round to nearest even; the
+    # float32 values before rounding may differ in their last bit)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for name in ("k", "v"):
-        torch.testing.assert_close(caches[0].entry(0, name), caches[1].entry(0, name), rtol=1e-5, atol=1e-6)
-    # the padding row wrote nothing: slot 1 at index 5 still holds its history
-    assert torch.equal(caches[0].entry(0, "k")[1, 5], history["k"][1, 5])
+        torch.testing.assert_close(caches[0].entry(0, name).float(), caches[1].entry(0, name).float(), **tol)
+        changed = (caches[0].entry(0, name) != history[name]).flatten(2).any(-1).nonzero().tolist()
+        assert changed == [[3, 0], [9, 3], [10, 0]], f"{name}: rows written {changed}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_static_slots_and_block_tables_address_the_same_rows(dtype):
+    """A batch naming slots of a ``for_slots`` cache reads and writes exactly what the same batch with
+    those slots' block tables does."""
+    gen = torch.Generator().manual_seed(5)
+    layer, _, rotary, _ = _layer("qwen3", gen)
+    caches = [KVCache.for_slots([layer.cache_entries()], 3, 20, dtype, block_size=8) for _ in range(2)]
+    for name, shape in layer.cache_entries().items():
+        history = torch.randn(caches[0].num_blocks, 8, *shape, generator=gen).to(dtype)
+        for cache in caches:
+            cache.entry(0, name).copy_(history)
+    x = torch.randn(2, 1, 24, generator=gen)
+    slots = ForwardBatch(torch.zeros(2, 1, dtype=torch.int64), starts=[13, 4], lengths=[1, 1], slots=[2, 0])
+    tables = ForwardBatch(slots.input_ids, slots.starts, slots.lengths, [0, 1], [[6, 7, 8], [0, 1, 2]])
+    torch.testing.assert_close(_run(layer, rotary, caches[0], x, slots), _run(layer, rotary, caches[1], x, tables))
+    for name in ("k", "v"):
+        assert torch.equal(caches[0].entry(0, name), caches[1].entry(0, name))
 
 
 def test_the_native_path_is_the_one_taken(monkeypatch):
     """A decode step must not fall back to torch silently (the kernel would then be dead code)."""
     gen = torch.Generator().manual_seed(3)
     layer, _, rotary, _ = _layer("qwen3", gen)
-    cache = KVCache([layer.cache_entries()], num_slots=1, max_len=8)
+    cache = KVCache.for_slots([layer.cache_entries()], 1, 8)
     calls = []
     real = LIB.attn_decode
     monkeypatch.setattr(LIB, "attn_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -94,15 +121,22 @@ def test_the_native_path_is_the_one_taken(monkeypatch):
 
 def test_bad_arguments_are_refused():
     q, k, v = torch.zeros(1, 8), torch.zeros(1, 8), torch.zeros(1, 8)
-    cache = torch.zeros(2, 4, 1, 8)
+    pool = torch.zeros(2, 4, 1, 8)  # 2 blocks of 4 tokens
     common = dict(num_heads=1, num_kv_heads=1, q_norm=None, k_norm=None, eps=1e-6, rot_dim=8, interleaved=False,
-                  cos=torch.ones(1, 4), sin=torch.zeros(1, 4), k_cache=cache, v_cache=cache.clone(), starts=[0],
+                  cos=torch.ones(1, 4), sin=torch.zeros(1, 4), k_cache=pool, v_cache=pool.clone(), starts=[0],
                   positions=[0], lengths=[1], num_keys=1, window=None, scale=1.0, sinks=None)
-    out = LIB.attn_decode(q, k, v, slots=[1], **common)
+    table = lambda *blocks: torch.tensor([blocks], dtype=torch.int32)  # noqa: E731
+    out = LIB.attn_decode(q, k, v, block_tables=table(1), **common)
     assert out.shape == (1, 8)
-    with pytest.raises(ValueError, match="shapes"):
-        LIB.attn_decode(q, k, v, slots=[2], **common)  # no such slot
     with pytest.raises(ValueError, match="refused"):
-        LIB.attn_decode(q, k, v, slots=[0], **{**common, "starts": [4]})  # past the cache
+        LIB.attn_decode(q, k, v, block_tables=table(2), **common)  # no such block
+    with pytest.raises(ValueError, match="refused"):
+        LIB.attn_decode(q, k, v, block_tables=table(0), **{**common, "starts": [4]})  # past the row's table
+    with pytest.raises(ValueError, match="refused"):
+        LIB.attn_decode(q, k, v, block_tables=table(0, -1), **{**common, "starts": [5]})  # a negative block
+    with pytest.raises(ValueError, match="int32"):
+        LIB.attn_decode(q, k, v, block_tables=table(0).long(), **common)
     with pytest.raises(ValueError, match="float32"):
-        LIB.attn_decode(q.double(), k, v, slots=[0], **common)
+        LIB.attn_decode(q.double(), k, v, block_tables=table(0), **common)
+    with pytest.raises(ValueError, match="pools"):
+        LIB.attn_decode(q, k, v, block_tables=table(0), **{**common, "k_cache": pool.half(), "v_cache": pool.half()})

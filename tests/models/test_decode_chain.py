@@ -125,10 +125,10 @@ def test_bad_slots_are_refused_before_the_native_call(runtime):
     batch = ForwardBatch.from_token_lists([[5]], [3], [4])  # slot 4 of a 1-slot cache
     x = torch.zeros(1, 1, model.config.hidden_size)
     cos_sin = model.rotary.cos_sin(batch.positions)
-    with pytest.raises(ValueError, match="do not fit the KV cache"):
+    with pytest.raises(ValueError, match="slot 4 does not exist"):
         chain.run(x, batch, cache, cos_sin)
     full = ForwardBatch.from_token_lists([[5]], [16], [0])  # past the cache's 16 tokens
-    with pytest.raises(ValueError, match="do not fit the KV cache"):
+    with pytest.raises(ValueError, match="needs 2 blocks for 17 tokens"):
         chain.run(x, full, cache, model.rotary.cos_sin(full.positions))
 
 

@@ -19,7 +19,8 @@ templates); reasoning in the output (whatever the config) comes back as thinking
 The stream is Anthropic's event sequence: message_start, then per content block (in order,
 each closed before the next opens) content_block_start / content_block_delta (text_delta,
 thinking_delta then one signature_delta, input_json_delta) / content_block_stop, then
-message_delta (stop_reason, stop_sequence, output_tokens) and message_stop; ``ping`` whenever
+message_delta (stop_reason, stop_sequence, cumulative usage: output, input and cache-read tokens)
+and message_stop; ``ping`` whenever
 the model has been silent for ``PING_INTERVAL_S`` (a long prefill). The non-streamed answer is
 built by the same block builder, so both always agree.
 """
@@ -482,7 +483,10 @@ class _Answer:
 
     def usage(self, finished: Finished | None) -> Usage:
         u = finished.usage if finished is not None else None
-        return Usage(input_tokens=len(self.prompt_ids), output_tokens=u.completion_tokens if u is not None else 0)
+        cached = u.cached_tokens if u is not None else 0
+        # Anthropic counts input read from the cache apart: input_tokens + cache_read_input_tokens = the prompt
+        return Usage(input_tokens=len(self.prompt_ids) - cached, output_tokens=u.completion_tokens if u is not None else 0,
+                     cache_read_input_tokens=cached)
 
     def message(self, content: list[Any], finished: Finished | None = None, stop: tuple[str | None, str | None] = (
             None, None)) -> MessageResponse:
@@ -530,7 +534,10 @@ async def _stream_events(answer: _Answer) -> AsyncIterator[str]:
                     yield _sse(name, payload)
                 yield _sse("message_delta", {"type": "message_delta",
                                              "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                             "usage": {"output_tokens": answer.usage(event).output_tokens}})
+                                             # cumulative totals: the prefix cache's share is known only now
+                                             "usage": answer.usage(event).model_dump(
+                                                 include={"input_tokens", "output_tokens",
+                                                          "cache_read_input_tokens"})})
                 yield _sse("message_stop", {"type": "message_stop"})
     except Exception as exc:  # the status line is long gone: report it in the stream, as Anthropic does
         yield _sse("error", error_body(failure_of(exc)))

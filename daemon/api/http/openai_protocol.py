@@ -129,6 +129,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
 
 
 class ChatChoice(BaseModel):

@@ -267,6 +267,7 @@ class ResponseBuilder:
         reasoning_tokens = 0  # not counted separately: the parser splits text, not tokens
         self.response.usage = ResponsesUsage(input_tokens=prompt, output_tokens=completion,
                                              total_tokens=prompt + completion,
+                                             input_tokens_details={"cached_tokens": u.cached_tokens if u else 0},
                                              output_tokens_details={"reasoning_tokens": reasoning_tokens})
         try:
             raise_if_failed(finished.reason, finished.error)

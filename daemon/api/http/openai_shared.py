@@ -67,7 +67,9 @@ def raise_if_failed(engine_reason: str, error: str = "") -> None:
 
 def usage_of(usage: EngineUsage | None) -> Usage:
     prompt, completion = (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (0, 0)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = usage.cached_tokens if usage is not None else 0  # prompt tokens whose K/V came from the prefix cache
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details={"cached_tokens": cached})
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

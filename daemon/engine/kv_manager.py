@@ -1,0 +1,112 @@
+"""KVManager: which KV pool blocks each running sequence uses, and the prefix cache across requests.
+
+The engine loop asks it, per sequence: at admission, how many prompt tokens are already cached
+(``admit``: the longest whole-block prefix in the radix tree, leaving at least the last prompt token
+to compute, so the step that ends the prompt yields logits); before each step, blocks for the tokens
+the step writes (``ensure``: from the free list, evicting cached prefixes when it runs dry); at the
+end, the sequence's full blocks go into the tree for the next request (``release``). Control code:
+ints only, the pool tensors live in ``cache/kv_cache.KVCache``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moed.cache.block_allocator import BlockAllocator, OutOfBlocks
+from moed.cache.radix_cache import RadixCache, RadixNode
+
+
+@dataclass
+class _SeqBlocks:
+    blocks: list[int] = field(default_factory=list)  # the block table, in token order
+    node: RadixNode | None = None  # the matched prefix's node, locked while the sequence runs
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
+@dataclass
+class KVFigures:
+    num_blocks: int = 0
+    block_size: int = 0
+    used_blocks: int = 0
+    cached_blocks: int = 0  # held by the prefix tree
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    cached_tokens: int = 0  # of which found in the prefix cache (not prefilled again)
+    evicted_blocks: int = 0
+    prefix_cache: bool = False
+    pool_bytes: int = 0  # filled in by the engine loop (the pool tensors' size)
+
+
+class KVManager:
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_cache: bool = True) -> None:
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.tree = RadixCache(self.allocator, block_size) if prefix_cache else None
+        self._seqs: dict[int, _SeqBlocks] = {}
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.tree is not None
+
+    def admit(self, seq_id: int, prompt_ids: list[int]) -> int:
+        """Start a sequence; returns how many of its first prompt tokens are already in the pool."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} was already admitted")
+        seq = self._seqs[seq_id] = _SeqBlocks()
+        self._prompt_tokens += len(prompt_ids)
+        if self.tree is None or len(prompt_ids) < 2:
+            return 0
+        match = self.tree.match_prefix(prompt_ids[: len(prompt_ids) - 1])  # the last token is always computed
+        if match.blocks:
+            self.allocator.incref(match.blocks)
+            self.tree.lock(match.node)
+            seq.blocks, seq.node = list(match.blocks), match.node
+            seq.cached_tokens = len(match.blocks) * self.block_size
+            self._cached_tokens += seq.cached_tokens
+        return seq.cached_tokens
+
+    def cached_tokens(self, seq_id: int) -> int:
+        seq = self._seqs.get(seq_id)
+        return 0 if seq is None else seq.cached_tokens
+
+    def ensure(self, seq_id: int, num_tokens: int) -> list[int]:
+        """The sequence's block table, grown to hold ``num_tokens`` tokens. Raises OutOfBlocks when the pool
+        has no room even after evicting every unlocked cached prefix."""
+        seq = self._seqs[seq_id]
+        need = -(-num_tokens // self.block_size) - len(seq.blocks)
+        if need > 0:
+            short = need - self.allocator.num_free
+            if short > 0 and self.tree is not None:
+                self.tree.evict(short)
+            seq.blocks.extend(self.allocator.alloc(need))
+        return seq.blocks
+
+    def table(self, seq_id: int) -> list[int]:
+        return self._seqs[seq_id].blocks
+
+    def release(self, seq_id: int, token_ids: list[int] | None) -> None:
+        """End a sequence. ``token_ids``: the tokens whose K/V its blocks hold (None: do not cache them,
+        e.g. after a failed step); their whole blocks go into the prefix tree."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        if self.tree is not None:
+            if token_ids:
+                full = min(len(token_ids) // self.block_size, len(seq.blocks))
+                self.tree.insert(token_ids[: full * self.block_size], seq.blocks[:full])
+            if seq.node is not None:
+                self.tree.unlock(seq.node)
+        self.allocator.decref(seq.blocks)
+
+    def clear_cache(self) -> int:
+        """Drop every cached prefix no running sequence uses; returns the blocks freed."""
+        return 0 if self.tree is None else self.tree.clear()
+
+    def figures(self) -> KVFigures:
+        return KVFigures(self.allocator.num_blocks, self.block_size, self.allocator.num_used,
+                         0 if self.tree is None else self.tree.num_blocks, self._prompt_tokens, self._cached_tokens,
+                         0 if self.tree is None else self.tree.evicted_blocks, self.tree is not None)
+
+
+__all__ = ["KVManager", "KVFigures", "OutOfBlocks"]

@@ -1,0 +1,159 @@
+"""The paged KV pool and the prefix cache on a tiny real model: a reused prefix changes speed, never results.
+
+Each comparison runs the same requests with the prefix cache on and off (greedy tokens identical),
+and counts what was reused through the requests' usage (``cached_tokens``: prompt tokens not
+prefilled again).
+"""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from helpers.tiny_models import build_tiny_model
+from moed.config import EngineConfig
+from moed.engine.engine_loop import EngineLoop
+from moed.engine.kv_manager import KVManager
+from moed.engine.request import GenerationRequest
+from moed.engine.runtime import open_runtime
+from moed.engine.sampling import SamplingParams
+from moed.runner.forward_batch import ForwardBatch
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    build_tiny_model("qwen3_moe", path)
+    rt = open_runtime(path, engine=EngineConfig(device="cpu"))
+    yield rt
+    rt.close()
+
+
+def _tokens(seed: int, n: int, vocab: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(loop: EngineLoop, prompts: list[list[int]], max_tokens: int = 6) -> list[tuple[list[int], object]]:
+    """Submit all at once; (tokens, usage) per prompt."""
+    handles = [loop.submit(GenerationRequest(f"r{i}-{id(p)}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                                 ignore_eos=True)))
+               for i, p in enumerate(prompts)]
+    out = []
+    for h in handles:
+        tokens, usage = [], None
+        for event in h.events(timeout=120):
+            tokens.extend(event.token_ids)
+            if event.done:
+                assert event.finish_reason == "length", event
+                usage = event.usage
+        out.append((tokens, usage))
+    return out
+
+
+@pytest.fixture
+def loops(runtime):
+    made = []
+
+    def make(prefix_cache: bool, **kwargs) -> EngineLoop:
+        kwargs.setdefault("context_length", 256)
+        loop = EngineLoop(runtime, name="tiny", prefix_cache=prefix_cache, **kwargs)
+        loop.start()
+        made.append(loop)
+        return loop
+
+    yield make
+    for loop in made:
+        assert loop.stop(timeout=10)
+
+
+def test_a_follow_up_turn_prefills_only_its_new_suffix_and_generates_the_same_tokens(runtime, loops):
+    vocab = runtime.model.config.vocab_size
+    first = _tokens(1, 50, vocab)
+    results = {}
+    for on in (True, False):  # one loop at a time: they share the model
+        loop = loops(on)
+        (out1, u1), = _run(loop, [first])
+        second = first + out1 + _tokens(2, 21, vocab)  # the conversation so far, resent, and a new message
+        (out2, u2), = _run(loop, [second])
+        results[on] = (out1, out2)
+        assert u1.cached_tokens == 0
+        if on:
+            # the first turn's K/V: its prompt and 5 of its 6 tokens (the last was sampled, never fed)
+            assert u2.cached_tokens == (len(first) + len(out1) - 1) // BS * BS == 48
+            figures = loop.kv_figures()
+            assert figures.cached_tokens == 48 and figures.prompt_tokens == len(first) + len(second)
+        else:
+            assert u2.cached_tokens == 0 and loop.kv_figures().cached_blocks == 0
+        loop.stop()
+    assert results[True] == results[False]
+
+
+def test_a_resumed_sequence_computes_the_logits_of_a_fresh_prefill(runtime):
+    """Model level: K/V of a shared prefix written by one sequence, read by another that feeds only its suffix."""
+    model = runtime.model
+    vocab = model.config.vocab_size
+    pool = model.new_pool(16, BS)
+    prompt = _tokens(5, 70, vocab)
+    # sequence A writes 40 tokens into blocks 0, 1, 2 (in two chunks, as the engine would)
+    model.forward(ForwardBatch.from_token_lists([prompt[:24]], [0], [0], [[0, 1]]), pool)
+    model.forward(ForwardBatch.from_token_lists([prompt[24:40]], [24], [0], [[0, 1, 2]]), pool)
+    # sequence B reuses A's first two blocks (32 tokens) and prefills the rest into its own
+    resumed = model.forward(ForwardBatch.from_token_lists([prompt[32:]], [32], [1], [[0, 1, 5, 6, 7]]), pool,
+                            last_only=False)
+    fresh = model.forward(ForwardBatch.from_token_lists([prompt], [0], [2], [[8, 9, 10, 11, 12]]), pool,
+                          last_only=False)[:, 32:]
+    span = float(fresh.max() - fresh.min())
+    torch.testing.assert_close(resumed, fresh, rtol=0, atol=1e-4 * span)
+    assert torch.equal(resumed.argmax(-1), fresh.argmax(-1))
+
+
+def test_eight_sessions_on_one_system_prompt_share_its_blocks(runtime, loops):
+    vocab = runtime.model.config.vocab_size
+    system = _tokens(7, 64, vocab)
+    loop = loops(True, max_batch=8)
+    _run(loop, [system + _tokens(8, 5, vocab)], max_tokens=1)  # the system prompt is now cached
+    results = _run(loop, [system + _tokens(10 + i, 9, vocab) for i in range(8)], max_tokens=3)
+    assert [u.cached_tokens for _, u in results] == [64] * 8
+
+
+def test_eight_admitted_sequences_hold_the_same_prefix_blocks():
+    kv = KVManager(num_blocks=64, block_size=BS)
+    system = list(range(100, 164))
+    kv.admit(0, system + [1, 2, 3])
+    kv.ensure(0, 67)
+    kv.release(0, system + [1, 2])  # its 4 whole blocks of the system prompt go into the tree
+    for seq in range(1, 9):
+        assert kv.admit(seq, system + [seq] * 9) == 64
+        kv.ensure(seq, 64 + 9)
+    tables = [kv.table(seq) for seq in range(1, 9)]
+    shared = tables[0][:4]
+    assert all(t[:4] == shared for t in tables)
+    assert all(kv.allocator.refs(b) == 9 for b in shared)  # 8 sequences + the tree
+    assert len({b for t in tables for b in t[4:]}) == 8  # one block of its own each
+    assert kv.figures().used_blocks == 4 + 8
+    for seq in range(1, 9):
+        kv.release(seq, None)
+    assert kv.figures().used_blocks == 4 and kv.clear_cache() == 4 and kv.allocator.num_free == 64
+
+
+def test_eviction_under_pressure_changes_speed_only(runtime, loops):
+    """A pool of 4 blocks (one 64-token sequence): every new conversation evicts the last one's prefix."""
+    vocab = runtime.model.config.vocab_size
+    convs = [_tokens(20 + i, 34, vocab) for i in range(4)]
+    results = {}
+    for on in (True, False):
+        loop = loops(on, max_batch=1, context_length=64)
+        outs = []
+        for conv in convs:
+            (out1, u1), = _run(loop, [conv], max_tokens=4)
+            (out2, u2), = _run(loop, [conv + out1 + [5, 6, 7]], max_tokens=4)
+            outs.append((out1, out2, u2.cached_tokens))
+        results[on] = outs
+        figures = loop.kv_figures()
+        if on:
+            assert all(cached == 32 for _, _, cached in outs)  # each follow-up found its turn
+            assert figures.evicted_blocks > 0 and figures.num_blocks == 4
+        loop.stop()
+    assert [o[:2] for o in results[True]] == [o[:2] for o in results[False]]
