@@ -40,6 +40,8 @@ def add_client_commands(sub, add_address) -> None:
     load.add_argument("--cache-fraction", type=float)
     load.add_argument("--context", type=int, default=0)
     load.add_argument("--experts-dtype", default="", choices=("", *EXPERT_DTYPES))
+    load.add_argument("--kv-tokens", type=int, default=0,
+                      help="KV pool size in tokens, shared by all sequences (default: two whole contexts)")
     load.add_argument("--no-prefix-cache", action="store_true",
                       help="prefill every prompt from its first token (default: reuse the K/V of cached prefixes)")
     load.add_argument("--weights-dtype", default="auto", choices=("auto", "fp32"),
@@ -167,7 +169,8 @@ def run_client_command(args: argparse.Namespace, client: MoedClient) -> int:
     elif cmd == "load":
         options = dict(name=args.name, device=args.device, policy=args.policy, context_length=args.context,
                        experts_dtype=args.experts_dtype, verify=args.verify, max_batch=args.max_batch,
-                       weights_dtype=args.weights_dtype, no_prefix_cache=args.no_prefix_cache)
+                       weights_dtype=args.weights_dtype, no_prefix_cache=args.no_prefix_cache,
+                       kv_tokens=args.kv_tokens)
         if args.cache_fraction is not None:
             options["cache_fraction"] = args.cache_fraction
         bar = ProgressBar(f"loading {args.model}", min_seconds=0.0)
@@ -240,7 +243,8 @@ def print_status(s) -> None:
         cache = (f"prefix cache {e.kv_cached_blocks} blocks, {e.cached_prompt_tokens} of {e.prompt_tokens} prompt "
                  f"tokens reused ({share:.0%}), {e.kv_evicted_blocks} blocks evicted" if e.prefix_cache
                  else "prefix cache off")
-        print(f"  KV pool {e.kv_used_blocks}/{e.kv_blocks} blocks of {e.kv_block_size} tokens ({gb(e.kv_bytes)}) | {cache}")
+        print(f"  KV pool {e.kv_used_blocks}/{e.kv_blocks} blocks of {e.kv_block_size} tokens ({gb(e.kv_bytes)}), "
+              f"{e.kv_preempted} preemptions | {cache}")
     vram = (f"VRAM total {gb(mem.vram_total)}, other apps {gb(mem.vram_other_apps)}, ours {gb(mem.vram_ours)}, "
             f"free {gb(mem.vram_free)}" if mem.has_gpu else "no GPU memory readings")
     cap = gb(mem.cap_bytes) if mem.cap_bytes else "auto"

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE
-from moed.engine.kv_manager import KVFigures, KVManager
+from moed.engine.kv_manager import KVFigures, KVManager, OutOfBlocks, kv_pool_tokens
 from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent, Usage
 from moed.engine.runtime import DEFAULT_CONTEXT, ModelRuntime
 from moed.engine.sampling import Sampler, SamplingParams
@@ -61,16 +61,18 @@ class _Live:
     submitted_at: float
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at its (first) admission
     last_token_at: float = 0.0
 
 
 class EngineLoop:
     def __init__(self, runtime: ModelRuntime, *, name: str, max_batch: int = 8, max_queue: int = 64,
                  prefill_chunk: int | None = None, max_step_tokens: int | None = None,
-                 context_length: int | None = None, prefix_cache: bool = True) -> None:
+                 context_length: int | None = None, prefix_cache: bool = True, kv_tokens: int | None = None) -> None:
         """``prefill_chunk`` / ``max_step_tokens``: None takes ``step_sizes(runtime)`` (the CPU's 512 /
         1024, or 4096 / 8192 with the model on a device). ``prefix_cache``: reuse the K/V of earlier
-        requests' common prefixes (engine/kv_manager.py)."""
+        requests' common prefixes (engine/kv_manager.py). ``kv_tokens``: the KV pool's size in tokens
+        (None: ``kv_pool_tokens``'s default, two whole contexts)."""
         default_chunk, default_step = step_sizes(runtime)
         prefill_chunk = default_chunk if prefill_chunk is None else prefill_chunk
         max_step_tokens = default_step if max_step_tokens is None else max_step_tokens
@@ -86,12 +88,14 @@ class EngineLoop:
         self.runtime = runtime
         self.context_length = context
         self.max_batch = max_batch
-        # the KV pool: room for max_batch sequences of the whole context, shared through block tables;
-        # what running sequences leave free holds earlier requests' prefixes until it is needed
-        num_blocks = max_batch * -(-context // DEFAULT_BLOCK_SIZE)
+        # the KV pool, shared by the running sequences through block tables; what they leave free holds
+        # earlier requests' prefixes until it is needed. A sequence is admitted when the pool can hold
+        # its prompt; one that cannot grow is preempted (engine/kv_manager.py, Scheduler.preempt)
+        num_blocks = kv_pool_tokens(context, max_batch, kv_tokens) // DEFAULT_BLOCK_SIZE
         self._kv = KVManager(num_blocks, DEFAULT_BLOCK_SIZE, prefix_cache=prefix_cache)
+        self._preempted: set[int] = set()  # seq ids waiting to come back
         self._scheduler = Scheduler(SchedulerConfig(max_batch, max_queue, prefill_chunk, max_step_tokens),
-                                    on_admit=self._kv.admit)
+                                    on_admit=self._on_admit)
         self._vocab_size = config.vocab_size
         eos = set(config.eos_token_ids)
         if runtime.tokenizer is not None:
@@ -206,6 +210,7 @@ class EngineLoop:
         """The KV pool's blocks and the prefix cache's hits so far."""
         with self._lock:
             figures = self._kv.figures()
+            figures.preempted = self._scheduler.num_preempted
         cache = self._cache
         nbytes = getattr(cache, "nbytes", None)
         figures.pool_bytes = nbytes() if nbytes is not None else 0
@@ -270,7 +275,9 @@ class EngineLoop:
         if not chunks:
             return
         try:
-            logits = self._forward(chunks)  # [B, V]
+            chunks, logits = self._forward(chunks)  # [B, V]
+            if not chunks:
+                return
         except Exception as exc:
             log.exception("engine %s: model step failed", self.name)
             message = f"model step failed: {type(exc).__name__}: {exc}"
@@ -281,15 +288,51 @@ class EngineLoop:
             return
         self._after_forward(chunks, logits)
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        tables = [list(self._kv.ensure(c.seq_id, c.start + len(c.token_ids))) for c in chunks]
+    def _on_admit(self, seq_id: int, token_ids: list[int]) -> int | None:
+        """The scheduler's admission hook (under the lock): KV room and the cached prefix of a sequence."""
+        resumed = seq_id in self._preempted
+        cached = self._kv.admit(seq_id, token_ids, alone=self._scheduler.num_running == 0, resumed=resumed)
+        if cached is not None:
+            self._preempted.discard(seq_id)
+            live = self._live.get(seq_id)
+            if live is not None and not resumed:
+                live.cached_tokens = cached
+        return cached
+
+    def _with_blocks(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, list[int]]]:
+        """Each chunk with its sequence's block table, grown for the tokens it writes. When the pool runs dry
+        the newest running sequence without blocks for this step yet is preempted (possibly the chunk's
+        own); its chunk is dropped from the step."""
+        ready: list[tuple[ScheduledChunk, list[int]]] = []
+        dropped: set[int] = set()
+        for c in chunks:
+            while c.seq_id not in dropped:
+                try:
+                    ready.append((c, list(self._kv.ensure(c.seq_id, c.start + len(c.token_ids)))))
+                    break
+                except OutOfBlocks:
+                    with self._lock:
+                        victim = self._scheduler.newest_running({r.seq_id for r, _ in ready})
+                        if victim is None:
+                            raise
+                        self._kv.release(victim, self._scheduler.cached_token_ids(victim))
+                        self._scheduler.preempt(victim)
+                        self._preempted.add(victim)
+                    dropped.add(victim)
+        return ready
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor | None]:
+        ready = self._with_blocks(chunks)
+        if not ready:
+            return [], None
+        chunks, tables = [c for c, _ in ready], [t for _, t in ready]
         # with block tables the batch's "slots" are the sequences' ids (the routing trace keys on them)
         batch = ForwardBatch.from_token_lists([c.token_ids for c in chunks], [c.start for c in chunks],
                                               [c.seq_id for c in chunks], tables)
         logits = self.runtime.model.forward(batch, self._cache)
         self.num_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(chunks))
-        return logits
+        return chunks, logits
 
     def _after_forward(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
         results: list[tuple[ScheduledChunk, int | None, str, str]] = []  # chunk, token, finish reason, error
@@ -349,7 +392,7 @@ class EngineLoop:
     def _finish_locked(self, seq_id: int, reason: str, error: str = "") -> None:
         """End a request: flush held-back text, free its slot, drop every reference to its state, send done."""
         live = self._live.pop(seq_id, None)
-        cached = self._kv.cached_tokens(seq_id)
+        self._preempted.discard(seq_id)
         # the blocks of a sequence whose step failed may hold half-written K/V: not cached then
         self._kv.release(seq_id, None if reason == "error" else self._scheduler.cached_token_ids(seq_id))
         self._scheduler.finish(seq_id)
@@ -370,7 +413,7 @@ class EngineLoop:
         usage = Usage(prompt_tokens=len(live.request.prompt_ids), completion_tokens=n,
                       ttft_s=first - live.submitted_at if first is not None else 0.0,
                       decode_tok_s=(n - 1) / span if n > 1 and span > 0 else 0.0, seed=live.sampler.seed,
-                      cached_tokens=cached)
+                      cached_tokens=live.cached_tokens)
         live.handle.push(StreamEvent(text=tail, token_ids=(), done=True, finish_reason=reason, usage=usage,
                                      error=error))
         self.requests_served += 1

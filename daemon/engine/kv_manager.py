@@ -13,7 +13,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moed.cache.block_allocator import BlockAllocator, OutOfBlocks
+from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE
+from moed.errors import InvalidRequestError, quoted
 from moed.cache.radix_cache import RadixCache, RadixNode
+
+
+def kv_pool_tokens(context: int, max_batch: int, kv_tokens: int | None = None,
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Tokens of the KV pool (whole blocks): ``kv_tokens`` when given (at least one whole context), else
+    room for two sequences of the whole context (or ``max_batch`` of them when that is fewer). Short
+    sequences pack many more; what running sequences leave free holds cached prefixes."""
+    if kv_tokens is None:
+        tokens = context * min(max_batch, 2)
+    else:
+        if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < context:
+            raise InvalidRequestError(f"kv_tokens={quoted(kv_tokens)}: the KV pool must hold at least one whole "
+                                      f"context ({context} tokens); lower the context length or raise kv_tokens")
+        tokens = kv_tokens
+    return -(-tokens // block_size) * block_size
 
 
 @dataclass
@@ -34,6 +51,7 @@ class KVFigures:
     evicted_blocks: int = 0
     prefix_cache: bool = False
     pool_bytes: int = 0  # filled in by the engine loop (the pool tensors' size)
+    preempted: int = 0  # filled in by the engine loop: sequences put back in the queue for want of blocks
 
 
 class KVManager:
@@ -49,22 +67,42 @@ class KVManager:
     def prefix_cache(self) -> bool:
         return self.tree is not None
 
-    def admit(self, seq_id: int, prompt_ids: list[int]) -> int:
-        """Start a sequence; returns how many of its first prompt tokens are already in the pool."""
+    def admit(self, seq_id: int, prompt_ids: list[int], *, alone: bool = False, resumed: bool = False) -> int | None:
+        """Start a sequence; returns how many of its first prompt tokens are already in the pool, or None
+        when the pool cannot hold the rest of the prompt now (blocks free or held only by the prefix
+        cache). ``alone``: nothing else runs, so admit it whatever the count says (a prompt never
+        exceeds the pool). ``resumed``: a preempted sequence coming back (not counted as a new prompt)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} was already admitted")
+        match = None
+        if self.tree is not None and len(prompt_ids) >= 2:
+            match = self.tree.match_prefix(prompt_ids[: len(prompt_ids) - 1])  # the last token is always computed
+        matched = match.num_blocks if match is not None else 0
+        need = -(-len(prompt_ids) // self.block_size) - matched
+        room = self.allocator.num_free + (self.tree.evictable_blocks() if self.tree is not None else 0)
+        if not alone and need > room - (self._unlocked_in(match) if match is not None else 0):
+            return None
         seq = self._seqs[seq_id] = _SeqBlocks()
-        self._prompt_tokens += len(prompt_ids)
-        if self.tree is None or len(prompt_ids) < 2:
-            return 0
-        match = self.tree.match_prefix(prompt_ids[: len(prompt_ids) - 1])  # the last token is always computed
-        if match.blocks:
+        if not resumed:
+            self._prompt_tokens += len(prompt_ids)
+        if matched:
             self.allocator.incref(match.blocks)
             self.tree.lock(match.node)
             seq.blocks, seq.node = list(match.blocks), match.node
-            seq.cached_tokens = len(match.blocks) * self.block_size
-            self._cached_tokens += seq.cached_tokens
+            seq.cached_tokens = matched * self.block_size
+            if not resumed:
+                self._cached_tokens += seq.cached_tokens
         return seq.cached_tokens
+
+    @staticmethod
+    def _unlocked_in(match) -> int:
+        """Blocks of the match's path counted as evictable now (they are about to be locked)."""
+        n, node = 0, match.node
+        while node is not None:
+            if node.lock_ref == 0:
+                n += len(node.blocks)
+            node = node.parent
+        return n
 
     def cached_tokens(self, seq_id: int) -> int:
         seq = self._seqs.get(seq_id)
@@ -109,4 +147,4 @@ class KVManager:
                          0 if self.tree is None else self.tree.evicted_blocks, self.tree is not None)
 
 
-__all__ = ["KVManager", "KVFigures", "OutOfBlocks"]
+__all__ = ["KVManager", "KVFigures", "OutOfBlocks", "kv_pool_tokens"]

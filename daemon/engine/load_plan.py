@@ -15,6 +15,7 @@ from moed.cache.host_bank import EXPERT_DTYPES
 from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE
 from moed.devices.select import DEVICE_NAMES
 from moed.engine.engine_loop import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK
+from moed.engine.kv_manager import kv_pool_tokens
 from moed.engine.runtime import DEFAULT_CONTEXT
 from moed.engine.scheduler import SchedulerConfig
 from moed.errors import InsufficientMemoryError, InvalidRequestError, quoted
@@ -32,8 +33,9 @@ class LoadPlan:
     context_length: int
     max_batch: int
     weight_bytes: int  # host RAM the weights and expert bank need at the load's peak
-    kv_bytes: int  # the KV cache: max_batch sequences of context_length tokens
+    kv_bytes: int  # the KV pool: kv_tokens tokens
     kv_bytes_per_token: int
+    kv_tokens: int = 0  # the pool's size in tokens (engine/kv_manager.kv_pool_tokens)
     bank_dtype: str = ""  # the expert bank's dtype this load makes
     bank_bytes: int = 0
     # weight_bytes with the bank in another dtype (empty for FTW: its dtype was fixed at conversion)
@@ -67,32 +69,33 @@ def plan_load(path: Path, options) -> LoadPlan:
     if not (MIN_EMULATED_B_P <= b_p <= MAX_EMULATED_B_P):  # NaN fails both comparisons
         raise InvalidRequestError(f"emulated_b_p {b_p!r} bytes/s is out of range: give a value between "
                                   f"{MIN_EMULATED_B_P:.0e} and {MAX_EMULATED_B_P:.0e}")
+    kv_tokens = kv_pool_tokens(context, options.max_batch, options.kv_tokens)
     est = estimate_load(path, options.experts_dtype, options.weights_dtype)
     per_token = kv_cache_bytes(config, 1, 1, est.kv_dtype) // DEFAULT_BLOCK_SIZE
     others = tuple((dtype, est.total - est.bank_bytes + nbytes) for dtype, nbytes in est.bank_bytes_by_dtype.items()
                    if dtype != est.bank_dtype)
     return LoadPlan(context_length=context, max_batch=options.max_batch, weight_bytes=est.total,
-                    kv_bytes=per_token * options.max_batch * context, kv_bytes_per_token=per_token,
+                    kv_bytes=per_token * kv_tokens, kv_bytes_per_token=per_token, kv_tokens=kv_tokens,
                     bank_dtype=est.bank_dtype, bank_bytes=est.bank_bytes, weight_bytes_by_dtype=others)
 
 
 def check_load_fits(plan: LoadPlan, *, available_bytes: int | None = None, what: str = "the model") -> None:
-    """Raise InsufficientMemoryError when weights + KV cache exceed the host RAM available now,
-    naming a max_batch and a context_length that would fit."""
+    """Raise InsufficientMemoryError when weights + KV pool exceed the host RAM available now,
+    naming a KV pool size, a context length or an expert dtype that would fit."""
     available = available_host_bytes() if available_bytes is None else int(available_bytes)
     if plan.total_bytes <= available:
         return
     need = (f"{what} needs {format_bytes(plan.total_bytes)} of host RAM ({format_bytes(plan.weight_bytes)} of weights "
-            f"+ {format_bytes(plan.kv_bytes)} of KV cache for max_batch {plan.max_batch} x context "
+            f"+ {format_bytes(plan.kv_bytes)} of KV pool for {plan.kv_tokens} tokens, context "
             f"{plan.context_length}) but {format_bytes(available)} are available")
     room = available - plan.weight_bytes
     tokens = room // plan.kv_bytes_per_token if room > 0 and plan.kv_bytes_per_token > 0 else 0
     hints = []
-    if tokens // plan.context_length >= 1:
-        hints.append(f"max_batch {min(plan.max_batch - 1, tokens // plan.context_length)} "
-                     f"with context {plan.context_length}")
-    if tokens // plan.max_batch >= 2:
-        hints.append(f"context {min(plan.context_length - 1, tokens // plan.max_batch)} with max_batch {plan.max_batch}")
+    pool = tokens // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE  # whole blocks
+    if pool >= plan.context_length:
+        hints.append(f"kv_tokens {pool} (a smaller KV pool: fewer long sequences at once)")
+    elif pool >= 2:
+        hints.append(f"context {pool} with kv_tokens {pool}")
     # the largest expert dtype (fewest bits lost) that fits with the requested batch and context
     smaller = sorted(((nbytes, dtype) for dtype, nbytes in plan.weight_bytes_by_dtype
                       if nbytes < plan.weight_bytes and nbytes + plan.kv_bytes <= available), reverse=True)

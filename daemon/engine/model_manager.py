@@ -37,6 +37,7 @@ class LoadOptions:
     emulated_b_p: float = 16e9
     weights_dtype: str = "auto"  # non-expert weights: the checkpoint's dtype, or "fp32"
     prefix_cache: bool = True  # reuse the K/V of earlier requests' common prefixes
+    kv_tokens: int | None = None  # the KV pool's size in tokens (None: engine/kv_manager.kv_pool_tokens)
 
 
 @dataclass
@@ -191,7 +192,8 @@ class ModelManager:
             if runtime.tokenizer is None:
                 raise ModelFormatError(f"{path}: no tokenizer.json; the daemon serves text and needs one")
             loop = EngineLoop(runtime, name=name, max_batch=options.max_batch, max_queue=options.max_queue,
-                              context_length=plan.context_length, prefix_cache=options.prefix_cache)
+                              context_length=plan.context_length, prefix_cache=options.prefix_cache,
+                              kv_tokens=plan.kv_tokens)
             entry = LoadedEntry(name, path, runtime, loop, options)
             with self._lock:
                 if self._closing:

@@ -79,9 +79,11 @@ class Cancelled:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, on_admit: Callable[[int, list[int]], int] | None = None) -> None:
-        """``on_admit(seq_id, prompt_ids)``: called as a sequence takes a slot; returns how many of its
-        first prompt tokens are already in the KV cache (a reused prefix), which are then not fed."""
+    def __init__(self, config: SchedulerConfig,
+                 on_admit: Callable[[int, list[int]], int | None] | None = None) -> None:
+        """``on_admit(seq_id, token_ids)``: called before a waiting sequence takes a slot; returns how many
+        of its first tokens are already in the KV cache (a reused prefix, then not fed again), or None
+        when the KV pool has no room for it now (it stays first in the queue)."""
         self._on_admit = on_admit
         self.max_batch = config.max_batch
         self.max_queue = config.max_queue
@@ -92,6 +94,7 @@ class Scheduler:
         self._free_slots: list[int] = list(range(config.max_batch))  # ascending: low slots first
         self._by_request: dict[str, SequenceState] = {}
         self._next_seq_id = 0
+        self.num_preempted = 0
 
     @property
     def num_waiting(self) -> int:
@@ -128,15 +131,18 @@ class Scheduler:
         """Admit waiting sequences into free slots, then pick this step's chunks (decodes first)."""
         admitted = []
         while self._waiting and self._free_slots:
-            seq = self._waiting.popleft()
-            seq.slot = self._free_slots.pop(0)
-            self._running[seq.seq_id] = seq
-            admitted.append(seq.seq_id)
+            seq = self._waiting[0]
             if self._on_admit is not None:
                 cached = self._on_admit(seq.seq_id, seq.token_ids)
+                if cached is None:
+                    break  # no KV room now: it waits, first in line
                 if not 0 <= cached < seq.num_prompt:
                     raise ValueError(f"on_admit: {cached} cached tokens for a prompt of {seq.num_prompt}")
                 seq.num_cached = cached
+            self._waiting.popleft()
+            seq.slot = self._free_slots.pop(0)
+            self._running[seq.seq_id] = seq
+            admitted.append(seq.seq_id)
         cancelled = [s.seq_id for s in self._running.values() if s.is_cancelled]
         live = [s for s in self._running.values() if not s.is_cancelled and s.num_cached < len(s.token_ids)]
         chunks = [self._chunk(s, len(s.token_ids) - s.num_cached) for s in live if not s.is_prefilling]
@@ -162,6 +168,21 @@ class Scheduler:
         seq.num_cached += num_fed
         if new_token is not None:
             seq.token_ids.append(new_token)
+
+    def preempt(self, seq_id: int) -> None:
+        """Take a running sequence out (its KV blocks are being given to others): it goes back to the front
+        of the queue with every token it has, and prefills them all again when it is admitted next
+        (from the prefix cache, mostly). Its request does not notice, except in time."""
+        seq = self._running.pop(seq_id)
+        self._free_slots.append(seq.slot)
+        self._free_slots.sort()
+        seq.slot, seq.num_cached, seq.num_prompt = -1, 0, len(seq.token_ids)
+        self._waiting.appendleft(seq)
+        self.num_preempted += 1
+
+    def newest_running(self, exclude: set[int]) -> int | None:
+        """The most recently admitted running sequence not in ``exclude`` (the one to preempt first)."""
+        return next((s for s in reversed(self._running) if s not in exclude), None)
 
     def cached_token_ids(self, seq_id: int) -> list[int]:
         """The tokens of a running sequence whose K/V are in its blocks (empty for a waiting one)."""

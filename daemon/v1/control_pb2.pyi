@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("model", "name", "device", "policy", "cache_fraction", "context_length", "experts_dtype", "verify", "max_batch", "max_queue", "emulated_b_p", "weights_dtype", "no_prefix_cache")
+    __slots__ = ("model", "name", "device", "policy", "cache_fraction", "context_length", "experts_dtype", "verify", "max_batch", "max_queue", "emulated_b_p", "weights_dtype", "no_prefix_cache", "kv_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class LoadModelRequest(_message.Message):
     EMULATED_B_P_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     NO_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     name: str
     device: str
@@ -34,7 +35,8 @@ class LoadModelRequest(_message.Message):
     emulated_b_p: float
     weights_dtype: str
     no_prefix_cache: bool
-    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ..., cache_fraction: _Optional[float] = ..., context_length: _Optional[int] = ..., experts_dtype: _Optional[str] = ..., verify: _Optional[bool] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., emulated_b_p: _Optional[float] = ..., weights_dtype: _Optional[str] = ..., no_prefix_cache: _Optional[bool] = ...) -> None: ...
+    kv_tokens: int
+    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ..., cache_fraction: _Optional[float] = ..., context_length: _Optional[int] = ..., experts_dtype: _Optional[str] = ..., verify: _Optional[bool] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., emulated_b_p: _Optional[float] = ..., weights_dtype: _Optional[str] = ..., no_prefix_cache: _Optional[bool] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadModelProgress(_message.Message):
     __slots__ = ("stage", "done_bytes", "total_bytes", "model")
@@ -125,7 +127,7 @@ class WatchStatusRequest(_message.Message):
     def __init__(self, interval_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineFigures(_message.Message):
-    __slots__ = ("device", "policy", "hits", "misses", "fills", "cpu_experts", "last_q", "last_m", "b_p", "b_h", "cache_slots", "cache_bytes", "pinned_bytes", "pageable_bytes", "pin_note", "transient_fills", "model_device_bytes", "model_note", "streamed_layers", "kv_blocks", "kv_block_size", "kv_used_blocks", "kv_cached_blocks", "kv_bytes", "prompt_tokens", "cached_prompt_tokens", "kv_evicted_blocks", "prefix_cache")
+    __slots__ = ("device", "policy", "hits", "misses", "fills", "cpu_experts", "last_q", "last_m", "b_p", "b_h", "cache_slots", "cache_bytes", "pinned_bytes", "pageable_bytes", "pin_note", "transient_fills", "model_device_bytes", "model_note", "streamed_layers", "kv_blocks", "kv_block_size", "kv_used_blocks", "kv_cached_blocks", "kv_bytes", "prompt_tokens", "cached_prompt_tokens", "kv_evicted_blocks", "prefix_cache", "kv_preempted")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +156,7 @@ class EngineFigures(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    KV_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     device: str
     policy: str
     hits: int
@@ -182,7 +185,8 @@ class EngineFigures(_message.Message):
     cached_prompt_tokens: int
     kv_evicted_blocks: int
     prefix_cache: bool
-    def __init__(self, device: _Optional[str] = ..., policy: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., fills: _Optional[int] = ..., cpu_experts: _Optional[int] = ..., last_q: _Optional[int] = ..., last_m: _Optional[int] = ..., b_p: _Optional[float] = ..., b_h: _Optional[float] = ..., cache_slots: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., pageable_bytes: _Optional[int] = ..., pin_note: _Optional[str] = ..., transient_fills: _Optional[int] = ..., model_device_bytes: _Optional[int] = ..., model_note: _Optional[str] = ..., streamed_layers: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_evicted_blocks: _Optional[int] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
+    kv_preempted: int
+    def __init__(self, device: _Optional[str] = ..., policy: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., fills: _Optional[int] = ..., cpu_experts: _Optional[int] = ..., last_q: _Optional[int] = ..., last_m: _Optional[int] = ..., b_p: _Optional[float] = ..., b_h: _Optional[float] = ..., cache_slots: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., pageable_bytes: _Optional[int] = ..., pin_note: _Optional[str] = ..., transient_fills: _Optional[int] = ..., model_device_bytes: _Optional[int] = ..., model_note: _Optional[str] = ..., streamed_layers: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_evicted_blocks: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., kv_preempted: _Optional[int] = ...) -> None: ...
 
 class MemoryFigures(_message.Message):
     __slots__ = ("has_gpu", "vram_total", "vram_free", "vram_other_apps", "vram_ours", "budget_bytes", "cap_bytes", "host_total", "host_available", "source")

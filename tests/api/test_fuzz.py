@@ -479,8 +479,14 @@ def fixed_cases(f: Fuzzer) -> None:
                                                      context_length=8192),
                "LoadModel max_batch=256 context_length=8192", expect={"OK", "RESOURCE_EXHAUSTED"})
     f.dispatch(C + "LoadModel", cpb.LoadModelRequest(model=str(f.long_dir), name="kv-1m", max_batch=256,
-                                                     context_length=1 << 20),
-               "LoadModel max_batch=256 context_length=2**20 (~200 GB of KV)", expect={"RESOURCE_EXHAUSTED"})
+                                                     context_length=1 << 20, kv_tokens=1 << 28),
+               "LoadModel context_length=2**20 kv_tokens=2**28 (~140 GB of KV)", expect={"RESOURCE_EXHAUSTED"})
+    f.dispatch(C + "LoadModel", cpb.LoadModelRequest(model=str(f.long_dir), name="kv-short", context_length=4096,
+                                                     kv_tokens=100),
+               "LoadModel kv_tokens below the context", expect={"INVALID_ARGUMENT"})
+    f.dispatch(C + "LoadModel", cpb.LoadModelRequest(model=str(f.long_dir), name="kv-max", context_length=1 << 20,
+                                                     kv_tokens=2**32 - 1),
+               "LoadModel kv_tokens=2**32-1", expect={"RESOURCE_EXHAUSTED"})
     f.dispatch(C + "LoadModel", cpb.LoadModelRequest(model=str(f.long_dir), name="kv-max", max_batch=2**32 - 1,
                                                      context_length=2**32 - 1),
                "LoadModel max_batch=context_length=2**32-1", expect={"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"})

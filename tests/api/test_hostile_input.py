@@ -100,7 +100,7 @@ def test_two_concurrent_loads_of_one_name_give_one_model_and_already_exists(daem
         client.unload("twin")
 
 
-def test_a_kv_cache_larger_than_ram_is_refused_with_what_would_fit(daemon, models_dir, tmp_path):
+def test_a_kv_pool_larger_than_ram_is_refused_with_what_would_fit(daemon, models_dir, tmp_path):
     import json
 
     long = tmp_path / "long-context"
@@ -109,10 +109,11 @@ def test_a_kv_cache_larger_than_ram_is_refused_with_what_would_fit(daemon, model
     config["max_position_embeddings"] = 1 << 20
     (long / "config.json").write_text(json.dumps(config))
     with daemon.client() as client:
-        # 256 sequences of 1M tokens: ~200 GB of KV cache on a 24 GB machine
-        err = call_error(lambda: list(client.load(str(long), name="huge", max_batch=256, context_length=1 << 20)))
+        # a pool of 256 contexts of 1M tokens: ~140 GB of KV on a 24 GB machine
+        err = call_error(lambda: list(client.load(str(long), name="huge", max_batch=256, context_length=1 << 20,
+                                                  kv_tokens=1 << 28)))
         assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err
-        assert "KV cache" in str(err) and "would fit" in str(err)
+        assert "KV pool" in str(err) and "would fit" in str(err)
         assert [m.name for m in client.list_models() if m.loaded] == ["tiny"]
         assert greedy_text(client)
 

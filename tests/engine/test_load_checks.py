@@ -52,19 +52,29 @@ def test_kv_cache_bytes_from_the_config_equal_what_the_model_allocates(family, t
         runtime.close()
 
 
-def test_a_kv_cache_that_does_not_fit_is_refused_before_reading_and_says_what_would_fit(models, no_weight_reads):
-    plan = plan_load(models / "tiny", LoadOptions(max_batch=256, context_length=256))
-    per_seq = plan.kv_bytes_per_token * 256
-    # room for the weights and exactly 10 sequences of 256 tokens
-    available = plan.weight_bytes + 10 * per_seq + per_seq // 2
+def test_a_kv_pool_that_does_not_fit_is_refused_before_reading_and_says_what_would_fit(models, no_weight_reads):
+    plan = plan_load(models / "tiny", LoadOptions(max_batch=8, context_length=256, kv_tokens=4096))
+    assert plan.kv_tokens == 4096 and plan.kv_bytes == 4096 * plan.kv_bytes_per_token
+    # room for the weights and a pool of 1000 tokens: a 992-token pool (whole blocks) would fit
+    available = plan.weight_bytes + 1000 * plan.kv_bytes_per_token
     manager = ModelManager([models], host_ram_available=lambda: available)
     with pytest.raises(InsufficientMemoryError) as info:
-        manager.load("tiny", LoadOptions(device="cpu", max_batch=256, context_length=256))
+        manager.load("tiny", LoadOptions(device="cpu", max_batch=8, context_length=256, kv_tokens=4096))
     message = str(info.value)
-    assert "KV cache" in message and "max_batch 256 x context 256" in message
-    # 10.5 sequences' room: 10 full sequences of 256 tokens, or 256 sequences of 10 tokens
-    assert "max_batch 10 with context 256" in message and "context 10 with max_batch 256" in message
+    assert "KV pool for 4096 tokens, context 256" in message and "kv_tokens 992" in message, message
+    # a pool smaller than one context: a shorter context is the way
+    tiny_room = plan.weight_bytes + 100 * plan.kv_bytes_per_token
+    manager = ModelManager([models], host_ram_available=lambda: tiny_room)
+    with pytest.raises(InsufficientMemoryError, match="context 96 with kv_tokens 96"):
+        manager.load("tiny", LoadOptions(device="cpu", max_batch=8, context_length=256))
     assert no_weight_reads == [] and manager.loaded() == [] and not manager.is_loading
+
+
+def test_the_pool_defaults_to_two_contexts_and_refuses_less_than_one(models):
+    assert plan_load(models / "tiny", LoadOptions(max_batch=8, context_length=256)).kv_tokens == 512
+    assert plan_load(models / "tiny", LoadOptions(max_batch=1, context_length=250)).kv_tokens == 256  # whole blocks
+    with pytest.raises(InvalidRequestError, match="at least one whole context"):
+        plan_load(models / "tiny", LoadOptions(context_length=256, kv_tokens=100))
 
 
 def test_weights_too_big_in_every_dtype_say_what_the_smallest_needs(models, no_weight_reads):

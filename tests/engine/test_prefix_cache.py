@@ -157,3 +157,19 @@ def test_eviction_under_pressure_changes_speed_only(runtime, loops):
             assert figures.evicted_blocks > 0 and figures.num_blocks == 4
         loop.stop()
     assert [o[:2] for o in results[True]] == [o[:2] for o in results[False]]
+
+
+def test_sequences_that_outgrow_a_small_pool_are_preempted_and_finish_as_if_alone(runtime, loops):
+    """A pool of 4 blocks and 4 sequences admitted with one block each: as they grow, the newest ones are
+    preempted and come back later (from the prefix cache), and every output is the one it has alone."""
+    vocab = runtime.model.config.vocab_size
+    prompts = [_tokens(40 + i, 10, vocab) for i in range(4)]
+    loop = loops(True, max_batch=4, context_length=64, kv_tokens=64)
+    together = _run(loop, prompts, max_tokens=30)
+    figures = loop.kv_figures()
+    assert figures.preempted > 0 and figures.num_blocks == 4
+    loop.stop()
+    alone_loop = loops(False, max_batch=1, context_length=64)
+    for prompt, (tokens, usage) in zip(prompts, together):
+        (alone, _), = _run(alone_loop, [prompt], max_tokens=30)
+        assert tokens == alone and usage.prompt_tokens == 10 and usage.cached_tokens == 0
