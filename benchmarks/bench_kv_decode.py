@@ -1,11 +1,11 @@
 """Decode ms/step at long contexts: what the KV cache's layout and dtype cost the CPU decode path.
 
     .venv/bin/python benchmarks/bench_kv_decode.py MODEL [--contexts 256,2048,4096] [--steps 24]
-        [--kv-dtype model|fp32] [--json]
+        [--kv-dtype model|fp32|bf16] [--json]
 
 One process, one loaded model, CPU device. For each context length a random prompt of that many
 tokens is prefilled, then ``--steps`` greedy decode steps are timed (median ms/step). The KV pool is
-the model's own (bf16 for a bf16 model) or, with ``--kv-dtype fp32``, float32. Run it in two checkouts
+the model's own (bf16 for a bf16 model), or the one ``--kv-dtype`` names. Run it in two checkouts
 (e.g. before and after a KV change) alternately to compare them: see docs/benchmarks.md (#14).
 """
 
@@ -45,13 +45,13 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--contexts", default="256,2048,4096")
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--kv-dtype", choices=("model", "fp32"), default="model")
+    ap.add_argument("--kv-dtype", choices=("model", "fp32", "bf16"), default="model")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rt = open_runtime(args.model)
     model = rt.model
-    if args.kv_dtype == "fp32" and hasattr(model, "kv_dtype"):
-        model.kv_dtype = torch.float32
+    if args.kv_dtype != "model" and hasattr(model, "kv_dtype"):  # (a checkout before paged KV: always fp32)
+        model.kv_dtype = torch.float32 if args.kv_dtype == "fp32" else torch.bfloat16
     out = {"kv_dtype": str(getattr(model, "kv_dtype", torch.float32)).replace("torch.", "")}
     for context in (int(c) for c in args.contexts.split(",")):
         out[context] = round(decode_ms(model, context, args.steps), 2)

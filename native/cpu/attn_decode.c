@@ -14,19 +14,17 @@
 
 int64_t moed_attn_work_floats(const moed_attn_decode_args *a) {
     const int64_t G = a->H / a->Hk;
-    return G * a->Dh + 2 * (int64_t)a->Dh + G * a->Dv + G * (a->num_keys > 0 ? a->num_keys : 1) + a->Dh + a->Dv +
-           16;
+    return G * a->Dh + 2 * (int64_t)a->Dh + G * a->Dv + G * (a->num_keys > 0 ? a->num_keys : 1) + 16;
 }
 
-/* One cached row of n values at element `at` of a pool: float32 in place, or bf16 widened into `tmp`. */
-static inline __attribute__((always_inline)) const float *attn_load_row(const void *pool, int bf16, int64_t at,
-                                                                        int n, float *tmp) {
-    if (!bf16) return (const float *)pool + at;
-    const uint16_t *src = (const uint16_t *)pool + at;
-    uint32_t *dst = (uint32_t *)tmp;
-    for (int d = 0; d < n; d++) dst[d] = (uint32_t)src[d] << 16;
-    return tmp;
+/* one bf16 value as a float (bf16 is float32's high half) */
+static inline __attribute__((always_inline)) float attn_h2f(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
+#define ATTN_SAME(x) (x)
 
 /* Store n float32 values at element `at` of a pool (bf16: round to nearest even, as torch converts). */
 static inline __attribute__((always_inline)) void attn_store_row(void *pool, int bf16, int64_t at, const float *x,
@@ -48,6 +46,9 @@ static inline __attribute__((always_inline)) void attn_store_row(void *pool, int
 #define ATTN_HSUM(s) (((s)[0] + (s)[2]) + ((s)[1] + (s)[3]))
 #define ATTN_VEC attn_vec_scalar
 #define ATTN_LOAD attn_load_scalar
+#define ATTN_LOADH attn_loadh_scalar
+#define ATTN_HVEC attn_hvec_scalar
+#define ATTN_UVEC attn_uvec_scalar
 #define ATTN_PREP attn_prep_scalar
 #define ATTN_TASK moed_attn_task_scalar
 #include "attn_decode_body.h"
@@ -61,6 +62,9 @@ static inline __attribute__((always_inline)) void attn_store_row(void *pool, int
 #define ATTN_HSUM(s) moed_hsum_avx2((__m256)(s))
 #define ATTN_VEC attn_vec_avx2
 #define ATTN_LOAD attn_load_avx2
+#define ATTN_LOADH attn_loadh_avx2
+#define ATTN_HVEC attn_hvec_avx2
+#define ATTN_UVEC attn_uvec_avx2
 #define ATTN_PREP attn_prep_avx2
 #define ATTN_TASK moed_attn_task_avx2
 #include "attn_decode_body.h"
@@ -72,6 +76,9 @@ static inline __attribute__((always_inline)) void attn_store_row(void *pool, int
 #define ATTN_HSUM(s) _mm512_reduce_add_ps((__m512)(s))
 #define ATTN_VEC attn_vec_avx512
 #define ATTN_LOAD attn_load_avx512
+#define ATTN_LOADH attn_loadh_avx512
+#define ATTN_HVEC attn_hvec_avx512
+#define ATTN_UVEC attn_uvec_avx512
 #define ATTN_PREP attn_prep_avx512
 #define ATTN_TASK moed_attn_task_avx512
 #include "attn_decode_body.h"

@@ -13,6 +13,18 @@ static inline __attribute__((always_inline)) ATTN_VEC ATTN_LOAD(const float *p) 
     return v;
 }
 
+/* VW bf16 values (the high halves of float32s) widened to floats */
+typedef uint16_t ATTN_HVEC __attribute__((vector_size(VW * 2)));
+typedef uint32_t ATTN_UVEC __attribute__((vector_size(VW * 4)));
+static inline __attribute__((always_inline)) ATTN_VEC ATTN_LOADH(const uint16_t *p) {
+    ATTN_HVEC h;
+    memcpy(&h, p, sizeof h);
+    const ATTN_UVEC u = __builtin_convertvector(h, ATTN_UVEC) << 16;
+    ATTN_VEC v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
 /* x[0..n) *= rsqrt(mean(x^2) + eps) * w, then rotate the first R dims (cos/sin of R/2) */
 static inline __attribute__((always_inline)) void ATTN_PREP(float *x, const float *src, int n, const float *w,
                                                             float eps, int R, int inter, const float *cs,
@@ -44,7 +56,6 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     }
     const int64_t L = a->num_keys;
     float *qs = work, *kx = qs + (int64_t)G * Dh, *tmp = kx + Dh, *acc = tmp + Dh, *sc = acc + (int64_t)G * Dv;
-    float *widen = sc + (a->num_keys > 0 ? a->num_keys : 1) * (int64_t)G;  /* [Dh + Dv] */
     const float *cs = a->cos + b * (int64_t)(R / 2), *sn = a->sin + b * (int64_t)(R / 2);
     const int64_t kstride = (int64_t)a->Hk * Dh, vstride = (int64_t)a->Hk * Dv;
     const int32_t *tab = a->block_table + b * (int64_t)a->max_blocks;
@@ -64,37 +75,44 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     int64_t j0 = 0, j1 = p + 1 < L ? p + 1 : L;
     if (a->window > 0 && p - a->window + 1 > 0) j0 = p - a->window + 1;
     const int64_t n = j1 > j0 ? j1 - j0 : 0;
-    /* scores [G][n]: four query heads at a time share each load of k_j (four independent sums) */
-    for (int64_t j = 0; j < n; j++) {
-        const float *kj = attn_load_row(a->k_cache, a->kv_bf16, ATTN_TOKEN(j0 + j) * kstride + g * (int64_t)Dh,
-                                        Dh, widen);
-        int i = 0;
-        for (; i + 4 <= G; i += 4) {
-            const float *q0 = qs + (int64_t)i * Dh;
-            ATTN_VEC s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-            int d = 0;
-            for (; d + VW <= Dh; d += VW) {
-                const ATTN_VEC kv = ATTN_LOAD(kj + d);
-                s0 += ATTN_LOAD(q0 + d) * kv;
-                s1 += ATTN_LOAD(q0 + Dh + d) * kv;
-                s2 += ATTN_LOAD(q0 + 2 * Dh + d) * kv;
-                s3 += ATTN_LOAD(q0 + 3 * Dh + d) * kv;
-            }
-            float t[4] = {ATTN_HSUM(s0), ATTN_HSUM(s1), ATTN_HSUM(s2), ATTN_HSUM(s3)};
-            for (; d < Dh; d++)
-                for (int u = 0; u < 4; u++) t[u] += q0[u * Dh + d] * kj[d];
-            for (int u = 0; u < 4; u++) sc[(int64_t)(i + u) * n + j] = t[u] * a->scale;
-        }
-        for (; i < G; i++) {
-            const float *qi = qs + (int64_t)i * Dh;
-            ATTN_VEC s0 = {0};
-            int d = 0;
-            for (; d + VW <= Dh; d += VW) s0 += ATTN_LOAD(qi + d) * ATTN_LOAD(kj + d);
-            float t = ATTN_HSUM(s0);
-            for (; d < Dh; d++) t += qi[d] * kj[d];
-            sc[(int64_t)i * n + j] = t * a->scale;
-        }
+    /* scores [G][n]: four query heads at a time share each load of k_j (four independent sums); a bf16
+     * pool's rows are widened as they are loaded (T: the pool's element, LD: VW of them as floats, SC: one) */
+#define ATTN_SCORES(T, LD, SC)                                                                           \
+    for (int64_t j = 0; j < n; j++) {                                                                  \
+        const T *kj = (const T *)a->k_cache + ATTN_TOKEN(j0 + j) * kstride + g * (int64_t)Dh;           \
+        int i = 0;                                                                                       \
+        for (; i + 4 <= G; i += 4) {                                                                     \
+            const float *q0 = qs + (int64_t)i * Dh;                                                      \
+            ATTN_VEC s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                             \
+            int d = 0;                                                                                   \
+            for (; d + VW <= Dh; d += VW) {                                                              \
+                const ATTN_VEC kv = LD(kj + d);                                                          \
+                s0 += ATTN_LOAD(q0 + d) * kv;                                                            \
+                s1 += ATTN_LOAD(q0 + Dh + d) * kv;                                                       \
+                s2 += ATTN_LOAD(q0 + 2 * Dh + d) * kv;                                                   \
+                s3 += ATTN_LOAD(q0 + 3 * Dh + d) * kv;                                                   \
+            }                                                                                            \
+            float t[4] = {ATTN_HSUM(s0), ATTN_HSUM(s1), ATTN_HSUM(s2), ATTN_HSUM(s3)};                   \
+            for (; d < Dh; d++)                                                                          \
+                for (int u = 0; u < 4; u++) t[u] += q0[u * Dh + d] * SC(kj[d]);                          \
+            for (int u = 0; u < 4; u++) sc[(int64_t)(i + u) * n + j] = t[u] * a->scale;                  \
+        }                                                                                                \
+        for (; i < G; i++) {                                                                             \
+            const float *qi = qs + (int64_t)i * Dh;                                                      \
+            ATTN_VEC s0 = {0};                                                                           \
+            int d = 0;                                                                                   \
+            for (; d + VW <= Dh; d += VW) s0 += ATTN_LOAD(qi + d) * LD(kj + d);                          \
+            float t = ATTN_HSUM(s0);                                                                     \
+            for (; d < Dh; d++) t += qi[d] * SC(kj[d]);                                                  \
+            sc[(int64_t)i * n + j] = t * a->scale;                                                       \
+        }                                                                                                \
     }
+    if (a->kv_bf16) {
+        ATTN_SCORES(uint16_t, ATTN_LOADH, attn_h2f)
+    } else {
+        ATTN_SCORES(float, ATTN_LOAD, ATTN_SAME)
+    }
+#undef ATTN_SCORES
     /* softmax per query head (the sink joins the normaliser only) */
     for (int i = 0; i < G; i++) {
         float *si = sc + (int64_t)i * n;
@@ -111,20 +129,26 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     }
     /* out[i] = sum_j p[i][j] v[j] */
     memset(acc, 0, sizeof(float) * (size_t)G * (size_t)Dv);
-    for (int64_t j = 0; j < n; j++) {
-        const float *vj = attn_load_row(a->v_cache, a->kv_bf16, ATTN_TOKEN(j0 + j) * vstride + g * (int64_t)Dv,
-                                        Dv, widen + Dh);
-        for (int i = 0; i < G; i++) {
-            float *oi = acc + (int64_t)i * Dv;
-            const float w = sc[(int64_t)i * n + j];
-            int d = 0;
-            for (; d + VW <= Dv; d += VW) {
-                ATTN_VEC o = ATTN_LOAD(oi + d) + w * ATTN_LOAD(vj + d);
-                memcpy(oi + d, &o, sizeof o);
-            }
-            for (; d < Dv; d++) oi[d] += w * vj[d];
-        }
+#define ATTN_VALUES(T, LD, SC)                                                                           \
+    for (int64_t j = 0; j < n; j++) {                                                                  \
+        const T *vj = (const T *)a->v_cache + ATTN_TOKEN(j0 + j) * vstride + g * (int64_t)Dv;           \
+        for (int i = 0; i < G; i++) {                                                                    \
+            float *oi = acc + (int64_t)i * Dv;                                                           \
+            const float w = sc[(int64_t)i * n + j];                                                      \
+            int d = 0;                                                                                   \
+            for (; d + VW <= Dv; d += VW) {                                                              \
+                ATTN_VEC o = ATTN_LOAD(oi + d) + w * LD(vj + d);                                         \
+                memcpy(oi + d, &o, sizeof o);                                                            \
+            }                                                                                            \
+            for (; d < Dv; d++) oi[d] += w * SC(vj[d]);                                                  \
+        }                                                                                                \
     }
+    if (a->kv_bf16) {
+        ATTN_VALUES(uint16_t, ATTN_LOADH, attn_h2f)
+    } else {
+        ATTN_VALUES(float, ATTN_LOAD, ATTN_SAME)
+    }
+#undef ATTN_VALUES
     memcpy(out, acc, sizeof(float) * (size_t)G * (size_t)Dv);
 }
 
@@ -133,5 +157,8 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
 #undef ATTN_HSUM
 #undef ATTN_VEC
 #undef ATTN_LOAD
+#undef ATTN_LOADH
+#undef ATTN_HVEC
+#undef ATTN_UVEC
 #undef ATTN_PREP
 #undef ATTN_TASK
