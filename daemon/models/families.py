@@ -172,6 +172,14 @@ def _parse_deepseek_v3(cfg: dict) -> ModelConfig:
         scaling=scaling, q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=require(cfg, "kv_lora_rank"),
         qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=require(cfg, "v_head_dim"),
     )
+    moe, moe_layers = _sigmoid_group_moe(cfg, n)
+    return _base(cfg, att, moe, moe_layers, (None,) * n, rope_dim,
+                 interleaved=bool(cfg.get("rope_interleave", True)))
+
+
+def _sigmoid_group_moe(cfg: dict, n: int) -> tuple[MoeConfig, tuple[bool, ...]]:
+    """DeepSeek-V3 / GLM-4-MoE experts: sigmoid scores with a correction bias, group-limited top-k,
+    routed scaling, shared experts; the first ``first_k_dense_replace`` layers dense."""
     num_experts = _num_experts(cfg)
     groups = int(cfg.get("n_group") or 1)
     if num_experts % groups:
@@ -184,9 +192,18 @@ def _parse_deepseek_v3(cfg: dict) -> ModelConfig:
                     has_score_correction_bias=True,
                     shared_intermediate_size=int(cfg.get("n_shared_experts") or 0) * require(cfg, "moe_intermediate_size"))
     first_dense = int(cfg.get("first_k_dense_replace") or 0)
-    moe_layers = tuple(i >= first_dense for i in range(n))
-    return _base(cfg, att, moe, moe_layers, (None,) * n, rope_dim,
-                 interleaved=bool(cfg.get("rope_interleave", True)))
+    return moe, tuple(i >= first_dense for i in range(n))
+
+
+def _parse_glm4_moe(cfg: dict) -> ModelConfig:
+    """GLM-4.5 / 4.6 / 4.7 (Air): GQA attention with q/k/v biases, optional per-head q/k norms and partial
+    rotary (rotate-half on the first half of each head), DeepSeek-V3's experts."""
+    _check_act(cfg)
+    n = require(cfg, "num_hidden_layers")
+    att = _mha(cfg, has_qkv_bias=bool(cfg.get("attention_bias", False)),
+               qk_norm="per_head" if cfg.get("use_qk_norm") else "none")
+    moe, moe_layers = _sigmoid_group_moe(cfg, n)
+    return _base(cfg, att, moe, moe_layers, (None,) * n, att.head_dim)
 
 
 def _parse_gpt_oss(cfg: dict) -> ModelConfig:
@@ -211,6 +228,9 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("deepseek_v3", _parse_deepseek_v3, FamilyNames(
         moe_prefix="model.layers.{i}.mlp", router="gate", score_bias="gate.e_score_correction_bias",
         shared="shared_experts")),
+    "glm4_moe": Family("glm4_moe", _parse_glm4_moe, FamilyNames(
+        moe_prefix="model.layers.{i}.mlp", router="gate", score_bias="gate.e_score_correction_bias",
+        shared="shared_experts")),
     "gpt_oss": Family("gpt_oss", _parse_gpt_oss, FamilyNames(
         moe_prefix="model.layers.{i}.mlp", router="router", router_bias="router.bias",
         expert_gate="", expert_up="", expert_down="",
@@ -224,6 +244,7 @@ ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 
 
