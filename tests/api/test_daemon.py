@@ -141,6 +141,9 @@ def test_load_and_unload_while_another_model_generates(daemon):
         assert collect(client, "Every token", "second", max_tokens=4)[1]
         engine = client.status().engine  # the most recently used model: "second", on the emulated device
         assert engine.device == "emulated" and engine.model_device_bytes > 0 and not engine.model_note
+        # the KV pool of that model: sized to two contexts by default, its prompt counted, the cache on
+        assert engine.kv_blocks > 0 and engine.kv_block_size == 16 and engine.kv_bytes > 0 and engine.prefix_cache
+        assert engine.prompt_tokens > 0 and engine.kv_used_blocks <= engine.kv_blocks
         assert client.unload("second")
         worker.join(120)
         assert result["out"] == expected

@@ -112,7 +112,13 @@ def test_status_says_where_the_non_expert_model_runs(capsys):
     print_status(control_pb2.Status(state="idle", engine=control_pb2.EngineFigures(
         device="cuda", policy="adaptive", model_note="weights are kept packed")))
     print_status(control_pb2.Status(state="idle", engine=control_pb2.EngineFigures(device="cpu", policy="cpu-all")))
+    print_status(control_pb2.Status(state="idle", engine=control_pb2.EngineFigures(
+        device="cpu", policy="cpu-all", kv_blocks=512, kv_block_size=16, kv_used_blocks=40, kv_cached_blocks=30,
+        kv_bytes=3 << 30, prompt_tokens=1000, cached_prompt_tokens=750, kv_evicted_blocks=2, kv_preempted=1,
+        prefix_cache=True)))
     out = capsys.readouterr().out
+    assert ("KV pool 40/512 blocks of 16 tokens (3.22 GB), 1 preemptions | prefix cache 30 blocks, 750 of 1000 "
+            "prompt tokens reused (75%), 2 blocks evicted") in out
     assert "model on the device (1.73 GB weights + KV cache) | prefill layers streamed 12" in out
     assert "model on the host (weights are kept packed)" in out
     assert out.count("model on the") == 2  # nothing of the kind for the cpu backend
