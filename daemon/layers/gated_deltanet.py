@@ -1,0 +1,130 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3-Next / Qwen3.5-MoE (torch path, any device).
+
+Shapes: B rows, T new tokens, D hidden; Hk query/key heads of Dk, Hv value heads of Dv (Hv a
+multiple of Hk: each key head serves Hv / Hk consecutive value heads); C = 2 * Hk * Dk + Hv * Dv
+conv channels, K the conv kernel.
+
+Per token t of a row: a depthwise causal conv (kernel K, SiLU) over the projected q, k, v channels,
+q and k L2-normalised (q also scaled by Dk^-1/2), then the gated delta rule on the recurrent state
+S [Hv, Dk, Dv]: S <- exp(g_t) * S; S <- S + k_t (beta_t * (v_t - S^T k_t))^T; o_t = S^T q_t, with
+g_t = -exp(A_log) * softplus(a_t + dt_bias) and beta_t = sigmoid(b_t). The output is RMS-normed per
+value head, gated by SiLU(z_t), and projected back to D. What a sequence carries from step to step
+is its state: the last K-1 conv inputs ``[C, K-1]`` and S; ``forward`` reads and updates them in
+``states`` (one row per sequence). Checked against transformers' Qwen3NextGatedDeltaNet
+(tests/layers/test_gated_deltanet.py). This is the token-by-token form of the rule; a chunked form
+(several tokens per matrix product) is the faster prefill still to come.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moed.layers.linear import linear
+
+
+@dataclass(frozen=True)
+class DeltaNetConfig:
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    eps: float = 1e-6
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear attention: {self.num_v_heads} value heads are not a multiple of "
+                             f"{self.num_k_heads} key heads")
+        if self.conv_kernel < 1:
+            raise ValueError(f"linear attention: conv kernel {self.conv_kernel} must be >= 1")
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet:
+    def __init__(self, cfg: DeltaNetConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        self.cfg = cfg
+        get = lambda name: weights[f"{prefix}.{name}"]  # noqa: E731
+        self.w_qkvz, self.w_ba = get("in_proj_qkvz.weight"), get("in_proj_ba.weight")
+        self.conv_w = get("conv1d.weight").reshape(cfg.conv_dim, cfg.conv_kernel).float()  # [C, K]
+        self.dt_bias, self.a_log = get("dt_bias").float(), get("A_log").float()
+        self.norm_w, self.w_out = get("norm.weight").float(), get("out_proj.weight")
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-sequence state: the last K-1 conv inputs and the recurrent matrix of every value head."""
+        c = self.cfg
+        return {"conv": (c.conv_dim, c.conv_kernel - 1), "recurrent": (c.num_v_heads, c.k_head_dim, c.v_head_dim)}
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, D] -> the conv input [C, T] (q, k, v channels), z [T, Hv, Dv], b and a [T, Hv].
+
+        The projections group their outputs by key head: for each of the Hk key heads, its q (Dk),
+        k (Dk), then the v and z of its Hv/Hk value heads; b and a likewise.
+        """
+        c = self.cfg
+        t = x.shape[0]
+        per = c.num_v_heads // c.num_k_heads
+        qkvz = linear(x.float(), self.w_qkvz).view(t, c.num_k_heads, 2 * c.k_head_dim + 2 * per * c.v_head_dim)
+        q, k, v, z = qkvz.split([c.k_head_dim, c.k_head_dim, per * c.v_head_dim, per * c.v_head_dim], dim=-1)
+        ba = linear(x.float(), self.w_ba).view(t, c.num_k_heads, 2 * per)
+        b, a = ba.split([per, per], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)  # [T, C]
+        return (mixed.t(), z.reshape(t, c.num_v_heads, c.v_head_dim), b.reshape(t, c.num_v_heads),
+                a.reshape(t, c.num_v_heads))
+
+    def forward_row(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """One sequence's ``x [T, D]`` -> ``[T, D]``; ``conv_state [C, K-1]`` and ``state [Hv, Dk, Dv]``
+        (float32) are read and updated in place."""
+        c = self.cfg
+        t = x.shape[0]
+        mixed, z, b, a = self._split(x)
+        window = torch.cat([conv_state, mixed], dim=1)  # [C, K-1+T]
+        conv = F.silu(F.conv1d(window[None], self.conv_w[:, None, :], groups=c.conv_dim)[0])  # [C, T]
+        if c.conv_kernel > 1:
+            conv_state.copy_(window[:, -(c.conv_kernel - 1):])
+        q, k, v = conv.t().split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        rep = c.num_v_heads // c.num_k_heads
+        q = _l2norm(q.reshape(t, c.num_k_heads, c.k_head_dim)).repeat_interleave(rep, dim=1) * c.k_head_dim ** -0.5
+        k = _l2norm(k.reshape(t, c.num_k_heads, c.k_head_dim)).repeat_interleave(rep, dim=1)  # [T, Hv, Dk]
+        v = v.reshape(t, c.num_v_heads, c.v_head_dim)
+        beta = torch.sigmoid(b)  # [T, Hv]
+        decay = torch.exp(-self.a_log.exp() * F.softplus(a + self.dt_bias))  # [T, Hv]
+        out = torch.empty(t, c.num_v_heads, c.v_head_dim, dtype=torch.float32, device=x.device)
+        s = state
+        for i in range(t):
+            s = s * decay[i][:, None, None]
+            recalled = torch.einsum("hkv,hk->hv", s, k[i])
+            delta = (v[i] - recalled) * beta[i][:, None]
+            s = s + k[i][:, :, None] * delta[:, None, :]
+            out[i] = torch.einsum("hkv,hk->hv", s, q[i])
+        state.copy_(s)
+        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + c.eps) * self.norm_w
+        gated = (normed * F.silu(z)).reshape(t, c.value_dim)
+        return linear(gated, self.w_out)
+
+    def forward(self, x: torch.Tensor, lengths: list[int], conv_states: torch.Tensor,
+                states: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, D]`` right-padded to T with ``lengths[b]`` real tokens per row -> ``[B, T, D]`` (zeros on
+        padding); row b's states are ``conv_states[b]`` / ``states[b]`` (views into the state store)."""
+        out = torch.zeros(x.shape[0], x.shape[1], self.w_out.shape[0], dtype=torch.float32, device=x.device)
+        for row, n in enumerate(lengths):
+            if n:
+                out[row, :n] = self.forward_row(x[row, :n], conv_states[row], states[row])
+        return out
