@@ -39,8 +39,11 @@ def kv_bytes_per_token(layer_entries: list[dict[str, tuple[int, ...]]], dtype: t
 class KVCache:
     def __init__(self, layer_entries: list[dict[str, tuple[int, ...]]], num_blocks: int,
                  block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
-        """``layer_entries[i]`` maps an entry name ("k", "v", "latent", ...) to its per-token shape."""
+                 device: torch.device | None = None, *, state_shapes: list[dict[str, tuple[int, ...]]] | None = None,
+                 num_state_slots: int = 0) -> None:
+        """``layer_entries[i]`` maps an entry name ("k", "v", "latent", ...) to its per-token shape.
+        ``state_shapes[i]``: per-sequence state of layer i (a hybrid model's linear layers: conv and
+        recurrent state, float32), ``num_state_slots`` sequences of it (one per batch row)."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"KV block size must be a power of two, got {block_size}")
         if num_blocks < 1:
@@ -55,22 +58,47 @@ class KVCache:
         ]
         self.num_slots = 0  # static slots (for_slots); 0: every step brings its own block tables
         self.max_len = 0
+        self.states = [
+            {name: torch.zeros(num_state_slots, *shape, dtype=torch.float32, device=device)
+             for name, shape in entries.items()}
+            for entries in (state_shapes or [])
+        ]
+        if any(self.states) and num_state_slots < 1:
+            raise ValueError("a model with per-sequence state needs at least one state slot")
 
     @classmethod
     def for_slots(cls, layer_entries: list[dict[str, tuple[int, ...]]], num_slots: int, max_len: int,
                   dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                  block_size: int = DEFAULT_BLOCK_SIZE) -> "KVCache":
+                  block_size: int = DEFAULT_BLOCK_SIZE,
+                  state_shapes: list[dict[str, tuple[int, ...]]] | None = None) -> "KVCache":
         """A pool with ``num_slots`` fixed sequences of up to ``max_len`` tokens (slot s: blocks
         ``[s * n, (s + 1) * n)``), for batches that name slots instead of block tables."""
         if num_slots < 1 or max_len < 1:
             raise ValueError(f"a KV cache needs at least one slot of one token, got {num_slots} x {max_len}")
         per_slot = -(-max_len // block_size)
-        cache = cls(layer_entries, num_slots * per_slot, block_size, dtype, device)
+        cache = cls(layer_entries, num_slots * per_slot, block_size, dtype, device, state_shapes=state_shapes,
+                    num_state_slots=num_slots if state_shapes else 0)
         cache.num_slots, cache.max_len = num_slots, max_len
         return cache
 
     def nbytes(self) -> int:
+        """The K/V pool's bytes (per-sequence states apart: ``state_nbytes``)."""
         return sum(t.numel() * t.element_size() for entries in self.layers for t in entries.values())
+
+    def state_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for entries in self.states for t in entries.values())
+
+    def state(self, layer: int, name: str) -> torch.Tensor:
+        """``[state slots, ...]``: a per-sequence state of one layer (e.g. "conv", "recurrent")."""
+        return self.states[layer][name]
+
+    def state_slots(self, batch) -> list[int]:
+        """Each row's state slot: the batch's ``state_slots``, or its static slots."""
+        slots = batch.state_slots if batch.state_slots is not None else batch.slots
+        num = next(iter(t.shape[0] for entries in self.states for t in entries.values()), 0)
+        if any(not 0 <= s < num for s in slots):
+            raise ValueError(f"state slots {slots} do not fit the {num} state slots of this cache")
+        return list(slots)
 
     def entry(self, layer: int, name: str) -> torch.Tensor:
         """The whole ``[num_blocks, block_size, ...]`` pool of one entry (kernels that write and read in place)."""

@@ -92,7 +92,10 @@ class EngineLoop:
         # earlier requests' prefixes until it is needed. A sequence is admitted when the pool can hold
         # its prompt; one that cannot grow is preempted (engine/kv_manager.py, Scheduler.preempt)
         num_blocks = kv_pool_tokens(context, max_batch, kv_tokens) // DEFAULT_BLOCK_SIZE
-        self._kv = KVManager(num_blocks, DEFAULT_BLOCK_SIZE, prefix_cache=prefix_cache)
+        # a hybrid model's linear layers cannot resume from K/V alone: no prefix reuse for them until
+        # their recurrent state is checkpointed too (#14)
+        recurrent = bool(getattr(runtime.model, "has_recurrent_state", False))
+        self._kv = KVManager(num_blocks, DEFAULT_BLOCK_SIZE, prefix_cache=prefix_cache and not recurrent)
         self._preempted: set[int] = set()  # seq ids waiting to come back
         self._scheduler = Scheduler(SchedulerConfig(max_batch, max_queue, prefill_chunk, max_step_tokens),
                                     on_admit=self._on_admit)
@@ -101,7 +104,8 @@ class EngineLoop:
         if runtime.tokenizer is not None:
             eos |= set(runtime.tokenizer.eos_token_ids)
         self._eos_ids = frozenset(eos)
-        self._cache = runtime.model.new_pool(num_blocks, DEFAULT_BLOCK_SIZE)
+        self._cache = (runtime.model.new_pool(num_blocks, DEFAULT_BLOCK_SIZE, state_slots=max_batch) if recurrent
+                       else runtime.model.new_pool(num_blocks, DEFAULT_BLOCK_SIZE))
 
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -328,7 +332,7 @@ class EngineLoop:
         chunks, tables = [c for c, _ in ready], [t for _, t in ready]
         # with block tables the batch's "slots" are the sequences' ids (the routing trace keys on them)
         batch = ForwardBatch.from_token_lists([c.token_ids for c in chunks], [c.start for c in chunks],
-                                              [c.seq_id for c in chunks], tables)
+                                              [c.seq_id for c in chunks], tables, [c.slot for c in chunks])
         logits = self.runtime.model.forward(batch, self._cache)
         self.num_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(chunks))

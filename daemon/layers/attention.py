@@ -69,6 +69,10 @@ class MhaAttention:
         cfg = self.cfg
         bsz, steps, _ = x.shape
         q, k, v = linear_many(x, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
+        gate = None
+        if cfg.gated:  # Qwen3-Next: per head, its q then its gate
+            q, gate = q.view(bsz, steps, cfg.num_heads, 2 * cfg.head_dim).split(cfg.head_dim, dim=-1)
+            q, gate = q.reshape(bsz, steps, -1), torch.sigmoid(gate.reshape(bsz, steps, -1))
         if cfg.qk_norm == "full":  # OLMoE normalises the whole projection
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         if cfg.clip_qkv is not None:
@@ -76,7 +80,8 @@ class MhaAttention:
         if steps == 1:
             out = self._native_decode(q, k, v, batch, cache, cos_sin)
             if out is not None:
-                return linear(out.view(bsz, 1, -1), self.wo, self.bo)
+                out = out.view(bsz, 1, -1)
+                return linear(out if gate is None else out * gate, self.wo, self.bo)
         q = q.view(bsz, steps, cfg.num_heads, cfg.head_dim)
         k = k.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim)
@@ -89,7 +94,7 @@ class MhaAttention:
         keys = cache.read(self.layer, "k", batch, q.dtype).transpose(1, 2)  # [B, Hk, L, Dh]
         values = cache.read(self.layer, "v", batch, q.dtype).transpose(1, 2)
         out = attend(q, keys, values, batch.attention_mask(self.window), cfg.scaling, self.sinks)
-        return linear(out, self.wo, self.bo)
+        return linear(out if gate is None else out * gate, self.wo, self.bo)
 
     def _native_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                        cache: KVCache, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:

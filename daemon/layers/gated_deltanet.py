@@ -58,6 +58,30 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+class LinearAttentionBlock:
+    """A gated DeltaNet as a decoder layer's token mixer: its per-sequence state lives in the KV cache
+    object (``cache.state(layer, name)`` ``[slots, ...]``); a row whose step starts at token 0 starts from
+    a zero state."""
+
+    def __init__(self, net: "GatedDeltaNet", layer: int) -> None:
+        self.net, self.layer = net, layer
+
+    def cache_entries(self) -> dict[str, tuple[int, ...]]:
+        return {}  # no per-token K/V
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.net.state_shapes()
+
+    def forward(self, x: torch.Tensor, batch, cache, cos_sin) -> torch.Tensor:
+        conv, rec = cache.state(self.layer, "conv"), cache.state(self.layer, "recurrent")
+        slots = cache.state_slots(batch)
+        for slot, start, n in zip(slots, batch.starts, batch.lengths):
+            if n and start == 0:
+                conv[slot].zero_()
+                rec[slot].zero_()
+        return self.net.forward(x, batch.lengths, [conv[s] for s in slots], [rec[s] for s in slots])
+
+
 class GatedDeltaNet:
     def __init__(self, cfg: DeltaNetConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
         self.cfg = cfg
@@ -119,10 +143,10 @@ class GatedDeltaNet:
         gated = (normed * F.silu(z)).reshape(t, c.value_dim)
         return linear(gated, self.w_out)
 
-    def forward(self, x: torch.Tensor, lengths: list[int], conv_states: torch.Tensor,
-                states: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lengths: list[int], conv_states, states) -> torch.Tensor:
         """``x [B, T, D]`` right-padded to T with ``lengths[b]`` real tokens per row -> ``[B, T, D]`` (zeros on
-        padding); row b's states are ``conv_states[b]`` / ``states[b]`` (views into the state store)."""
+        padding); row b's states are ``conv_states[b]`` / ``states[b]`` (tensors updated in place: rows of a
+        ``[B, ...]`` tensor, or views into a state store)."""
         out = torch.zeros(x.shape[0], x.shape[1], self.w_out.shape[0], dtype=torch.float32, device=x.device)
         for row, n in enumerate(lengths):
             if n:

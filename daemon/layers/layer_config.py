@@ -62,6 +62,7 @@ class AttentionConfig:
     qk_norm: str = "none"  # none | per_head (Qwen3) | full (OLMoE: over the whole projection)
     clip_qkv: float | None = None
     has_sinks: bool = False
+    gated: bool = False  # Qwen3-Next: q_proj also gives a per-channel gate, sigmoid(gate) * attention output
     scaling: float = 0.0
     # MLA (DeepSeek-V3)
     q_lora_rank: int | None = None

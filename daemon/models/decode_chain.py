@@ -110,6 +110,8 @@ class DecodeChain:
             return Unsupported(f"the {type(executor).__name__} does not run every expert on the CPU")
         if config.attention.kind != "mha":
             return Unsupported(f"{config.attention.kind} attention")
+        if config.has_recurrent_state or config.attention.gated:
+            return Unsupported("gated / linear attention (a hybrid model)")
         att = config.attention
         if att.qk_norm not in ("none", "per_head") or att.clip_qkv is not None:
             return Unsupported("q/k norm over the whole projection or q/k/v clipping")

@@ -9,10 +9,12 @@ so the runtime needs no per-family branches.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 from moed.errors import ModelFormatError, UnsupportedModelError
+from moed.layers.gated_deltanet import DeltaNetConfig
 from moed.layers.layer_config import AttentionConfig, MoeConfig
 from moed.models.model_config import ModelConfig, eos_ids, require, rope_from_config
 
@@ -206,6 +208,34 @@ def _parse_glm4_moe(cfg: dict) -> ModelConfig:
     return _base(cfg, att, moe, moe_layers, (None,) * n, att.head_dim)
 
 
+def _parse_qwen3_next(cfg: dict) -> ModelConfig:
+    """Qwen3-Next: gated DeltaNet layers (``layer_types`` "linear_attention") between gated full-attention
+    layers (per-head (1 + w) q/k norms, partial rotary); Qwen2-MoE-style experts with a sigmoid-gated
+    shared expert; every RMSNorm but the DeltaNet's output norm scales by (1 + w)."""
+    _check_act(cfg)
+    n = require(cfg, "num_hidden_layers")
+    types = cfg.get("layer_types") or []
+    if len(types) != n or any(t not in ("linear_attention", "full_attention") for t in types):
+        raise ModelFormatError(f"config.json: layer_types must give linear_attention or full_attention for each of "
+                               f"the {n} layers")
+    bias = bool(cfg.get("attention_bias", False))
+    att = _mha(cfg, has_qkv_bias=bias, has_o_bias=bias, qk_norm="per_head", gated=True)
+    linear = DeltaNetConfig(num_k_heads=require(cfg, "linear_num_key_heads"),
+                            num_v_heads=require(cfg, "linear_num_value_heads"),
+                            k_head_dim=require(cfg, "linear_key_head_dim"),
+                            v_head_dim=require(cfg, "linear_value_head_dim"),
+                            conv_kernel=require(cfg, "linear_conv_kernel_dim"),
+                            eps=float(cfg.get("rms_norm_eps", 1e-6)))
+    moe = MoeConfig(num_experts=_num_experts(cfg), top_k=require(cfg, "num_experts_per_tok"),
+                    intermediate_size=require(cfg, "moe_intermediate_size"), scoring="softmax",
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                    shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                    has_shared_expert_gate=True)
+    base = _base(cfg, att, moe, _qwen_moe_layers(cfg, n), (None,) * n, att.head_dim)
+    return dataclasses.replace(base, linear_attention=linear,
+                               linear_layers=tuple(t == "linear_attention" for t in types), norm_offset=1.0)
+
+
 def _parse_gpt_oss(cfg: dict) -> ModelConfig:
     n = require(cfg, "num_hidden_layers")
     att = _mha(cfg, has_qkv_bias=True, has_o_bias=True, has_sinks=True)
@@ -231,6 +261,8 @@ FAMILIES: dict[str, Family] = {
     "glm4_moe": Family("glm4_moe", _parse_glm4_moe, FamilyNames(
         moe_prefix="model.layers.{i}.mlp", router="gate", score_bias="gate.e_score_correction_bias",
         shared="shared_experts")),
+    "qwen3_next": Family("qwen3_next", _parse_qwen3_next, FamilyNames(
+        moe_prefix="model.layers.{i}.mlp", router="gate", shared="shared_expert", shared_gate="shared_expert_gate")),
     "gpt_oss": Family("gpt_oss", _parse_gpt_oss, FamilyNames(
         moe_prefix="model.layers.{i}.mlp", router="router", router_bias="router.bias",
         expert_gate="", expert_up="", expert_down="",
@@ -245,6 +277,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 
 

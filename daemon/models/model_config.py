@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moed.errors import ModelFormatError
+from moed.layers.gated_deltanet import DeltaNetConfig
 from moed.layers.layer_config import AttentionConfig, MoeConfig, RopeConfig
 
 
@@ -32,7 +33,19 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]  # per layer: None = full attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # hybrid models (Qwen3-Next): which layers mix tokens with gated DeltaNet instead of attention
+    linear_attention: DeltaNetConfig | None = None
+    linear_layers: tuple[bool, ...] = ()
+    norm_offset: float = 0.0  # Qwen3-Next's RMSNorms scale by (offset + w)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Some layers carry a per-sequence state besides the KV cache (K/V alone cannot resume them)."""
+        return any(self.linear_layers)
 
     @property
     def num_moe_layers(self) -> int:

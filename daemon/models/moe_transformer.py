@@ -15,6 +15,7 @@ from moed.errors import ModelFormatError
 from moed.experts.executor import ExpertExecutor
 from moed.layers.attention import MhaAttention
 from moed.layers.dense_mlp import DenseMlp
+from moed.layers.gated_deltanet import GatedDeltaNet, LinearAttentionBlock
 from moed.layers.linear import linear
 from moed.layers.mla_attention import MlaAttention
 from moed.layers.moe import MoeLayer
@@ -42,6 +43,8 @@ class MoeTransformer:
         """``device``: run on it (non-expert weights and the KV cache there, hidden states kept there,
         the layers' torch code); None runs on the host with the native CPU kernels."""
         check_weights(config, weights, where)
+        if config.norm_offset:  # (offset + w) RMSNorms: folded into the weights once, in float32
+            weights = {name: w.float() + config.norm_offset if _offset_norm(name) else w for name, w in weights.items()}
         self.config = config
         self.executor = executor
         self.device = device
@@ -61,8 +64,12 @@ class MoeTransformer:
         self.layers = []
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}"
-            attention = attention_cls(config.attention, weights, f"{prefix}.self_attn", i, self.rotary,
-                                      config.sliding_windows[i], config.rms_norm_eps)
+            if config.is_linear(i):
+                attention = LinearAttentionBlock(
+                    GatedDeltaNet(config.linear_attention, weights, f"{prefix}.linear_attn"), i)
+            else:
+                attention = attention_cls(config.attention, weights, f"{prefix}.self_attn", i, self.rotary,
+                                          config.sliding_windows[i], config.rms_norm_eps)
             if config.moe_layers[i]:
                 mlp = MoeLayer(config.moe, weights, f"{prefix}.mlp", config.moe_layer_index(i), executor)
             else:
@@ -80,26 +87,40 @@ class MoeTransformer:
     def cache_entries(self) -> list[dict[str, tuple[int, ...]]]:
         return [attention.cache_entries() for _, attention, _, _ in self.layers]
 
+    def state_shapes(self) -> list[dict[str, tuple[int, ...]]] | None:
+        """Per-sequence state of each layer (None: a model without any)."""
+        if not self.config.has_recurrent_state:
+            return None
+        return [getattr(attention, "state_shapes", dict)() for _, attention, _, _ in self.layers]
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return self.config.has_recurrent_state
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """A KV pool of ``num_slots`` static sequences of up to ``max_len`` tokens (``kv_cache_bytes`` of it),
-        in the model's KV dtype; on the model's device when it has one."""
+        in the model's KV dtype, with their per-sequence state if the model has any; on the model's
+        device when it has one."""
         return self._adopt_cache(KVCache.for_slots(self.cache_entries(), num_slots, max_len, self.kv_dtype,
-                                                   self._cache_device()))
+                                                   self._cache_device(), state_shapes=self.state_shapes()))
 
-    def new_pool(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVCache:
-        """A KV pool of ``num_blocks`` blocks that steps address through block tables."""
+    def new_pool(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, state_slots: int = 0) -> KVCache:
+        """A KV pool of ``num_blocks`` blocks that steps address through block tables (and ``state_slots``
+        per-sequence states for a hybrid model: steps name them in ``ForwardBatch.state_slots``)."""
+        shapes = self.state_shapes()
         return self._adopt_cache(KVCache(self.cache_entries(), num_blocks, block_size, self.kv_dtype,
-                                         self._cache_device()))
+                                         self._cache_device(), state_shapes=shapes,
+                                         num_state_slots=state_slots if shapes else 0))
 
     def _cache_device(self) -> torch.device | None:
         return None if self.device is None else self.device.compute_device
 
     def _adopt_cache(self, cache: KVCache) -> KVCache:
         if self.device is not None:
-            for entries in cache.layers:
+            for entries in (*cache.layers, *cache.states):
                 for t in entries.values():
                     self.device.adopt(t)
-            self._kv_device_bytes = cache.nbytes()
+            self._kv_device_bytes = cache.nbytes() + cache.state_nbytes()
             self._book_device_bytes()
         return cache
 
@@ -177,9 +198,15 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: 
 
 
 def kv_cache_bytes(config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes ``new_cache(num_slots, max_len)`` allocates with ``dtype`` K/V, from the config alone
-    (checked before a load; whole blocks per slot)."""
+    """Bytes of K/V ``new_cache(num_slots, max_len)`` allocates with ``dtype`` K/V, from the config alone
+    (checked before a load; whole blocks per slot; a hybrid model's linear layers keep none)."""
     attention_cls = MlaAttention if config.attention.kind == "mla" else MhaAttention
     per_token = sum(math.prod(shape) for shape in attention_cls.cache_entries_for(config.attention).values())
     tokens = -(-max_len // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
-    return per_token * torch.empty((), dtype=dtype).element_size() * config.num_layers * num_slots * tokens
+    attention_layers = sum(not config.is_linear(i) for i in range(config.num_layers))
+    return per_token * torch.empty((), dtype=dtype).element_size() * attention_layers * num_slots * tokens
+
+
+def _offset_norm(name: str) -> bool:
+    """An RMSNorm weight that scales by (offset + w): all but the gated DeltaNet's output norm."""
+    return name.endswith("norm.weight") and ".linear_attn." not in name

@@ -14,7 +14,10 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}"
         shapes[f"{p}.input_layernorm.weight"] = (d,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (d,)
-        shapes.update(_attention_shapes(config, f"{p}.self_attn"))
+        if config.is_linear(i):
+            shapes.update(_linear_attention_shapes(config, f"{p}.linear_attn"))
+        else:
+            shapes.update(_attention_shapes(config, f"{p}.self_attn"))
         if config.moe_layers[i]:
             m = f"{p}.mlp"
             shapes[f"{m}.router.weight"] = (moe.num_experts, d)
@@ -29,6 +32,15 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         else:
             shapes.update(_mlp_shapes(f"{p}.mlp", d, config.dense_intermediate_size))
     return shapes
+
+
+def _linear_attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    d, la = config.hidden_size, config.linear_attention
+    return {f"{p}.in_proj_qkvz.weight": (2 * la.key_dim + 2 * la.value_dim, d),
+            f"{p}.in_proj_ba.weight": (2 * la.num_v_heads, d),
+            f"{p}.conv1d.weight": (la.conv_dim, 1, la.conv_kernel),
+            f"{p}.dt_bias": (la.num_v_heads,), f"{p}.A_log": (la.num_v_heads,),
+            f"{p}.norm.weight": (la.v_head_dim,), f"{p}.out_proj.weight": (d, la.value_dim)}
 
 
 def _mlp_shapes(prefix: str, d: int, inter: int) -> dict[str, tuple[int, ...]]:
@@ -60,10 +72,11 @@ def _attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]
             shapes[f"{p}.o_proj.bias"] = (d,)
         return shapes
     q_out, kv_out = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
-    shapes = {f"{p}.q_proj.weight": (q_out, d), f"{p}.k_proj.weight": (kv_out, d),
+    q_rows = 2 * q_out if att.gated else q_out  # a gated q_proj also gives the gate
+    shapes = {f"{p}.q_proj.weight": (q_rows, d), f"{p}.k_proj.weight": (kv_out, d),
               f"{p}.v_proj.weight": (kv_out, d), f"{p}.o_proj.weight": (d, q_out)}
     if att.has_qkv_bias:
-        shapes.update({f"{p}.q_proj.bias": (q_out,), f"{p}.k_proj.bias": (kv_out,), f"{p}.v_proj.bias": (kv_out,)})
+        shapes.update({f"{p}.q_proj.bias": (q_rows,), f"{p}.k_proj.bias": (kv_out,), f"{p}.v_proj.bias": (kv_out,)})
     if att.has_o_bias:
         shapes[f"{p}.o_proj.bias"] = (d,)
     if att.qk_norm == "per_head":

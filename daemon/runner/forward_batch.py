@@ -20,6 +20,7 @@ class ForwardBatch:
     lengths: list[int]  # valid new tokens, per sequence (<= T)
     slots: list[int]  # KV-cache slot (a static run of blocks) of each sequence, or its row id with block tables
     block_tables: list[list[int]] | None = None  # KV pool blocks of each sequence (None: the slots' static ones)
+    state_slots: list[int] | None = None  # hybrid models: each sequence's recurrent-state slot (None: ``slots``)
     positions: torch.Tensor = field(init=False)  # [B, T] absolute positions
     valid: torch.Tensor = field(init=False)  # [B, T] bool, False on padding
     num_keys: int = field(init=False)  # L = longest start + length
@@ -53,12 +54,13 @@ class ForwardBatch:
 
     @classmethod
     def from_token_lists(cls, tokens: list[list[int]], starts: list[int], slots: list[int],
-                         block_tables: list[list[int]] | None = None) -> "ForwardBatch":
+                         block_tables: list[list[int]] | None = None,
+                         state_slots: list[int] | None = None) -> "ForwardBatch":
         steps = max(len(t) for t in tokens)
         ids = torch.zeros(len(tokens), steps, dtype=torch.int64)
         for row, toks in enumerate(tokens):
             ids[row, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
-        return cls(ids, list(starts), [len(t) for t in tokens], list(slots), block_tables)
+        return cls(ids, list(starts), [len(t) for t in tokens], list(slots), block_tables, state_slots)
 
     def moved(self, to: Callable[[torch.Tensor], torch.Tensor]) -> "ForwardBatch":
         """The same step with its tensors (ids, positions, valid, masks as they are made) through ``to``

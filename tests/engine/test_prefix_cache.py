@@ -173,3 +173,36 @@ def test_sequences_that_outgrow_a_small_pool_are_preempted_and_finish_as_if_alon
     for prompt, (tokens, usage) in zip(prompts, together):
         (alone, _), = _run(alone_loop, [prompt], max_tokens=30)
         assert tokens == alone and usage.prompt_tokens == 10 and usage.cached_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3-next")
+    build_tiny_model("qwen3_next", path)
+    rt = open_runtime(path, engine=EngineConfig(device="cpu"))
+    yield rt
+    rt.close()
+
+
+def test_a_hybrid_model_reuses_no_kv_without_its_recurrent_state_and_survives_preemption(hybrid):
+    """Qwen3-Next's linear layers cannot resume from K/V alone: its loops run without prefix reuse, and a
+    preempted sequence starts over from token 0 with a fresh state; outputs equal the ones alone."""
+    vocab = hybrid.model.config.vocab_size
+    prompts = [_tokens(60 + i, 10, vocab) for i in range(3)]
+    loop = EngineLoop(hybrid, name="hybrid", max_batch=3, context_length=64, kv_tokens=64)
+    loop.start()
+    try:
+        together = _run(loop, prompts, max_tokens=30)
+        (again, usage), = _run(loop, [prompts[0] + together[0][0] + [5, 6]], max_tokens=4)
+        figures = loop.kv_figures()
+        assert not figures.prefix_cache and usage.cached_tokens == 0 and figures.preempted > 0
+    finally:
+        assert loop.stop(timeout=10)
+    alone_loop = EngineLoop(hybrid, name="alone", max_batch=1, context_length=64)
+    alone_loop.start()
+    try:
+        for prompt, (tokens, _) in zip(prompts, together):
+            (alone, _), = _run(alone_loop, [prompt], max_tokens=30)
+            assert tokens == alone
+    finally:
+        assert alone_loop.stop(timeout=10)
