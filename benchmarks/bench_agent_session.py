@@ -1,7 +1,13 @@
 """Replay a scripted coding-agent session through the OpenAI HTTP API, with the prefix cache on and off.
 
-    .venv/bin/python benchmarks/bench_agent_session.py [--model models/demo-moe-ftw] [--turns 14]
+    .venv/bin/python benchmarks/bench_agent_session.py [--model models/demo-moe-ftw] [--turns 16]
         [--context 8192] [--max-tokens 8] [--modes on,off] [--json out.json]
+    .venv/bin/python benchmarks/bench_agent_session.py --tiny-hybrid /tmp/tiny-qwen3-next ...
+
+``--tiny-hybrid DIR`` builds (once) a small random-weight Qwen3-Next (3 gated DeltaNet layers and one
+gated attention layer, 8 experts) with the demo model's tokenizer and chat template in DIR and
+replays the session on it: a hybrid model reuses a prefix only up to a recurrent-state checkpoint
+(taken where each prompt's prefill ends, snapped to a 16-token block).
 
 An agent resends the whole conversation at every turn, edited the way OpenCode / OpenClaw edit it:
 the thinking of earlier assistant turns is stripped (the model's own output never comes back as
@@ -162,6 +168,35 @@ def replay(model: Path, mode: str, turns: int, context: int, max_tokens: int, ke
                 last_prompt=rows[-1]["prompt"])
 
 
+def build_tiny_hybrid(dst: Path, tokenizer_dir: Path, context: int) -> Path:
+    """A small random-weight Qwen3-Next in ``dst`` with ``tokenizer_dir``'s tokenizer (built once)."""
+    import shutil
+
+    import torch
+    import transformers as tf
+
+    if (dst / "config.json").is_file():
+        return dst
+    tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = len(tok["model"]["vocab"]) + len(tok.get("added_tokens", []))
+    eos = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|im_end|>")
+    config = tf.Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=256, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=max(context, 8192),
+        eos_token_id=eos, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dst)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, dst / name)
+    return dst
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/demo-moe-ftw")
@@ -172,8 +207,12 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=6000, help="tool-output tokens that trigger a prune")
     ap.add_argument("--modes", default="on,off")
     ap.add_argument("--json")
+    ap.add_argument("--tiny-hybrid", help="build a tiny Qwen3-Next here and replay on it instead of --model")
     args = ap.parse_args()
-    results = [replay(Path(args.model).resolve(), mode, args.turns, args.context, args.max_tokens, args.keep,
+    model = Path(args.model).resolve()
+    if args.tiny_hybrid:
+        model = build_tiny_hybrid(Path(args.tiny_hybrid).resolve(), model, args.context)
+    results = [replay(model, mode, args.turns, args.context, args.max_tokens, args.keep,
                       args.budget) for mode in args.modes.split(",")]
     for r in results:
         print(f"prefix cache {r['mode']}: TTFT mean {r['ttft_mean_s']:.2f} s, worst {r['ttft_worst_s']:.2f} s; "

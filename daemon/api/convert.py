@@ -62,7 +62,8 @@ def engine_figures(stats, kv=None) -> control_pb2.EngineFigures:
             kv_blocks=kv.num_blocks, kv_block_size=kv.block_size, kv_used_blocks=kv.used_blocks,
             kv_cached_blocks=kv.cached_blocks, kv_bytes=kv.pool_bytes, prompt_tokens=kv.prompt_tokens,
             cached_prompt_tokens=kv.cached_tokens, kv_evicted_blocks=kv.evicted_blocks, prefix_cache=kv.prefix_cache,
-            kv_preempted=kv.preempted)))
+            kv_preempted=kv.preempted, state_checkpoints=kv.checkpoints,
+            state_checkpoint_bytes=kv.checkpoint_bytes)))
 
 
 def memory_figures(figures: dict) -> control_pb2.MemoryFigures:

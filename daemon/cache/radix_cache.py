@@ -28,6 +28,7 @@ class RadixNode:
     children: dict[tuple[int, ...], "RadixNode"] = field(default_factory=dict)  # by their first block's tokens
     lock_ref: int = 0  # running sequences whose prefix passes through here
     last_access: int = 0
+    checkpoint: object = None  # hybrid models: the recurrent state after this node's last token (KVManager)
 
 
 # the eviction order: a key per evictable leaf, smallest evicted first (LRU: the oldest access)
@@ -49,8 +50,10 @@ class PrefixMatch:
 
 
 class RadixCache:
-    def __init__(self, allocator: BlockAllocator, block_size: int, order: EvictionOrder = lru) -> None:
-        self.allocator, self.block_size, self.order = allocator, block_size, order
+    def __init__(self, allocator: BlockAllocator, block_size: int, order: EvictionOrder = lru,
+                 on_evict: Callable[[RadixNode], None] | None = None) -> None:
+        """``on_evict(node)``: called for each node removed (its checkpoint goes with it)."""
+        self.allocator, self.block_size, self.order, self.on_evict = allocator, block_size, order, on_evict
         self.root = RadixNode()
         self.root.lock_ref = 1  # never evicted
         self._clock = itertools.count(1)
@@ -121,6 +124,15 @@ class RadixCache:
             node = child
         return len(blocks)
 
+    @staticmethod
+    def depth(node: RadixNode) -> int:
+        """Tokens from the root to the end of ``node``."""
+        n = 0
+        while node is not None:
+            n += len(node.key)
+            node = node.parent
+        return n
+
     def lock(self, node: RadixNode) -> None:
         while node is not None:
             node.lock_ref += 1
@@ -159,6 +171,8 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[leaf.key[: self.block_size]]
             freed += self.allocator.decref(leaf.blocks)
+            if self.on_evict is not None:
+                self.on_evict(leaf)
             self.num_blocks -= len(leaf.blocks)
             self.evicted_blocks += len(leaf.blocks)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:

@@ -244,7 +244,9 @@ def print_status(s) -> None:
                  f"tokens reused ({share:.0%}), {e.kv_evicted_blocks} blocks evicted" if e.prefix_cache
                  else "prefix cache off")
         print(f"  KV pool {e.kv_used_blocks}/{e.kv_blocks} blocks of {e.kv_block_size} tokens ({gb(e.kv_bytes)}), "
-              f"{e.kv_preempted} preemptions | {cache}")
+              f"{e.kv_preempted} preemptions | {cache}"
+              + (f" | {e.state_checkpoints} state checkpoints ({gb(e.state_checkpoint_bytes)})"
+                 if e.state_checkpoints else ""))
     vram = (f"VRAM total {gb(mem.vram_total)}, other apps {gb(mem.vram_other_apps)}, ours {gb(mem.vram_ours)}, "
             f"free {gb(mem.vram_free)}" if mem.has_gpu else "no GPU memory readings")
     cap = gb(mem.cap_bytes) if mem.cap_bytes else "auto"

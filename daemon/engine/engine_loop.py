@@ -68,11 +68,13 @@ class _Live:
 class EngineLoop:
     def __init__(self, runtime: ModelRuntime, *, name: str, max_batch: int = 8, max_queue: int = 64,
                  prefill_chunk: int | None = None, max_step_tokens: int | None = None,
-                 context_length: int | None = None, prefix_cache: bool = True, kv_tokens: int | None = None) -> None:
+                 context_length: int | None = None, prefix_cache: bool = True, kv_tokens: int | None = None,
+                 checkpoint_bytes: int = 1 << 30) -> None:
         """``prefill_chunk`` / ``max_step_tokens``: None takes ``step_sizes(runtime)`` (the CPU's 512 /
         1024, or 4096 / 8192 with the model on a device). ``prefix_cache``: reuse the K/V of earlier
         requests' common prefixes (engine/kv_manager.py). ``kv_tokens``: the KV pool's size in tokens
-        (None: ``kv_pool_tokens``'s default, two whole contexts)."""
+        (None: ``kv_pool_tokens``'s default, two whole contexts). ``checkpoint_bytes``: a hybrid model's
+        recurrent-state checkpoints kept for prefix reuse (LRU)."""
         default_chunk, default_step = step_sizes(runtime)
         prefill_chunk = default_chunk if prefill_chunk is None else prefill_chunk
         max_step_tokens = default_step if max_step_tokens is None else max_step_tokens
@@ -92,13 +94,16 @@ class EngineLoop:
         # earlier requests' prefixes until it is needed. A sequence is admitted when the pool can hold
         # its prompt; one that cannot grow is preempted (engine/kv_manager.py, Scheduler.preempt)
         num_blocks = kv_pool_tokens(context, max_batch, kv_tokens) // DEFAULT_BLOCK_SIZE
-        # a hybrid model's linear layers cannot resume from K/V alone: no prefix reuse for them until
-        # their recurrent state is checkpointed too (#14)
+        # a hybrid model's linear layers cannot resume from K/V alone: its prefixes are reused only up
+        # to a recurrent-state checkpoint, taken at the semantic boundaries of each new prompt (after
+        # every end-of-message token: ends of turns, tool calls, tool outputs; and where the prompt
+        # ends), snapped down to a block
         recurrent = bool(getattr(runtime.model, "has_recurrent_state", False))
-        self._kv = KVManager(num_blocks, DEFAULT_BLOCK_SIZE, prefix_cache=prefix_cache and not recurrent)
+        self._kv = KVManager(num_blocks, DEFAULT_BLOCK_SIZE, prefix_cache=prefix_cache, checkpoints=recurrent,
+                             checkpoint_bytes=checkpoint_bytes)
         self._preempted: set[int] = set()  # seq ids waiting to come back
         self._scheduler = Scheduler(SchedulerConfig(max_batch, max_queue, prefill_chunk, max_step_tokens),
-                                    on_admit=self._on_admit)
+                                    on_admit=self._on_admit, stops=self._checkpoint_stops)
         self._vocab_size = config.vocab_size
         eos = set(config.eos_token_ids)
         if runtime.tokenizer is not None:
@@ -303,6 +308,34 @@ class EngineLoop:
                 live.cached_tokens = cached
         return cached
 
+    def _checkpoint_stops(self, seq_id: int, token_ids: list[int], cached: int) -> tuple[int, ...]:
+        """Where a hybrid model's prefill stops for state checkpoints: after each end-of-message token of the
+        part not cached yet, and before the prompt's last token, each snapped down to a whole block."""
+        if not self._kv.checkpoints:
+            return ()
+        bs, last = DEFAULT_BLOCK_SIZE, len(token_ids) - 1
+        ends = [i + 1 for i in range(cached, last) if token_ids[i] in self._eos_ids] + [last]
+        return tuple(sorted({p // bs * bs for p in ends if cached < p // bs * bs <= last}))
+
+    def _restore_states(self, chunks: list[ScheduledChunk]) -> None:
+        """Load the state checkpoint a newly admitted hybrid sequence resumes from into its state slot."""
+        for c in chunks:
+            saved = self._kv.take_restore(c.seq_id)
+            if saved is not None:
+                for (layer, name), t in saved.items():
+                    self._cache.state(layer, name)[c.slot].copy_(t)
+
+    def _take_checkpoints(self, chunks: list[ScheduledChunk]) -> None:
+        """(Under the lock, after the step is recorded) snapshot the state of sequences whose prefill just
+        reached their checkpoint position, and keep it in the prefix tree."""
+        for c in chunks:
+            if c.start + len(c.token_ids) not in self._scheduler.stops_of(c.seq_id):
+                continue
+            saved = {(layer, name): t[c.slot].clone() for layer, entries in enumerate(self._cache.states)
+                     for name, t in entries.items()}
+            nbytes = sum(t.numel() * t.element_size() for t in saved.values())
+            self._kv.checkpoint(c.seq_id, self._scheduler.cached_token_ids(c.seq_id), saved, nbytes)
+
     def _with_blocks(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, list[int]]]:
         """Each chunk with its sequence's block table, grown for the tokens it writes. When the pool runs dry
         the newest running sequence without blocks for this step yet is preempted (possibly the chunk's
@@ -330,6 +363,8 @@ class EngineLoop:
         if not ready:
             return [], None
         chunks, tables = [c for c, _ in ready], [t for _, t in ready]
+        if self._kv.checkpoints:
+            self._restore_states(chunks)
         # with block tables the batch's "slots" are the sequences' ids (the routing trace keys on them)
         batch = ForwardBatch.from_token_lists([c.token_ids for c in chunks], [c.start for c in chunks],
                                               [c.seq_id for c in chunks], tables, [c.slot for c in chunks])
@@ -355,6 +390,9 @@ class EngineLoop:
         with self._lock:
             for chunk, token, reason, error in results:
                 self._scheduler.record(chunk.seq_id, len(chunk.token_ids), token)
+            if self._kv.checkpoints:
+                self._take_checkpoints([chunk for chunk, _, reason, _ in results if not reason])
+            for chunk, token, reason, error in results:
                 if reason:
                     if error:
                         self.last_error = error

@@ -10,12 +10,13 @@ ints only, the pool tensors live in ``cache/kv_cache.KVCache``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from moed.cache.block_allocator import BlockAllocator, OutOfBlocks
 from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE
 from moed.errors import InvalidRequestError, quoted
-from moed.cache.radix_cache import RadixCache, RadixNode
+from moed.cache.radix_cache import PrefixMatch, RadixCache, RadixNode
 
 
 def kv_pool_tokens(context: int, max_batch: int, kv_tokens: int | None = None,
@@ -38,6 +39,7 @@ class _SeqBlocks:
     blocks: list[int] = field(default_factory=list)  # the block table, in token order
     node: RadixNode | None = None  # the matched prefix's node, locked while the sequence runs
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    restore: object = None  # hybrid models: the state checkpoint to load before its first step
 
 
 @dataclass
@@ -50,15 +52,26 @@ class KVFigures:
     cached_tokens: int = 0  # of which found in the prefix cache (not prefilled again)
     evicted_blocks: int = 0
     prefix_cache: bool = False
+    checkpoints: int = 0  # hybrid models: recurrent-state checkpoints held
+    checkpoint_bytes: int = 0
     pool_bytes: int = 0  # filled in by the engine loop (the pool tensors' size)
     preempted: int = 0  # filled in by the engine loop: sequences put back in the queue for want of blocks
 
 
 class KVManager:
-    def __init__(self, num_blocks: int, block_size: int, *, prefix_cache: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_cache: bool = True, checkpoints: bool = False,
+                 checkpoint_bytes: int = 1 << 30) -> None:
+        """``checkpoints``: a hybrid model, whose linear layers resume only from a state checkpoint: a prefix
+        is reused up to the deepest checkpoint on its path, and ``checkpoint`` stores them (LRU, at most
+        ``checkpoint_bytes``)."""
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        self.tree = RadixCache(self.allocator, block_size) if prefix_cache else None
+        self.tree = RadixCache(self.allocator, block_size, on_evict=self._drop_checkpoint) if prefix_cache else None
+        self.checkpoints = checkpoints and prefix_cache
+        self.checkpoint_budget = checkpoint_bytes
+        self._ckpts: OrderedDict[RadixNode, None] = OrderedDict()  # nodes holding a checkpoint, oldest first
+        self.checkpoint_bytes = 0
+        self.checkpoints_taken = self.checkpoints_dropped = 0
         self._seqs: dict[int, _SeqBlocks] = {}
         self._prompt_tokens = 0
         self._cached_tokens = 0
@@ -77,6 +90,8 @@ class KVManager:
         match = None
         if self.tree is not None and len(prompt_ids) >= 2:
             match = self.tree.match_prefix(prompt_ids[: len(prompt_ids) - 1])  # the last token is always computed
+            if self.checkpoints:
+                match = self._deepest_checkpoint(match)
         matched = match.num_blocks if match is not None else 0
         need = -(-len(prompt_ids) // self.block_size) - matched
         room = self.allocator.num_free + (self.tree.evictable_blocks() if self.tree is not None else 0)
@@ -90,9 +105,59 @@ class KVManager:
             self.tree.lock(match.node)
             seq.blocks, seq.node = list(match.blocks), match.node
             seq.cached_tokens = matched * self.block_size
+            if self.checkpoints:
+                seq.restore = match.node.checkpoint
+                self._ckpts.move_to_end(match.node)
             if not resumed:
                 self._cached_tokens += seq.cached_tokens
         return seq.cached_tokens
+
+    def _deepest_checkpoint(self, match) -> "PrefixMatch | None":
+        """The match cut back to the deepest node on its path that holds a state checkpoint (None: none)."""
+        node = match.node
+        while node is not None and node.checkpoint is None:
+            node = node.parent
+        if node is None or node is self.tree.root:
+            return None
+        depth = RadixCache.depth(node)
+        return PrefixMatch(match.blocks[: depth // self.block_size], node)
+
+    def take_restore(self, seq_id: int):
+        """The checkpoint a just-admitted sequence must load before its first step (once; None: none)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.restore is None:
+            return None
+        (payload, _nbytes), seq.restore = seq.restore, None
+        return payload
+
+    def checkpoint(self, seq_id: int, token_ids: list[int], payload, nbytes: int) -> bool:
+        """Keep ``payload`` (a hybrid model's state after ``token_ids``, a whole number of blocks of the
+        sequence) in the tree at that prefix; older checkpoints go when the budget is exceeded."""
+        if not self.checkpoints or len(token_ids) % self.block_size or not token_ids or nbytes > self.checkpoint_budget:
+            return False
+        seq = self._seqs[seq_id]
+        full = len(token_ids) // self.block_size
+        if full > len(seq.blocks):
+            raise ValueError(f"sequence {seq_id} has {len(seq.blocks)} blocks, a checkpoint after {full} was asked")
+        self.tree.insert(token_ids, seq.blocks[:full])
+        node = self.tree.match_prefix(token_ids).node  # ends exactly after token_ids (a split if need be)
+        if node.checkpoint is not None:
+            self._drop_checkpoint(node)
+        node.checkpoint = (payload, nbytes)
+        self._ckpts[node] = None
+        self.checkpoint_bytes += nbytes
+        self.checkpoints_taken += 1
+        while self.checkpoint_bytes > self.checkpoint_budget and self._ckpts:
+            self._drop_checkpoint(next(iter(self._ckpts)))
+        return True
+
+    def _drop_checkpoint(self, node: RadixNode) -> None:
+        if node.checkpoint is None:
+            return
+        self.checkpoint_bytes -= node.checkpoint[1]
+        node.checkpoint = None
+        self._ckpts.pop(node, None)
+        self.checkpoints_dropped += 1
 
     @staticmethod
     def _unlocked_in(match) -> int:
@@ -130,7 +195,7 @@ class KVManager:
         if seq is None:
             return
         if self.tree is not None:
-            if token_ids:
+            if token_ids and not self.checkpoints:  # a hybrid model's K/V are reusable only up to checkpoints
                 full = min(len(token_ids) // self.block_size, len(seq.blocks))
                 self.tree.insert(token_ids[: full * self.block_size], seq.blocks[:full])
             if seq.node is not None:
@@ -144,7 +209,8 @@ class KVManager:
     def figures(self) -> KVFigures:
         return KVFigures(self.allocator.num_blocks, self.block_size, self.allocator.num_used,
                          0 if self.tree is None else self.tree.num_blocks, self._prompt_tokens, self._cached_tokens,
-                         0 if self.tree is None else self.tree.evicted_blocks, self.tree is not None)
+                         0 if self.tree is None else self.tree.evicted_blocks, self.tree is not None,
+                         len(self._ckpts), self.checkpoint_bytes)
 
 
 __all__ = ["KVManager", "KVFigures", "OutOfBlocks", "kv_pool_tokens"]

@@ -44,6 +44,7 @@ class SequenceState:
     num_cached: int = 0  # tokens already written to the KV slot
     slot: int = -1  # -1 while waiting
     is_cancelled: bool = False
+    stops: tuple[int, ...] = ()  # ascending: prefill chunks end exactly there (state checkpoints are taken)
 
     @property
     def is_prefilling(self) -> bool:
@@ -80,11 +81,14 @@ class Cancelled:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig,
-                 on_admit: Callable[[int, list[int]], int | None] | None = None) -> None:
+                 on_admit: Callable[[int, list[int]], int | None] | None = None,
+                 stops: Callable[[int, list[int], int], tuple[int, ...]] | None = None) -> None:
         """``on_admit(seq_id, token_ids)``: called before a waiting sequence takes a slot; returns how many
         of its first tokens are already in the KV cache (a reused prefix, then not fed again), or None
-        when the KV pool has no room for it now (it stays first in the queue)."""
+        when the KV pool has no room for it now (it stays first in the queue). ``stops(seq_id, token_ids,
+        cached)``: ascending positions its prefill chunks must end at, asked once it is admitted."""
         self._on_admit = on_admit
+        self._stops = stops
         self.max_batch = config.max_batch
         self.max_queue = config.max_queue
         self.prefill_chunk = config.prefill_chunk
@@ -139,6 +143,8 @@ class Scheduler:
                 if not 0 <= cached < seq.num_prompt:
                     raise ValueError(f"on_admit: {cached} cached tokens for a prompt of {seq.num_prompt}")
                 seq.num_cached = cached
+            if self._stops is not None:
+                seq.stops = tuple(self._stops(seq.seq_id, seq.token_ids, seq.num_cached))
             self._waiting.popleft()
             seq.slot = self._free_slots.pop(0)
             self._running[seq.seq_id] = seq
@@ -152,6 +158,9 @@ class Scheduler:
                 break
             if seq.is_prefilling:
                 n = min(self.prefill_chunk, len(seq.token_ids) - seq.num_cached, budget)
+                stop = next((s for s in seq.stops if s > seq.num_cached), None)
+                if stop is not None:
+                    n = min(n, stop - seq.num_cached)
                 chunks.append(self._chunk(seq, n))
                 budget -= n
         return StepPlan(chunks, admitted, cancelled)
@@ -183,6 +192,10 @@ class Scheduler:
     def newest_running(self, exclude: set[int]) -> int | None:
         """The most recently admitted running sequence not in ``exclude`` (the one to preempt first)."""
         return next((s for s in reversed(self._running) if s not in exclude), None)
+
+    def stops_of(self, seq_id: int) -> tuple[int, ...]:
+        seq = self._running.get(seq_id)
+        return () if seq is None else seq.stops
 
     def cached_token_ids(self, seq_id: int) -> list[int]:
         """The tokens of a running sequence whose K/V are in its blocks (empty for a waiting one)."""

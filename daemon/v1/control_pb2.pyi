@@ -127,7 +127,7 @@ class WatchStatusRequest(_message.Message):
     def __init__(self, interval_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineFigures(_message.Message):
-    __slots__ = ("device", "policy", "hits", "misses", "fills", "cpu_experts", "last_q", "last_m", "b_p", "b_h", "cache_slots", "cache_bytes", "pinned_bytes", "pageable_bytes", "pin_note", "transient_fills", "model_device_bytes", "model_note", "streamed_layers", "kv_blocks", "kv_block_size", "kv_used_blocks", "kv_cached_blocks", "kv_bytes", "prompt_tokens", "cached_prompt_tokens", "kv_evicted_blocks", "prefix_cache", "kv_preempted")
+    __slots__ = ("device", "policy", "hits", "misses", "fills", "cpu_experts", "last_q", "last_m", "b_p", "b_h", "cache_slots", "cache_bytes", "pinned_bytes", "pageable_bytes", "pin_note", "transient_fills", "model_device_bytes", "model_note", "streamed_layers", "kv_blocks", "kv_block_size", "kv_used_blocks", "kv_cached_blocks", "kv_bytes", "prompt_tokens", "cached_prompt_tokens", "kv_evicted_blocks", "prefix_cache", "kv_preempted", "state_checkpoints", "state_checkpoint_bytes")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,8 @@ class EngineFigures(_message.Message):
     KV_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     KV_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    STATE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     device: str
     policy: str
     hits: int
@@ -186,7 +188,9 @@ class EngineFigures(_message.Message):
     kv_evicted_blocks: int
     prefix_cache: bool
     kv_preempted: int
-    def __init__(self, device: _Optional[str] = ..., policy: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., fills: _Optional[int] = ..., cpu_experts: _Optional[int] = ..., last_q: _Optional[int] = ..., last_m: _Optional[int] = ..., b_p: _Optional[float] = ..., b_h: _Optional[float] = ..., cache_slots: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., pageable_bytes: _Optional[int] = ..., pin_note: _Optional[str] = ..., transient_fills: _Optional[int] = ..., model_device_bytes: _Optional[int] = ..., model_note: _Optional[str] = ..., streamed_layers: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_evicted_blocks: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., kv_preempted: _Optional[int] = ...) -> None: ...
+    state_checkpoints: int
+    state_checkpoint_bytes: int
+    def __init__(self, device: _Optional[str] = ..., policy: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., fills: _Optional[int] = ..., cpu_experts: _Optional[int] = ..., last_q: _Optional[int] = ..., last_m: _Optional[int] = ..., b_p: _Optional[float] = ..., b_h: _Optional[float] = ..., cache_slots: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., pageable_bytes: _Optional[int] = ..., pin_note: _Optional[str] = ..., transient_fills: _Optional[int] = ..., model_device_bytes: _Optional[int] = ..., model_note: _Optional[str] = ..., streamed_layers: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_evicted_blocks: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., kv_preempted: _Optional[int] = ..., state_checkpoints: _Optional[int] = ..., state_checkpoint_bytes: _Optional[int] = ...) -> None: ...
 
 class MemoryFigures(_message.Message):
     __slots__ = ("has_gpu", "vram_total", "vram_free", "vram_other_apps", "vram_ours", "budget_bytes", "cap_bytes", "host_total", "host_available", "source")

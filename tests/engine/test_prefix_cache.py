@@ -184,21 +184,61 @@ def hybrid(tmp_path_factory):
     rt.close()
 
 
-def test_a_hybrid_model_reuses_no_kv_without_its_recurrent_state_and_survives_preemption(hybrid):
-    """Qwen3-Next's linear layers cannot resume from K/V alone: its loops run without prefix reuse, and a
-    preempted sequence starts over from token 0 with a fresh state; outputs equal the ones alone."""
+def test_a_hybrid_sequence_resumed_from_a_state_checkpoint_computes_the_logits_of_a_fresh_prefill(hybrid):
+    """Model level: K/V blocks and the linear layers' state after 32 tokens, handed to another sequence."""
+    model = hybrid.model
+    pool = model.new_pool(16, BS, state_slots=3)
+    prompt = _tokens(70, 45, model.config.vocab_size)
+    model.forward(ForwardBatch.from_token_lists([prompt[:32]], [0], [0], [[0, 1]], [0]), pool)
+    for layer, entries in enumerate(pool.states):
+        for name, t in entries.items():
+            t[1].copy_(t[0])  # the checkpoint, restored into another sequence's slot
+    resumed = model.forward(ForwardBatch.from_token_lists([prompt[32:]], [32], [1], [[0, 1, 5]], [1]), pool,
+                            last_only=False)
+    fresh = model.forward(ForwardBatch.from_token_lists([prompt], [0], [2], [[8, 9, 10]], [2]), pool,
+                          last_only=False)[:, 32:]
+    span = float(fresh.max() - fresh.min())
+    torch.testing.assert_close(resumed, fresh, rtol=0, atol=1e-4 * span)
+    assert torch.equal(resumed.argmax(-1), fresh.argmax(-1))
+
+
+def test_a_hybrid_follow_up_turn_resumes_from_the_checkpoint_of_the_last_prompt(hybrid):
     vocab = hybrid.model.config.vocab_size
-    prompts = [_tokens(60 + i, 10, vocab) for i in range(3)]
-    loop = EngineLoop(hybrid, name="hybrid", max_batch=3, context_length=64, kv_tokens=64)
+    first = _tokens(80, 40, vocab)
+    results = {}
+    for on in (True, False):
+        loop = EngineLoop(hybrid, name="hybrid", context_length=128, prefix_cache=on)
+        loop.start()
+        try:
+            (out1, u1), = _run(loop, [first])
+            (out2, u2), = _run(loop, [first + out1 + _tokens(81, 7, vocab)])
+            figures = loop.kv_figures()
+        finally:
+            assert loop.stop(timeout=10)
+        results[on] = (out1, out2)
+        if on:
+            # the first prompt's prefill stopped at 32 tokens (its last whole block) for a state checkpoint
+            assert u2.cached_tokens == 32 and figures.checkpoints >= 1 and figures.checkpoint_bytes > 0
+        else:
+            assert u2.cached_tokens == 0 and figures.checkpoints == 0
+    assert results[True] == results[False]
+
+
+def test_a_hybrid_model_without_room_for_checkpoints_reuses_nothing_and_survives_preemption(hybrid):
+    """Checkpoints larger than their budget are not kept (no reuse), and a preempted sequence starts over
+    from token 0 with a fresh state; outputs equal the ones alone."""
+    vocab = hybrid.model.config.vocab_size
+    prompts = [_tokens(60 + i, 20, vocab) for i in range(3)]
+    loop = EngineLoop(hybrid, name="hybrid", max_batch=3, context_length=64, kv_tokens=64, checkpoint_bytes=16)
     loop.start()
     try:
         together = _run(loop, prompts, max_tokens=30)
         (again, usage), = _run(loop, [prompts[0] + together[0][0] + [5, 6]], max_tokens=4)
         figures = loop.kv_figures()
-        assert not figures.prefix_cache and usage.cached_tokens == 0 and figures.preempted > 0
+        assert usage.cached_tokens == 0 and figures.checkpoints == 0 and figures.preempted > 0
     finally:
         assert loop.stop(timeout=10)
-    alone_loop = EngineLoop(hybrid, name="alone", max_batch=1, context_length=64)
+    alone_loop = EngineLoop(hybrid, name="alone", max_batch=1, context_length=64, prefix_cache=False)
     alone_loop.start()
     try:
         for prompt, (tokens, _) in zip(prompts, together):
@@ -206,3 +246,47 @@ def test_a_hybrid_model_reuses_no_kv_without_its_recurrent_state_and_survives_pr
             assert tokens == alone
     finally:
         assert alone_loop.stop(timeout=10)
+
+
+def test_checkpoints_are_kept_within_their_budget_and_go_with_their_evicted_blocks():
+    kv = KVManager(num_blocks=8, block_size=BS, checkpoints=True, checkpoint_bytes=100)
+    a, b = list(range(100, 132)), list(range(200, 232))
+    for seq, tokens in ((0, a), (1, b)):
+        assert kv.admit(seq, tokens + [1]) == 0
+        kv.ensure(seq, 33)
+        assert kv.checkpoint(seq, tokens, f"state-{seq}", 60)
+        kv.release(seq, tokens)
+    figures = kv.figures()
+    assert figures.checkpoints == 1 and figures.checkpoint_bytes == 60  # a's went: 120 > 100
+    assert kv.admit(2, a + [7, 8]) == 0  # a's blocks are cached, but without a state they are of no use
+    kv.release(2, None)
+    assert kv.admit(3, b + [7, 8]) == 32 and kv.take_restore(3) == "state-1" and kv.take_restore(3) is None
+    kv.release(3, None)
+    kv.admit(4, b + [9])
+    assert not kv.checkpoint(4, b, "too big", 101)  # larger than the whole budget: not kept
+    kv.release(4, None)
+    kv.clear_cache()  # evicting the blocks drops their checkpoint
+    assert kv.figures().checkpoints == 0 and kv.checkpoint_bytes == 0 and kv.allocator.num_free == 8
+
+
+def test_a_hybrid_prompt_edited_after_a_message_end_resumes_from_the_checkpoint_at_that_end(hybrid):
+    """Checkpoints are taken at end-of-message tokens too: a follow-up that rewrites the text after the
+    first message (as an agent replacing an old tool output) resumes from the block before that end."""
+    vocab = hybrid.model.config.vocab_size
+    eos = hybrid.model.config.eos_token_ids[0]
+    head = _tokens(90, 20, vocab) + [eos]  # a message ending at position 21: checkpoint after 16 tokens
+    first, edited = head + _tokens(91, 30, vocab), head + _tokens(92, 33, vocab)
+    results = {}
+    for on in (True, False):
+        loop = EngineLoop(hybrid, name="hybrid", context_length=128, prefix_cache=on)
+        loop.start()
+        try:
+            (out1, _), = _run(loop, [first])
+            (out2, u2), = _run(loop, [edited])
+            figures = loop.kv_figures()
+        finally:
+            assert loop.stop(timeout=10)
+        results[on] = (out1, out2)
+        if on:
+            assert u2.cached_tokens == 16 and figures.checkpoints >= 2  # at 16 and at 48 (the prompt's end)
+    assert results[True] == results[False]

@@ -133,3 +133,26 @@ def test_cancel_removes_queued_and_marks_running():
     sched.finish(running)
     assert sched.free_slots == [0] and sched.cancel("run") is None
     sched.add("run", [9])  # the id is free again
+
+
+def test_prefill_chunks_end_exactly_at_the_stops_and_a_kv_hook_can_defer_admission():
+    asked = []
+
+    def on_admit(seq_id, tokens):
+        asked.append(seq_id)
+        return None if seq_id == 1 and asked.count(1) <= 2 else 2  # seq 1 waits twice for KV room
+
+    sched = Scheduler(SchedulerConfig(2, 4, 8, 16), on_admit=on_admit, stops=lambda s, t, cached: (5, 11))
+    sched.add("a", list(range(20)))
+    plan, _ = run_step(sched)
+    assert [(c.start, len(c.token_ids)) for c in plan.chunks] == [(2, 3)]  # 2 cached; the chunk ends at 5
+    plan, _ = run_step(sched)
+    assert [(c.start, len(c.token_ids)) for c in plan.chunks] == [(5, 6)]  # ends at 11
+    plan, _ = run_step(sched)
+    assert [(c.start, len(c.token_ids)) for c in plan.chunks] == [(11, 8)]  # then full chunks
+    sched.add("b", [1, 2, 3])
+    for _ in range(2):
+        plan, _ = run_step(sched)
+        assert plan.admitted == [] and sched.num_waiting == 1  # deferred: first in line, not dropped
+    plan, _ = run_step(sched)
+    assert plan.admitted == [1]
