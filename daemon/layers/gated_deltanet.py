@@ -33,6 +33,7 @@ class DeltaNetConfig:
     v_head_dim: int
     conv_kernel: int
     eps: float = 1e-6
+    split_projections: bool = False  # Qwen3.5: in_proj_qkv / _z / _b / _a; Qwen3-Next: in_proj_qkvz / _ba
 
     @property
     def key_dim(self) -> int:
@@ -86,7 +87,11 @@ class GatedDeltaNet:
     def __init__(self, cfg: DeltaNetConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
         self.cfg = cfg
         get = lambda name: weights[f"{prefix}.{name}"]  # noqa: E731
-        self.w_qkvz, self.w_ba = get("in_proj_qkvz.weight"), get("in_proj_ba.weight")
+        if cfg.split_projections:
+            self.w_qkv, self.w_z = get("in_proj_qkv.weight"), get("in_proj_z.weight")
+            self.w_b, self.w_a = get("in_proj_b.weight"), get("in_proj_a.weight")
+        else:
+            self.w_qkvz, self.w_ba = get("in_proj_qkvz.weight"), get("in_proj_ba.weight")
         self.conv_w = get("conv1d.weight").reshape(cfg.conv_dim, cfg.conv_kernel).float()  # [C, K]
         self.dt_bias, self.a_log = get("dt_bias").float(), get("A_log").float()
         self.norm_w, self.w_out = get("norm.weight").float(), get("out_proj.weight")
@@ -99,11 +104,16 @@ class GatedDeltaNet:
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, D] -> the conv input [C, T] (q, k, v channels), z [T, Hv, Dv], b and a [T, Hv].
 
-        The projections group their outputs by key head: for each of the Hk key heads, its q (Dk),
-        k (Dk), then the v and z of its Hv/Hk value heads; b and a likewise.
+        Qwen3-Next's projections group their outputs by key head: for each of the Hk key heads, its
+        q (Dk), k (Dk), then the v and z of its Hv/Hk value heads; b and a likewise. Qwen3.5's are
+        four plain projections.
         """
         c = self.cfg
         t = x.shape[0]
+        if c.split_projections:  # q, k, v channels in order; z, b, a by value head
+            x = x.float()
+            return (linear(x, self.w_qkv).t(), linear(x, self.w_z).view(t, c.num_v_heads, c.v_head_dim),
+                    linear(x, self.w_b), linear(x, self.w_a))
         per = c.num_v_heads // c.num_k_heads
         qkvz = linear(x.float(), self.w_qkvz).view(t, c.num_k_heads, 2 * c.k_head_dim + 2 * per * c.v_head_dim)
         q, k, v, z = qkvz.split([c.k_head_dim, c.k_head_dim, per * c.v_head_dim, per * c.v_head_dim], dim=-1)

@@ -34,6 +34,10 @@ class FamilyNames:
     score_bias: str = ""  # DeepSeek e_score_correction_bias
     shared: str = ""  # shared expert module
     shared_gate: str = ""  # Qwen2-MoE sigmoid gate
+    # a multimodal checkpoint's language model: its tensors' prefix (read as "model."), and the
+    # prefixes of the tensors moed does not use (a vision tower, multi-token prediction)
+    language_prefix: str = ""
+    skip_prefixes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,29 @@ def _parse_glm4_moe(cfg: dict) -> ModelConfig:
     return _base(cfg, att, moe, moe_layers, (None,) * n, att.head_dim)
 
 
+def _parse_qwen3_5_moe_text(cfg: dict) -> ModelConfig:
+    """Qwen3.5-MoE's language model (Qwen3.6-35B-A3B's architecture): Qwen3-Next's layers, with the
+    DeltaNet's input projections as four plain matrices. (For text, its multimodal rotary embedding is
+    the ordinary one: every position section holds the same index.)"""
+    config = _parse_qwen3_next(cfg)
+    return dataclasses.replace(config, linear_attention=dataclasses.replace(config.linear_attention,
+                                                                            split_projections=True))
+
+
+def _parse_qwen3_5_moe(cfg: dict) -> ModelConfig:
+    """The multimodal Qwen3.5-MoE checkpoint (Qwen3_5MoeForConditionalGeneration, e.g. Qwen3.6-35B-A3B as
+    shipped): its language model only, from ``text_config``; the vision tower is not loaded (text in,
+    text out)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelFormatError("config.json: a qwen3_5_moe checkpoint needs its language model's text_config")
+    merged = dict(text, model_type=cfg["model_type"])
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        if key not in merged and key in cfg:
+            merged[key] = cfg[key]
+    return _parse_qwen3_5_moe_text(merged)
+
+
 def _parse_qwen3_next(cfg: dict) -> ModelConfig:
     """Qwen3-Next: gated DeltaNet layers (``layer_types`` "linear_attention") between gated full-attention
     layers (per-head (1 + w) q/k norms, partial rotary); Qwen2-MoE-style experts with a sigmoid-gated
@@ -263,6 +290,12 @@ FAMILIES: dict[str, Family] = {
         shared="shared_experts")),
     "qwen3_next": Family("qwen3_next", _parse_qwen3_next, FamilyNames(
         moe_prefix="model.layers.{i}.mlp", router="gate", shared="shared_expert", shared_gate="shared_expert_gate")),
+    "qwen3_5_moe_text": Family("qwen3_5_moe_text", _parse_qwen3_5_moe_text, FamilyNames(
+        moe_prefix="model.layers.{i}.mlp", router="gate", shared="shared_expert", shared_gate="shared_expert_gate")),
+    "qwen3_5_moe": Family("qwen3_5_moe", _parse_qwen3_5_moe, FamilyNames(
+        moe_prefix="model.language_model.layers.{i}.mlp", router="gate", shared="shared_expert",
+        shared_gate="shared_expert_gate", language_prefix="model.language_model.",
+        skip_prefixes=("model.visual.", "mtp."))),
     "gpt_oss": Family("gpt_oss", _parse_gpt_oss, FamilyNames(
         moe_prefix="model.layers.{i}.mlp", router="router", router_bias="router.bias",
         expert_gate="", expert_up="", expert_down="",
@@ -278,6 +311,8 @@ ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 
 

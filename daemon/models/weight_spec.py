@@ -36,8 +36,13 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _linear_attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     d, la = config.hidden_size, config.linear_attention
-    return {f"{p}.in_proj_qkvz.weight": (2 * la.key_dim + 2 * la.value_dim, d),
-            f"{p}.in_proj_ba.weight": (2 * la.num_v_heads, d),
+    if la.split_projections:
+        proj = {f"{p}.in_proj_qkv.weight": (la.conv_dim, d), f"{p}.in_proj_z.weight": (la.value_dim, d),
+                f"{p}.in_proj_b.weight": (la.num_v_heads, d), f"{p}.in_proj_a.weight": (la.num_v_heads, d)}
+    else:
+        proj = {f"{p}.in_proj_qkvz.weight": (2 * la.key_dim + 2 * la.value_dim, d),
+                f"{p}.in_proj_ba.weight": (2 * la.num_v_heads, d)}
+    return {**proj,
             f"{p}.conv1d.weight": (la.conv_dim, 1, la.conv_kernel),
             f"{p}.dt_bias": (la.num_v_heads,), f"{p}.A_log": (la.num_v_heads,),
             f"{p}.norm.weight": (la.v_head_dim,), f"{p}.out_proj.weight": (d, la.value_dim)}

@@ -218,6 +218,11 @@ def _canonical_keys(config: ModelConfig, family: Family, keys: list[str]) -> dic
         renames[names.shared_gate + ".weight"] = "shared_gate.weight"
     mapping: dict[str, str] = {}
     for key in keys:
+        if names.skip_prefixes and key.startswith(names.skip_prefixes):
+            continue  # a vision tower, multi-token prediction: not used for text generation
+        hf_key = key
+        if names.language_prefix and key.startswith(names.language_prefix):
+            key = "model." + key[len(names.language_prefix):]  # its canonical name
         match = _LAYER.match(key)
         layer = int(match.group(1)) if match else None
         if layer is not None and layer >= config.num_layers:
@@ -226,11 +231,11 @@ def _canonical_keys(config: ModelConfig, family: Family, keys: list[str]) -> dic
             continue  # FP8 block scales are read with their weights
         if layer is not None and config.moe_layers[layer]:
             prefix = names.moe_prefix.format(i=layer) + "."
-            if key.startswith(prefix):
-                rel = key[len(prefix):]
+            if hf_key.startswith(prefix):
+                rel = hf_key[len(prefix):]
                 if rel in renames:
-                    mapping[f"model.layers.{layer}.mlp.{renames[rel]}"] = key
+                    mapping[f"model.layers.{layer}.mlp.{renames[rel]}"] = hf_key
                 # routed experts (rel starts with "experts.") are read by expert_chunks
                 continue
-        mapping[key] = key
+        mapping[key] = hf_key
     return mapping

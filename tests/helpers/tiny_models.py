@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next",
+            "qwen3_5_moe_text")
 
 COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
@@ -51,6 +52,12 @@ def tiny_config(family: str):
                                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                                   linear_conv_kernel_dim=4,
                                   layer_types=["linear_attention", "full_attention", "linear_attention"])
+    if family == "qwen3_5_moe_text":
+        return tf.Qwen3_5MoeTextConfig(**COMMON, moe_intermediate_size=64, num_key_value_heads=2, head_dim=32,
+                                       num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=64,
+                                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                       linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                       layer_types=["linear_attention", "full_attention", "linear_attention"])
     if family == "glm4_moe":
         return tf.Glm4MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=64, num_key_value_heads=2,
                                 head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,

@@ -98,3 +98,39 @@ def test_ftw_fp32_conversion_keeps_parity(family_model, tmp_path):
         err = (ours[row, : len(prompt)] - reference_logits(reference, prompt)).abs().max().item()
         assert err < TOL, f"{family} (FTW): prompt {row} max abs logit error {err}"
     assert greedy(runtime, prompts, 32) == [reference_greedy(reference, p, 32) for p in prompts]
+
+
+def test_the_multimodal_qwen3_5_checkpoint_loads_its_language_model(tmp_path):
+    """Qwen3.6-35B-A3B ships as Qwen3_5MoeForConditionalGeneration: a vision tower beside the language model
+    (``text_config``, ``model.language_model.*``). moed loads the language model alone, and its logits for
+    text are transformers' (HF directory and FTW conversion alike)."""
+    import transformers as tf
+
+    from helpers.tiny_models import COMMON, tiny_config
+
+    text = tiny_config("qwen3_5_moe_text").to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"],
+                  patch_size=4, spatial_merge_size=1, temporal_patch_size=1)
+    config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    reference = tf.Qwen3_5MoeForConditionalGeneration(config).eval()
+    with torch.no_grad():  # scaled up from the small init, as helpers.tiny_models does
+        for name, param in reference.named_parameters():
+            if param.dim() >= 2:
+                param.mul_(4.0)
+            elif "norm" in name:
+                param.uniform_(0.8, 1.2)
+    reference.save_pretrained(tmp_path / "hf")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any(k.startswith("model.visual.") for k in keys) and any(k.startswith("model.language_model.") for k in keys)
+    prompt = torch.randint(3, 500, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = reference_logits(reference, prompt)
+    convert_model(tmp_path / "hf", tmp_path / "ftw")
+    for path in (tmp_path / "hf", tmp_path / "ftw"):
+        runtime = open_runtime(path)
+        assert runtime.model.config.family == "qwen3_5_moe" and runtime.model.has_recurrent_state
+        got = batched_prefill_logits(runtime, [prompt])[0]
+        assert (got - want).abs().max().item() < TOL, path.name
