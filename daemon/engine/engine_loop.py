@@ -39,6 +39,8 @@ DEFAULT_MAX_STEP_TOKENS = 1024  # tokens per step, all sequences together
 # step (experts/prefill_stream.py), so a step must carry thousands of tokens to hide it (the paper:
 # 8192-token chunks); attention runs there too, so the activations live in VRAM.
 DEVICE_PREFILL_CHUNK = 4096
+# special tokens that end a semantic unit inside a message (a hybrid model checkpoints its state there)
+BOUNDARY_MARKERS = ("</think>", "</tool_call>", "</tool_response>")
 DEVICE_MAX_STEP_TOKENS = 8192
 
 
@@ -109,6 +111,12 @@ class EngineLoop:
         if runtime.tokenizer is not None:
             eos |= set(runtime.tokenizer.eos_token_ids)
         self._eos_ids = frozenset(eos)
+        # hybrid models' checkpoint boundaries: ends of messages, and of thinking / tool calls / tool
+        # outputs where the tokenizer has a token for them (Qwen's chat templates do)
+        markers = set()
+        if runtime.tokenizer is not None:
+            markers = {runtime.tokenizer.token_to_id(m) for m in BOUNDARY_MARKERS} - {None}
+        self._boundary_ids = frozenset(eos | markers)
         self._cache = (runtime.model.new_pool(num_blocks, DEFAULT_BLOCK_SIZE, state_slots=max_batch) if recurrent
                        else runtime.model.new_pool(num_blocks, DEFAULT_BLOCK_SIZE))
 
@@ -309,12 +317,13 @@ class EngineLoop:
         return cached
 
     def _checkpoint_stops(self, seq_id: int, token_ids: list[int], cached: int) -> tuple[int, ...]:
-        """Where a hybrid model's prefill stops for state checkpoints: after each end-of-message token of the
-        part not cached yet, and before the prompt's last token, each snapped down to a whole block."""
+        """Where a hybrid model's prefill stops for state checkpoints: after each boundary token (end of a
+        message, of thinking, of a tool call or a tool output) of the part not cached yet, and before the
+        prompt's last token, each snapped down to a whole block."""
         if not self._kv.checkpoints:
             return ()
         bs, last = DEFAULT_BLOCK_SIZE, len(token_ids) - 1
-        ends = [i + 1 for i in range(cached, last) if token_ids[i] in self._eos_ids] + [last]
+        ends = [i + 1 for i in range(cached, last) if token_ids[i] in self._boundary_ids] + [last]
         return tuple(sorted({p // bs * bs for p in ends if cached < p // bs * bs <= last}))
 
     def _restore_states(self, chunks: list[ScheduledChunk]) -> None:

@@ -290,3 +290,27 @@ def test_a_hybrid_prompt_edited_after_a_message_end_resumes_from_the_checkpoint_
         if on:
             assert u2.cached_tokens == 16 and figures.checkpoints >= 2  # at 16 and at 48 (the prompt's end)
     assert results[True] == results[False]
+
+
+def test_hybrid_checkpoint_stops_fall_on_message_and_marker_ends_snapped_to_blocks(hybrid):
+    class Markers:  # the tokenizer's say: "</think>" is id 7, "</tool_call>" 8, the others absent
+        eos_token_ids = ()
+
+        @staticmethod
+        def token_to_id(text):
+            return {"</think>": 7, "</tool_call>": 8}.get(text)
+
+        def stream_decoder(self, *a):
+            raise AssertionError("not used here")
+
+    from moed.engine.runtime import ModelRuntime
+
+    runtime = ModelRuntime(hybrid.loaded, hybrid.model, hybrid.executor, Markers())
+    loop = EngineLoop(runtime, name="stops", context_length=256)
+    eos = hybrid.model.config.eos_token_ids[0]
+    tokens = [20] * 100
+    tokens[19], tokens[40], tokens[70] = 7, 8, eos  # ends after positions 20, 41, 71; the prompt's last is 99
+    assert loop._checkpoint_stops(0, tokens, 0) == (16, 32, 64, 96)
+    assert loop._checkpoint_stops(0, tokens, 32) == (64, 96)  # only the part not cached yet
+    assert loop._checkpoint_stops(0, tokens[:10], 0) == ()  # nothing before the first whole block
+    loop.stop()
