@@ -22,13 +22,17 @@ from moed.runner.forward_batch import ForwardBatch
 BS = 16
 
 
-@pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    build_tiny_model("qwen3_moe", path)
+def _tiny_runtime(tmp_path_factory, family: str):
+    path = tmp_path_factory.mktemp(family)
+    build_tiny_model(family, path)
     rt = open_runtime(path, engine=EngineConfig(device="cpu"))
     yield rt
     rt.close()
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    yield from _tiny_runtime(tmp_path_factory, "qwen3_moe")
 
 
 def _tokens(seed: int, n: int, vocab: int) -> list[int]:
@@ -177,11 +181,7 @@ def test_sequences_that_outgrow_a_small_pool_are_preempted_and_finish_as_if_alon
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-qwen3-next")
-    build_tiny_model("qwen3_next", path)
-    rt = open_runtime(path, engine=EngineConfig(device="cpu"))
-    yield rt
-    rt.close()
+    yield from _tiny_runtime(tmp_path_factory, "qwen3_next")
 
 
 def test_a_hybrid_sequence_resumed_from_a_state_checkpoint_computes_the_logits_of_a_fresh_prefill(hybrid):
