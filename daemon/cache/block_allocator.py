@@ -44,6 +44,29 @@ class BlockAllocator:
             self._refs[b] = 1
         return out
 
+    def resize(self, num_blocks: int) -> list[tuple[int, int]]:
+        """Grow, or shrink to ``num_blocks`` by moving every held block at or above it into a free one below;
+        returns the moves ``(old, new)`` (the holders rewrite their tables with them). Raises OutOfBlocks
+        when more blocks are held than the new size."""
+        if num_blocks < 1:
+            raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
+        if num_blocks >= self.num_blocks:
+            self._free.extend(range(self.num_blocks, num_blocks))
+            self._refs.extend([0] * (num_blocks - self.num_blocks))
+            self.num_blocks = num_blocks
+            return []
+        if self.num_used > num_blocks:
+            raise OutOfBlocks(f"{self.num_used} KV blocks are held; the pool cannot shrink to {num_blocks}")
+        low_free = sorted(b for b in self._free if b < num_blocks)
+        high_held = [b for b in range(num_blocks, self.num_blocks) if self._refs[b] > 0]
+        moves = list(zip(high_held, low_free))
+        for old, new in moves:
+            self._refs[new], self._refs[old] = self._refs[old], 0
+        self._refs = self._refs[:num_blocks]
+        self._free = deque(b for b in range(num_blocks) if self._refs[b] == 0)
+        self.num_blocks = num_blocks
+        return moves
+
     def incref(self, blocks: list[int]) -> None:
         for b in blocks:
             if self._refs[b] < 1:

@@ -81,6 +81,26 @@ class KVCache:
         cache.num_slots, cache.max_len = num_slots, max_len
         return cache
 
+    def resized(self, num_blocks: int, moves: list[tuple[int, int]]) -> "KVCache":
+        """A pool of ``num_blocks`` blocks holding this one's contents (blocks below both sizes in place,
+        then each ``(old, new)`` move); the per-sequence states are the same tensors. Block tables only."""
+        if self.num_slots:
+            raise ValueError("a pool with static slots cannot be resized")
+        first = next((t for entries in self.layers for t in entries.values()), None)
+        device = first.device if first is not None else None
+        out = KVCache([{name: tuple(t.shape[2:]) for name, t in entries.items()} for entries in self.layers],
+                      num_blocks, self.block_size, self.dtype, device)
+        out.states = self.states
+        keep = min(num_blocks, self.num_blocks)
+        src = torch.tensor([old for old, _ in moves], dtype=torch.long, device=device)
+        dst = torch.tensor([new for _, new in moves], dtype=torch.long, device=device)
+        for old_entries, new_entries in zip(self.layers, out.layers):
+            for name, t in old_entries.items():
+                new_entries[name][:keep].copy_(t[:keep])
+                if moves:
+                    new_entries[name].index_copy_(0, dst, t.index_select(0, src))
+        return out
+
     def nbytes(self) -> int:
         """The K/V pool's bytes (per-sequence states apart: ``state_nbytes``)."""
         return sum(t.numel() * t.element_size() for entries in self.layers for t in entries.values())

@@ -179,6 +179,14 @@ class RadixCache:
                 heapq.heappush(heap, (self.order(parent), next(tie), parent))
         return freed
 
+    def remap(self, moves: dict[int, int]) -> None:
+        """Rewrite the blocks every node stores after a pool resize moved them (``old -> new``)."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            node.blocks = [moves.get(b, b) for b in node.blocks]
+            stack.extend(node.children.values())
+
     def clear(self) -> int:
         """Drop every unlocked node (e.g. the pool is being resized); returns the blocks freed."""
         return self.evict(self.allocator.num_blocks + 1)

@@ -104,6 +104,8 @@ class EngineLoop:
         self._kv = KVManager(num_blocks, DEFAULT_BLOCK_SIZE, prefix_cache=prefix_cache, checkpoints=recurrent,
                              checkpoint_bytes=checkpoint_bytes)
         self._preempted: set[int] = set()  # seq ids waiting to come back
+        self.kv_full_blocks = num_blocks  # the pool's configured size (a memory budget may hold it lower)
+        self._context_blocks = -(-context // DEFAULT_BLOCK_SIZE)
         self._scheduler = Scheduler(SchedulerConfig(max_batch, max_queue, prefill_chunk, max_step_tokens),
                                     on_admit=self._on_admit, stops=self._checkpoint_stops)
         self._vocab_size = config.vocab_size
@@ -232,6 +234,37 @@ class EngineLoop:
         nbytes = getattr(cache, "nbytes", None)
         figures.pool_bytes = nbytes() if nbytes is not None else 0
         return figures
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block of the pool (every layer's entries)."""
+        cache = self._cache
+        num = getattr(cache, "num_blocks", 0)
+        return cache.nbytes() // num if num else 0
+
+    def kv_floor_blocks(self) -> int:
+        """The fewest blocks the pool may shrink to: those running sequences hold, and one whole context."""
+        with self._lock:
+            held = self._kv.blocks_in_use()
+        return min(self.kv_full_blocks, max(self._context_blocks, held))
+
+    @property
+    def kv_num_blocks(self) -> int:
+        return self._kv.num_blocks
+
+    def resize_kv(self, num_blocks: int) -> Future:
+        """Resize the KV pool at the next safe point, between kv_floor_blocks() and kv_full_blocks (cached
+        prefixes are evicted first, blocks still held are moved below the new size); the future's
+        result: the new size in blocks."""
+        return self.run_at_safe_point(lambda: self._resize_kv(num_blocks))
+
+    def _resize_kv(self, num_blocks: int) -> int:
+        num_blocks = max(min(int(num_blocks), self.kv_full_blocks), self.kv_floor_blocks())
+        if num_blocks == self._kv.num_blocks or self._cache is None:
+            return self._kv.num_blocks
+        with self._lock:
+            moves = self._kv.resize(num_blocks)
+        self._cache = self.runtime.model.resize_pool(self._cache, num_blocks, moves)
+        return num_blocks
 
     def clear_prefix_cache(self) -> Future:
         """Drop every cached prefix at the next safe point (the future's result: blocks freed)."""

@@ -202,6 +202,30 @@ class KVManager:
                 self.tree.unlock(seq.node)
         self.allocator.decref(seq.blocks)
 
+    def resize(self, num_blocks: int) -> list[tuple[int, int]]:
+        """Grow the pool, or shrink it (cached prefixes evicted first, then the blocks still held moved below
+        the new size): returns the moves ``(old, new)`` for the pool's contents. The running sequences'
+        tables and the tree are rewritten here. Raises OutOfBlocks when running sequences hold more."""
+        over = self.allocator.num_used - num_blocks
+        if over > 0 and self.tree is not None:
+            self.tree.evict(over)
+        moves = self.allocator.resize(num_blocks)
+        if moves:
+            remap = dict(moves)
+            for seq in self._seqs.values():
+                seq.blocks = [remap.get(b, b) for b in seq.blocks]
+            if self.tree is not None:
+                self.tree.remap(remap)
+        return moves
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def blocks_in_use(self) -> int:
+        """Blocks running sequences hold (what is left once every cached prefix is evicted)."""
+        return len({b for seq in self._seqs.values() for b in seq.blocks})
+
     def clear_cache(self) -> int:
         """Drop every cached prefix no running sequence uses; returns the blocks freed."""
         return 0 if self.tree is None else self.tree.clear()

@@ -262,6 +262,27 @@ class ModelManager:
             return list(self._models.values())
 
     # -- memory -----------------------------------------------------------------------------------
+    @staticmethod
+    def _split_device_share(entry: LoadedEntry, share: int | None, experts_wanted: int) -> int:
+        """The KV/expert split of a device-resident model's share of VRAM (None: no limit); returns the
+        expert cache's bytes and resizes the KV pool at the loop's next safe point.
+
+        The policy: the weights are fixed; the KV blocks running sequences hold (at least one whole
+        context) come next, since a session's KV demand only grows; then the expert cache (its working
+        set does not grow); the pool's remaining blocks, which hold cached prefixes (speed only), last."""
+        loop, model = entry.loop, entry.runtime.model
+        per_block = loop.kv_block_bytes()
+        if share is None or not per_block:
+            target = loop.kv_full_blocks
+        else:
+            room = share - model.weight_device_bytes - experts_wanted
+            target = max(loop.kv_floor_blocks(), min(loop.kv_full_blocks, room // per_block))
+        if target != loop.kv_num_blocks:
+            loop.resize_kv(target)
+        if share is None:
+            return experts_wanted
+        return min(experts_wanted, max(share - model.weight_device_bytes - target * per_block, 0))
+
     def apply_cache_budget(self, cache_bytes: int | None) -> int:
         """Resize every loaded model's device expert cache to share ``cache_bytes`` (None = each its
         configured fraction); applied by each model's engine loop at its next safe point."""
@@ -269,10 +290,11 @@ class ModelManager:
         for entry in hybrid:
             bank = entry.runtime.loaded.bank
             wanted = int(entry.options.cache_fraction * bank.nbytes())
-            if cache_bytes is not None:
-                # the model's own weights and KV cache on the device come out of its share first
-                share = cache_bytes // max(len(hybrid), 1) - entry.stats.model_device_bytes
-                wanted = min(wanted, max(share, 0))
+            share = None if cache_bytes is None else cache_bytes // max(len(hybrid), 1)
+            if getattr(entry.runtime.model, "device", None) is not None:
+                wanted = self._split_device_share(entry, share, wanted)
+            elif share is not None:
+                wanted = min(wanted, max(share - entry.stats.model_device_bytes, 0))
             slots = max(0, min(bank.num_slots, wanted // bank.bytes_per_expert()))
             if slots != entry.stats.cache_slots:
                 entry.loop.run_at_safe_point(lambda e=entry, n=slots: e.runtime.executor.resize(n))

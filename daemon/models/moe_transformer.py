@@ -112,6 +112,15 @@ class MoeTransformer:
                                          self._cache_device(), state_shapes=shapes,
                                          num_state_slots=state_slots if shapes else 0))
 
+    def resize_pool(self, cache: KVCache, num_blocks: int, moves: list[tuple[int, int]]) -> KVCache:
+        """``cache`` as a pool of ``num_blocks`` blocks (contents kept through ``moves``), booked anew."""
+        return self._adopt_cache(cache.resized(num_blocks, moves))
+
+    @property
+    def weight_device_bytes(self) -> int:
+        """The non-expert weights' bytes on the device (0 on the host)."""
+        return self._weight_device_bytes
+
     def _cache_device(self) -> torch.device | None:
         return None if self.device is None else self.device.compute_device
 

@@ -84,24 +84,35 @@ def test_close_stops_a_load_in_flight_leaves_nothing_loaded_and_refuses_new_load
         manager.load(str(ftw), LoadOptions(device="cpu"))
 
 
-def test_a_device_resident_model_pays_for_its_weights_and_kv_before_its_expert_cache(models):
-    """With the model on the (emulated) device, `moed ps`'s device memory counts its weights and KV
-    cache, and a VRAM budget goes to them first: the expert cache gets only what is left."""
+def test_a_device_resident_model_splits_its_vram_weights_kv_in_use_experts_then_cached_prefixes(models):
+    """With the model on the (emulated) device, `moed ps`'s device memory counts its weights and KV pool,
+    and a VRAM budget goes to the weights, then the KV blocks in use (at least one context), then the
+    expert cache, and last to the pool's other blocks (cached prefixes): the pool shrinks before the
+    expert cache does, and grows back when the budget does."""
     manager = ModelManager([models])
     entry = manager.load("tiny", LoadOptions(device="emulated", cache_fraction=1.0, context_length=64, max_batch=2))
     try:
-        stats, bank = entry.stats, entry.runtime.loaded.bank
-        resident = stats.model_device_bytes
-        assert resident > 0 and entry.runtime.model.device is entry.runtime.executor.device
-        assert entry.vram_bytes() == stats.cache_bytes + resident
-        per_expert = bank.bytes_per_expert()
-        for experts in (3, 0):
-            manager.apply_cache_budget(resident + experts * per_expert + per_expert // 2)
-            entry.loop.run_at_safe_point(lambda: None).result(timeout=30)  # the resize has been applied
-            assert stats.cache_slots == experts, f"a budget for {experts} experts beyond the model"
-        manager.apply_cache_budget(None)
-        entry.loop.run_at_safe_point(lambda: None).result(timeout=30)
-        assert stats.cache_slots == bank.num_slots
+        stats, bank, loop, model = entry.stats, entry.runtime.loaded.bank, entry.loop, entry.runtime.model
+        assert stats.model_device_bytes > 0 and model.device is entry.runtime.executor.device
+        assert entry.vram_bytes() == stats.cache_bytes + stats.model_device_bytes
+        per_block, per_expert, weights = loop.kv_block_bytes(), bank.bytes_per_expert(), model.weight_device_bytes
+        full, floor = loop.kv_full_blocks, loop.kv_floor_blocks()
+        assert (full, floor) == (8, 4)  # two contexts of 64 tokens; one context when idle
+
+        def apply(budget):
+            manager.apply_cache_budget(budget)
+            loop.run_at_safe_point(lambda: None).result(timeout=30)  # the resizes have been applied
+            return loop.kv_num_blocks, stats.cache_slots
+
+        everything = weights + full * per_block + bank.nbytes()
+        assert apply(everything) == (full, bank.num_slots)
+        assert apply(everything - per_block) == (full - 1, bank.num_slots)  # a cached-prefix block gives way
+        assert apply(weights + floor * per_block + bank.nbytes()) == (floor, bank.num_slots)
+        assert apply(weights + floor * per_block + 3 * per_expert + per_expert // 2) == (floor, 3)
+        assert apply(weights) == (floor, 0)  # the KV in use is never given up
+        assert stats.model_device_bytes == weights + floor * per_block
+        assert apply(None) == (full, bank.num_slots)
+        assert stats.model_device_bytes == weights + full * per_block
     finally:
         manager.unload("tiny")
 

@@ -314,3 +314,47 @@ def test_hybrid_checkpoint_stops_fall_on_message_and_marker_ends_snapped_to_bloc
     assert loop._checkpoint_stops(0, tokens, 32) == (64, 96)  # only the part not cached yet
     assert loop._checkpoint_stops(0, tokens[:10], 0) == ()  # nothing before the first whole block
     loop.stop()
+
+
+def test_shrinking_the_pool_moves_the_blocks_still_held_and_keeps_their_contents():
+    from moed.cache.kv_cache import KVCache
+
+    kv = KVManager(num_blocks=16, block_size=BS)
+    cache = KVCache([{"k": (2,)}], 16, BS, torch.float32)
+    kv.admit(0, list(range(160)))
+    kv.ensure(0, 160)  # blocks 0..9
+    kv.admit(1, list(range(1000, 1048)))
+    kv.ensure(1, 48)  # blocks 10..12
+    kv.release(0, None)
+    old_table = list(kv.table(1))
+    assert old_table == [10, 11, 12]
+    cache.entry(0, "k").copy_(torch.arange(16 * BS * 2, dtype=torch.float32).view(16, BS, 2))
+    before = cache.entry(0, "k")[old_table].clone()
+    moves = kv.resize(8)
+    new = cache.resized(8, moves)
+    table = kv.table(1)
+    assert all(b < 8 for b in table) and sorted(moves) == sorted(zip(old_table, table))
+    assert torch.equal(new.entry(0, "k")[table], before) and new.num_blocks == 8
+    assert kv.allocator.num_free == 8 - 3
+    with pytest.raises(Exception, match="cannot shrink"):
+        kv.resize(2)
+    assert kv.resize(20) == [] and kv.allocator.num_free == 20 - 3
+
+
+def test_results_are_unchanged_when_the_pool_shrinks_under_cached_prefixes(runtime, loops):
+    vocab = runtime.model.config.vocab_size
+    first = _tokens(95, 40, vocab)
+    results = {}
+    for on in (True, False):
+        loop = loops(on, max_batch=2, context_length=64)
+        (out1, _), = _run(loop, [first])
+        assert loop.kv_full_blocks == 8 and loop.kv_floor_blocks() == 4
+        assert loop.resize_kv(4).result(timeout=30) == 4  # the cached prefix is evicted or moved
+        (out2, _), = _run(loop, [first + out1 + [5, 6]])
+        assert loop.resize_kv(100).result(timeout=30) == 8  # back to the configured size, not beyond
+        (out3, u3), = _run(loop, [first + out1 + [5, 6]])
+        results[on] = (out1, out2, out3)
+        if on:
+            assert u3.cached_tokens > 0  # the grown pool caches again
+        loop.stop()
+    assert results[True] == results[False]
