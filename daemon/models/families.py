@@ -247,12 +247,15 @@ def _parse_qwen3_next(cfg: dict) -> ModelConfig:
                                f"the {n} layers")
     bias = bool(cfg.get("attention_bias", False))
     att = _mha(cfg, has_qkv_bias=bias, has_o_bias=bias, qk_norm="per_head", gated=True)
-    linear = DeltaNetConfig(num_k_heads=require(cfg, "linear_num_key_heads"),
-                            num_v_heads=require(cfg, "linear_num_value_heads"),
-                            k_head_dim=require(cfg, "linear_key_head_dim"),
-                            v_head_dim=require(cfg, "linear_value_head_dim"),
-                            conv_kernel=require(cfg, "linear_conv_kernel_dim"),
-                            eps=float(cfg.get("rms_norm_eps", 1e-6)))
+    try:
+        linear = DeltaNetConfig(num_k_heads=require(cfg, "linear_num_key_heads"),
+                                num_v_heads=require(cfg, "linear_num_value_heads"),
+                                k_head_dim=require(cfg, "linear_key_head_dim"),
+                                v_head_dim=require(cfg, "linear_value_head_dim"),
+                                conv_kernel=require(cfg, "linear_conv_kernel_dim"),
+                                eps=float(cfg.get("rms_norm_eps", 1e-6)))
+    except ValueError as exc:
+        raise ModelFormatError(f"config.json: {exc}") from exc
     moe = MoeConfig(num_experts=_num_experts(cfg), top_k=require(cfg, "num_experts_per_tok"),
                     intermediate_size=require(cfg, "moe_intermediate_size"), scoring="softmax",
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),

@@ -134,3 +134,27 @@ def test_the_multimodal_qwen3_5_checkpoint_loads_its_language_model(tmp_path):
         assert runtime.model.config.family == "qwen3_5_moe" and runtime.model.has_recurrent_state
         got = batched_prefill_logits(runtime, [prompt])[0]
         assert (got - want).abs().max().item() < TOL, path.name
+
+
+@pytest.mark.parametrize("family,change,words", [
+    ("qwen3_next", {"layer_types": ["linear_attention", "sliding_attention", "full_attention"]},
+     "layer_types must give linear_attention or full_attention"),
+    ("qwen3_next", {"layer_types": ["linear_attention"]}, "each of the 3 layers"),
+    ("qwen3_next", {"linear_num_key_heads": 3}, "not a multiple"),
+])
+def test_bad_hybrid_configs_are_refused_naming_the_field(family, change, words):
+    from helpers.tiny_models import tiny_config
+    from moed.errors import ModelFormatError
+    from moed.models.families import parse_model_config
+
+    cfg = dict(tiny_config(family).to_dict(), **change)
+    with pytest.raises(ModelFormatError, match=words):
+        parse_model_config(cfg)
+
+
+def test_a_multimodal_qwen3_5_config_without_its_text_config_is_refused():
+    from moed.errors import ModelFormatError
+    from moed.models.families import parse_model_config
+
+    with pytest.raises(ModelFormatError, match="text_config"):
+        parse_model_config({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"]})
