@@ -20,9 +20,13 @@ test of this script; its decode figures are then this CPU's, not a GPU's). Print
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import tempfile
+import traceback
+import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -50,6 +54,32 @@ def greedy(runtime, prompt: list[int], steps: int) -> tuple[list[int], list[torc
         tokens.append(int(logits[0].argmax()))
         feed = [tokens[-1]]
     return tokens, logits_seen
+
+
+def count_syncs(fn: Callable[[], None], device: str) -> "collections.Counter[str] | None":
+    """Run ``fn`` under torch's CUDA sync debug mode; synchronizing calls counted by the moed code line
+    that made them (the innermost frame in moed's package, with its caller). None on other devices."""
+    if device != "cuda":
+        fn()
+        return None
+    counts: collections.Counter[str] = collections.Counter()
+
+    def hook(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "/moed/" in f.filename or "/daemon/" in f.filename]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-2:][::-1]) or f"{filename}:{lineno}"
+        counts[where] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return counts
 
 
 def engine(device: str, **kw) -> EngineConfig:
@@ -107,15 +137,24 @@ def syncs_per_step(device: str, model: Path, tokens: int) -> None:
         cache = rt.model.new_cache(1, tokens + 16)
         logits = rt.model.forward(ForwardBatch.from_token_lists([[11, 12, 13, 14]], [0], [0]), cache)
         before = dev.stats().host_syncs
-        for step in range(tokens):
-            logits = rt.model.forward(ForwardBatch.from_token_lists([[int(logits[0].argmax())]], [4 + step], [0]),
-                                      cache)
+
+        def decode() -> None:
+            nonlocal logits
+            for step in range(tokens):
+                logits = rt.model.forward(ForwardBatch.from_token_lists([[int(logits[0].argmax())]], [4 + step],
+                                                                        [0]), cache)
+
+        flagged = count_syncs(decode, device)
         per_step = (dev.stats().host_syncs - before) / tokens
         on_device = rt.model.device is not None
         expect = moe_layers + 1 if on_device else moe_layers
         print(f"{per_step:.2f} host syncs per decode step over {tokens} steps; {moe_layers} MoE layers; model on "
               f"the {'device' if on_device else 'host'} (expected {expect}: one per MoE layer"
               f"{' and one for the logits' if on_device else ''}){'' if on_device else ': ' + rt.executor.stats.model_note}")
+        if flagged is not None:
+            print(f"\ntorch sync debug mode: {sum(flagged.values()) / tokens:.2f} synchronizing calls per step, by place:")
+            for where, n in flagged.most_common(12):
+                print(f"- {n / tokens:.2f}/step at {where}")
     finally:
         rt.close()
 

@@ -23,6 +23,10 @@ _BLOCK_SCALED = {
 KERNEL_FILE = "expert_int4.cu"
 KERNEL_NAME = "expert_int4_grouped_matmul"
 _BLOCK = 128  # threads per block; must match BLOCK in the .cu source
+# From this many rows per expert on average (prefill), a grouped int4 matmul dequantises its slots
+# and runs GEMMs instead of the kernel (which re-reads the weights for every 8 rows, on CUDA cores).
+GEMM_MIN_ROWS_PER_EXPERT = 32
+DEQUANT_CHUNK_BYTES = 256 << 20  # float32 scratch for the dequantised slots of one chunk of experts
 
 _kernels: dict[int, Any] = {}  # device index -> compiled cupy.RawKernel
 _streams: dict[int, Any] = {}  # cudaStream_t address -> cupy stream wrapping that torch stream
@@ -174,6 +178,9 @@ def int4_grouped_matmul(
     _, k, n = check_int4_grouped(x, q, scale, mn, slot_ids, offsets)
     if x.device.type != "cuda":
         raise ValueError(f"int4_grouped_matmul runs on CUDA tensors; x is on {x.device} (use the _reference twin)")
+    if not isinstance(slot_ids, torch.Tensor) and not isinstance(offsets, torch.Tensor) and (
+            x.shape[0] >= GEMM_MIN_ROWS_PER_EXPERT * max(len(slot_ids), 1)):
+        return int4_grouped_gemm(x, q, scale, mn, slot_ids, offsets)
     ids = _as_index(slot_ids, "slot_ids", x.device)
     offs = _as_index(offsets, "offsets", x.device)
     y = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)  # [T, N]
@@ -191,6 +198,41 @@ def int4_grouped_matmul(
     with cupy.cuda.Device(x.device.index), _cupy_stream(cupy, torch.cuda.current_stream(x.device)):
         grid = ((n // 2 + _BLOCK - 1) // _BLOCK, num_experts)
         kern(grid, (_BLOCK,), (cp(x), cp(q), cp(scale), cp(mn), cp(ids), cp(offs), cp(y), np.int32(k), np.int32(n)))
+    return y
+
+
+def dequantize_slots(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """Several slots at once: ``q [E, K, N/2]``, ``scale/min [E, K/32, N]`` -> float32 ``W [E, K, N]``
+    (the same arithmetic as ``dequantize_slot``, slot by slot)."""
+    levels = torch.cat([q & 0x0F, q >> 4], dim=-1).float()  # [E, K, N]
+    e, k, n = levels.shape
+    g = levels.view(e, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE, n)
+    return (g * scale.float()[:, :, None] + mn.float()[:, :, None]).view(e, k, n)
+
+
+def int4_grouped_gemm(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, slot_ids: Sequence[int],
+    offsets: Sequence[int]
+) -> torch.Tensor:
+    """The many-rows form of ``int4_grouped_matmul`` (prefill: tens to hundreds of rows per expert).
+
+    The int4 kernel streams each slot's weights once per tile of 8 rows and runs on CUDA cores;
+    with many rows per expert the work is a real GEMM. The call's slots are dequantised to float32
+    ``DEQUANT_CHUNK_BYTES`` at a time and each expert's rows multiplied by a plain fp32 GEMM
+    (cuBLAS; TF32 stays off unless the user turned it on): the reference twin's arithmetic.
+    """
+    _, k, n = check_int4_grouped(x, q, scale, mn, slot_ids, offsets)
+    ids, offs = [int(i) for i in slot_ids], [int(o) for o in offsets]
+    y = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)  # [T, N]
+    per_chunk = max(1, DEQUANT_CHUNK_BYTES // (k * n * 4))
+    for c0 in range(0, len(ids), per_chunk):
+        chunk = ids[c0 : c0 + per_chunk]
+        index = _as_index(chunk, "slot_ids", x.device).long()
+        w = dequantize_slots(q.index_select(0, index), scale.index_select(0, index), mn.index_select(0, index))
+        for j in range(len(chunk)):
+            a, b = offs[c0 + j], offs[c0 + j + 1]
+            if b > a:
+                torch.matmul(x[a:b], w[j], out=y[a:b])
     return y
 
 

@@ -29,6 +29,7 @@ class EngineStats:
     modelled_seconds: float = 0.0  # emulated: sum over layers of max(cpu branch, copies + device compute)
     streamed_layers: int = 0  # prefill layer calls run from a streamed layer buffer (experts/prefill_stream.py)
     streamed_bytes: int = 0  # expert bytes those buffers were loaded with
+    refill_bytes: int = 0  # expert bytes copied back from the host bank after cache resizes
     model_note: str = ""  # why the non-expert model stayed on the host with a device, if it did
     model_device_bytes: int = 0  # non-expert weights + KV cache resident on the device
 

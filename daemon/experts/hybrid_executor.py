@@ -146,16 +146,28 @@ class HybridExecutor:
         return handle
 
     def resize(self, num_slots: int) -> None:
-        """Change the cache size (call between steps: a safe point). Never changes results."""
+        """Change the cache size (call between steps: a safe point). Never changes results.
+
+        The old slots are freed before the new ones are allocated, and the entries the cache keeps
+        are copied back from the host bank (always complete): the device never holds old and new
+        storage at once, so a shrink forced by another app's allocation (little VRAM free) and a
+        grow into just the room that came back both fit. The refill is queued on the copy stream;
+        device work queued after it waits for it (no host wait)."""
         self._end_stream()
         use = bool(getattr(self.policy, "transient_fills", False)) and num_slots > 0
         self.num_scratch = min(MAX_SCRATCH_SLOTS, max(1, num_slots // 4)) if use else 0
         self.use_transients = use
         plan = self.cache.resize(num_slots - self.num_scratch)
-        self.slots = self.device.resize_slots(self.slots, num_slots, list(plan.moves)) if (
-            num_slots or self.slots) else {}
-        if num_slots and not self.slots:
-            self.slots = self.device.alloc_slots(num_slots, self._slot_layout())
+        kept = [(new, int(self.cache.slot_state().slot_ids[new])) for _, new in plan.moves]
+        if self.slots:
+            self.device.free_slots(self.slots)
+        self.slots = self.device.alloc_slots(num_slots, self._slot_layout()) if num_slots else {}
+        if kept:
+            handle = self.device.copy_rows_async(self.slots, [slot for slot, _ in kept], self.bank.tensors,
+                                                 [flat_id for _, flat_id in kept])
+            self.device.wait_copy(handle)
+            self._pending_copies.append(handle)
+            self.stats.refill_bytes += handle.nbytes
         self.slot_bank = self._make_slot_bank()
         self._prepare_policy()
         self._refresh_cache_stats()

@@ -60,6 +60,24 @@ def test_int4_kernel_matches_a_float64_oracle(k: int, n: int, counts: list[int])
     assert torch.equal(ck.int4_grouped_matmul(x, q, scale, mn, ids_t, offs_t), y)
 
 
+@pytest.mark.parametrize("counts", [[40, 0, 100, 33], [64] * 12])
+def test_int4_many_rows_take_the_gemm_form_and_match_a_float64_oracle(counts: list[int]) -> None:
+    q, scale, mn = _int4(4, 2048, 768, seed=9)
+    slot_ids = [(5 * e + 2) % 4 for e in range(len(counts))]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    assert offsets[-1] >= ck.GEMM_MIN_ROWS_PER_EXPERT * len(counts)  # the prefill form is taken
+    x = torch.randn(offsets[-1], 2048, device="cuda")
+    y = ck.int4_grouped_matmul(x, q, scale, mn, slot_ids, offsets)
+    _check_int4(y, x, q, scale, mn, slot_ids, offsets, f"GEMM form, counts={counts}")
+    # the kernel (device-side indices always take it) computes the same function
+    ids_t = torch.tensor(slot_ids, dtype=torch.int32, device="cuda")
+    offs_t = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    _check_int4(ck.int4_grouped_matmul(x, q, scale, mn, ids_t, offs_t), x, q, scale, mn, slot_ids, offsets,
+                f"kernel, counts={counts}")
+
+
 def test_int4_kernel_runs_on_the_current_stream() -> None:
     sleep = getattr(torch.cuda, "_sleep", None)
     if sleep is None:

@@ -42,6 +42,25 @@ def test_reference_matches_a_float64_oracle() -> None:
                          oracle.fp32_bound(x, oracle.int4_magnitude(q, scale, mn), [1], [0, 7]), "int4_matmul_reference")
 
 
+def test_many_rows_gemm_form_matches_a_float64_oracle(monkeypatch) -> None:
+    # prefill's form (dequantise the call's slots a chunk at a time, one GEMM per expert) runs on any device
+    monkeypatch.setattr(ck, "DEQUANT_CHUNK_BYTES", 2 * 64 * 96 * 4)  # two slots per chunk: chunk edges are crossed
+    _, q, scale, mn = _int4_slots(5, 64, 96, seed=4)
+    counts = [40, 0, 70, 33, 1]
+    slot_ids = [4, 1, 0, 4, 2]  # a slot used twice, an expert with no rows
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    x = torch.randn(offsets[-1], 64, generator=torch.Generator().manual_seed(5))
+    y = ck.int4_grouped_gemm(x, q, scale, mn, slot_ids, offsets)
+    ref = oracle.grouped_f64(x, oracle.dequant_f64(q, scale, mn), slot_ids, offsets)
+    oracle.assert_within(y, ref, oracle.fp32_bound(x, oracle.int4_magnitude(q, scale, mn), slot_ids, offsets),
+                         "int4_grouped_gemm")
+    w = ck.dequantize_slots(q[[3, 1]], scale[[3, 1]], mn[[3, 1]])
+    assert torch.equal(w[0], ck.dequantize_slot(q[3], scale[3], mn[3]))
+    assert torch.equal(w[1], ck.dequantize_slot(q[1], scale[1], mn[1]))
+
+
 def test_oracle_agrees_with_the_bank_dequantizer() -> None:
     # the oracle restates the format; the bank's own dequantizer must read the same weights
     _, q, scale, mn = _int4_slots(2, 96, 34, seed=4)

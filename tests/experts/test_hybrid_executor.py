@@ -82,3 +82,44 @@ def test_bandwidth_estimates_follow_the_real_link():
         executor.close()
     assert model.num_samples_p > 5
     assert 100e6 < model.b_p < 400e6, f"B_P estimate {model.b_p / 1e6:.0f} MB/s, link is 200 MB/s"
+
+
+def test_resize_frees_the_old_slots_before_taking_new_ones_and_refills_the_kept_from_the_bank():
+    # under VRAM pressure there is no room for old and new slot storage at once (seen on an H200: another
+    # process holding all but 1 GiB); the kept entries come back from the host bank, which is complete
+    layers, experts, hidden, inter = 2, 8, 64, 64
+    bank = random_bank(layers, experts, hidden, inter)
+    reference = CpuExecutor(bank)
+    device = EmulatedDevice(b_p=1e9, b_dev=1e12)
+    executor = HybridExecutor(bank, device, num_slots=10, policy=make_policy("fill-all"),
+                              bandwidth=BandwidthModel(1e9, 1e9))
+    held_when_allocating: list[int] = []
+    alloc = device.alloc_slots
+
+    def spy(num_slots, layout):
+        held_when_allocating.append(device._ledger.allocated)
+        return alloc(num_slots, layout)
+
+    device.alloc_slots = spy
+    gen = torch.Generator().manual_seed(3)
+
+    def check(calls: int) -> None:
+        for call in range(calls):
+            x, ids, w = routed_call(gen, experts, 3, 2, hidden)
+            got, want = executor.run(call % layers, x, ids, w), reference.run(call % layers, x, ids, w)
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), f"call {call}"
+
+    try:
+        check(12)
+        assert executor.cache.num_resident == 10
+        executor.resize(4)
+        assert executor.cache.num_resident == 4
+        assert executor.stats.refill_bytes == 4 * bank.bytes_per_expert()
+        check(6)  # the refilled slots hold the right experts (the copies land before the compute reads them)
+        kept = executor.cache.num_resident
+        executor.resize(12)
+        assert executor.stats.refill_bytes == (4 + kept) * bank.bytes_per_expert()
+        check(6)
+        assert held_when_allocating == [0, 0], held_when_allocating  # the old storage was gone each time
+    finally:
+        executor.close()
