@@ -27,6 +27,7 @@ import torch
 
 from moed.cache.expert_cache import ExpertCache
 from moed.cache.host_bank import ExpertBank
+from moed.devices.device import DeviceMemoryError, num_slots_of
 from moed.experts.bandwidth_model import BandwidthModel
 from moed.experts.cpu_pool import CpuWorkerPool
 from moed.experts.device_ffn import run_grouped_experts
@@ -158,10 +159,23 @@ class HybridExecutor:
         self.num_scratch = min(MAX_SCRATCH_SLOTS, max(1, num_slots // 4)) if use else 0
         self.use_transients = use
         plan = self.cache.resize(num_slots - self.num_scratch)
-        kept = [(new, int(self.cache.slot_state().slot_ids[new])) for _, new in plan.moves]
-        if self.slots:
-            self.device.free_slots(self.slots)
-        self.slots = self.device.alloc_slots(num_slots, self._slot_layout()) if num_slots else {}
+        if self.slots and num_slots_of(self.slots) == num_slots and all(o == n for o, n in plan.moves):
+            kept = []  # same storage, every kept entry where it was: nothing to move
+        else:
+            kept = [(new, int(self.cache.slot_state().slot_ids[new])) for _, new in plan.moves]
+            if self.slots:
+                self.device.free_slots(self.slots)
+            try:
+                self.slots = self.device.alloc_slots(num_slots, self._slot_layout()) if num_slots else {}
+            except DeviceMemoryError:
+                # no room even for the new size alone: run on without a cache (every miss on the CPU,
+                # slower, never wrong) and say so; a later budget can grow it again
+                self.cache.resize(0)
+                self.num_scratch, self.use_transients, self.slots = 0, False, {}
+                self.slot_bank = self._make_slot_bank()
+                self._prepare_policy()
+                self._refresh_cache_stats()
+                raise
         if kept:
             handle = self.device.copy_rows_async(self.slots, [slot for slot, _ in kept], self.bank.tensors,
                                                  [flat_id for _, flat_id in kept])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 import torch
 
 from moed.cache.bank_builder import build_expert_bank
@@ -121,5 +123,46 @@ def test_resize_frees_the_old_slots_before_taking_new_ones_and_refills_the_kept_
         assert executor.stats.refill_bytes == (4 + kept) * bank.bytes_per_expert()
         check(6)
         assert held_when_allocating == [0, 0], held_when_allocating  # the old storage was gone each time
+    finally:
+        executor.close()
+
+
+def test_resize_to_the_same_size_moves_nothing_and_no_room_leaves_a_working_executor_without_a_cache():
+    from moed.devices.device import DeviceMemoryError
+
+    layers, experts, hidden, inter = 2, 8, 64, 64
+    bank = random_bank(layers, experts, hidden, inter)
+    reference = CpuExecutor(bank)
+    device = EmulatedDevice(b_p=1e9, b_dev=1e12)
+    executor = HybridExecutor(bank, device, num_slots=6, policy=make_policy("fill-all"),
+                              bandwidth=BandwidthModel(1e9, 1e9))
+    gen = torch.Generator().manual_seed(4)
+
+    def check(calls: int) -> None:
+        for call in range(calls):
+            x, ids, w = routed_call(gen, experts, 3, 2, hidden)
+            got, want = executor.run(call % layers, x, ids, w), reference.run(call % layers, x, ids, w)
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), f"call {call}"
+
+    try:
+        check(8)
+        slots = executor.slots
+        executor.resize(6)
+        assert executor.slots is slots and executor.stats.refill_bytes == 0  # same size: same storage
+        alloc = device.alloc_slots
+
+        def no_room(num_slots, layout):
+            raise DeviceMemoryError("emulated: no room")
+
+        device.alloc_slots = no_room
+        with pytest.raises(DeviceMemoryError):
+            executor.resize(4)
+        assert executor.slots == {} and executor.cache.num_slots == 0 and executor.stats.cache_slots == 0
+        check(4)  # every miss on the CPU: slower, same results
+        device.alloc_slots = alloc
+        executor.resize(5)  # a later budget grows it again
+        assert executor.cache.num_slots == 5
+        check(6)
+        assert executor.cache.num_resident > 0
     finally:
         executor.close()
