@@ -215,3 +215,19 @@ def template_renders_tools(template: str | None) -> bool:
             continue
         return _PROBE_TOOL_NAME in prompt
     return False
+
+
+@functools.lru_cache(maxsize=32)
+def template_renders_tool_calls(template: str | None) -> bool:
+    """Whether the template shows an assistant turn's ``tool_calls`` and a ``tool`` result (some templates
+    that take no ``tools`` list still render a conversation's earlier calls); see ``template_renders_tools``."""
+    if not template:
+        return False
+    call = {"id": "call_probe", "type": "function", "function": {"name": _PROBE_TOOL_NAME, "arguments": {"x": "1"}}}
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_probe", "name": _PROBE_TOOL_NAME, "content": "probe-result-7"}]
+    try:
+        prompt = render_chat(template, messages, bos_token="", eos_token="")
+    except MoedError:
+        return False
+    return _PROBE_TOOL_NAME in prompt and "probe-result-7" in prompt

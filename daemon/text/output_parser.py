@@ -17,7 +17,8 @@ for its grammar)::
 Families and their syntax: qwen3_moe (Hermes ``<tool_call>`` + ``<think>``, and Qwen3-Coder's XML
 calls in the same block), qwen2_moe (Hermes), gpt_oss (harmony channels), deepseek_v3 (its
 tool-call tokens + ``<think>``), mixtral (``[TOOL_CALLS]``); every other family gets the plain
-parser (all text, no tools).
+parser (all text, no tools). A model whose template cannot render tools (or whose family has no
+tool syntax) gets the generic format of ``moed.text.generic_tools`` instead: every model can take tools.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from moed.text.chat_template import template_renders_tools
+from moed.text.generic_tools import GenericToolParser
 from moed.text.output_parsers.base import OutputEvent, OutputParser, ToolCall
 from moed.text.output_parsers.deepseek import DeepSeekParser
 from moed.text.output_parsers.harmony import HarmonyParser
@@ -34,7 +36,7 @@ from moed.text.output_parsers.mistral import MistralParser
 from moed.text.output_parsers.plain import PlainParser
 
 __all__ = ["OutputEvent", "OutputParser", "ToolCall", "TOOL_FAMILIES", "output_parser_for", "prompt_opens_reasoning",
-           "supports_tools"]
+           "has_native_tools"]
 
 _PARSERS: dict[str, type[OutputParser]] = {
     "qwen3_moe": Qwen3Parser,
@@ -48,7 +50,8 @@ TOOL_FAMILIES = frozenset(_PARSERS)  # families with a tool-call syntax
 
 def output_parser_for(family: str, *, tools: bool, reasoning: bool = True, starts_in_reasoning: bool = False,
                       tool_names: Collection[str] | None = None, stream_arguments: bool = True,
-                      tool_parameters: Mapping[str, Any] | None = None) -> OutputParser:
+                      tool_parameters: Mapping[str, Any] | None = None, generic_tools: bool = False,
+                      end_tokens: Collection[str] = ()) -> OutputParser:
     """A fresh parser for one response of a ``family`` model.
 
     tools: the request offered tools; without them tool-call markup stays text.
@@ -60,11 +63,15 @@ def output_parser_for(family: str, *, tools: bool, reasoning: bool = True, start
         (Qwen3-Coder's XML calls) use it to type them, otherwise the values are strings.
     """
     cls = _PARSERS.get(family, PlainParser)
+    if tools and generic_tools and not issubclass(cls, HermesParser):
+        return GenericToolParser(end_tokens=(*cls.end_tokens, *end_tokens), think_tags=cls.think_tags, tools=True,
+                                 reasoning=reasoning, starts_in_reasoning=starts_in_reasoning, tool_names=tool_names,
+                                 stream_arguments=stream_arguments, tool_parameters=tool_parameters)
     return cls(tools=tools and cls is not PlainParser, reasoning=reasoning, starts_in_reasoning=starts_in_reasoning,
                tool_names=tool_names, stream_arguments=stream_arguments, tool_parameters=tool_parameters)
 
 
-def supports_tools(family: str, chat_template: str | None) -> bool:
+def has_native_tools(family: str, chat_template: str | None) -> bool:
     """The family has a tool-call syntax AND the chat template renders ``tools`` into the prompt.
 
     Pass the template that will render a request with tools: the tokenizer's "tool_use" template

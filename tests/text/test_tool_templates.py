@@ -1,4 +1,4 @@
-"""Tools through chat templates: Tokenizer.apply_chat_template(tools=...) and supports_tools."""
+"""Tools through chat templates: Tokenizer.apply_chat_template(tools=...) and has_native_tools."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from helpers.tool_templates import (GPT_OSS_TOOL_TEMPLATE, QWEN3_TOOL_TEMPLATE, 
 from transformers import PreTrainedTokenizerFast
 
 from moed.text.chat_template import template_renders_tools
-from moed.text.output_parser import output_parser_for, supports_tools
+from moed.text.output_parser import output_parser_for, has_native_tools
 from moed.text.tokenizer import Tokenizer
 
 CONVERSATION = [
@@ -52,15 +52,15 @@ def test_tokenizer_renders_tools_like_transformers(tool_model_dir):
         assert prompt.count("<tool_response>") == 2 and prompt.count("<|im_start|>user") == 2  # one user turn
 
 
-def test_supports_tools_tells_tool_templates_from_plain_chatml(tool_model_dir):
+def test_has_native_tools_tells_tool_templates_from_plain_chatml(tool_model_dir):
     model_dir, template = tool_model_dir
     tokenizer = Tokenizer(model_dir)
     family = "qwen3_moe" if template is QWEN3_TOOL_TEMPLATE else "gpt_oss"
     assert tokenizer.tool_chat_template == template
-    assert supports_tools(family, tokenizer.tool_chat_template)
-    assert not supports_tools("olmoe", template)  # no tool syntax in the family
-    assert not supports_tools(family, CHATML_TEMPLATE)  # the template ignores tools
-    assert not supports_tools(family, None)
+    assert has_native_tools(family, tokenizer.tool_chat_template)
+    assert not has_native_tools("olmoe", template)  # no tool syntax in the family
+    assert not has_native_tools(family, CHATML_TEMPLATE)  # the template ignores tools
+    assert not has_native_tools(family, None)
 
 
 def test_template_renders_tools_edge_cases(tmp_path):
@@ -82,7 +82,7 @@ def test_tool_use_template_is_preferred(tmp_path):
                             {"name": "tool_use", "template": QWEN3_TOOL_TEMPLATE}]
     cfg_path.write_text(json.dumps(cfg))
     tokenizer = Tokenizer(tmp_path)
-    assert tokenizer.tool_chat_template == QWEN3_TOOL_TEMPLATE and supports_tools("qwen3_moe",
+    assert tokenizer.tool_chat_template == QWEN3_TOOL_TEMPLATE and has_native_tools("qwen3_moe",
                                                                                    tokenizer.tool_chat_template)
     assert "<tools>" in tokenizer.apply_chat_template(CONVERSATION[:2], tools=[WEATHER_TOOL])
 

@@ -41,9 +41,10 @@ from pydantic import BaseModel, ValidationError
 
 from moed.api.http.anthropic_protocol import (ERROR_STATUS, CountTokensRequest, CountTokensResponse,
                                               ErrorDetail, ErrorResponse, InputMessage, MessageResponse,
-                                              MessagesRequest, TextBlock, TextOut, ThinkingOut, ToolUseOut,
+                                              MessagesRequest, TextOut, ThinkingOut, ToolUseOut,
                                               Usage)
 from moed.api.http.bridge import EngineBridge, GenerationStream
+from moed.api.http.chat_request import ChatRequest, media_placeholder
 from moed.api.http.error_status import HttpFailure, ParamError, failure_of, validation_failure
 from moed.api.http.output_stream import Finished, parsed_events
 from moed.api.http.sse_response import SseResponse
@@ -119,48 +120,88 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
         raise ParamError(failure.message, failure.param) from None
 
 
-# ---- request -> chat template -----------------------------------------------------------------
+# ---- request -> ChatRequest --------------------------------------------------------------------
 
-def _text_of(blocks: str | list[Any] | None, where: str) -> str:
-    """Text blocks joined by newlines; anything else (images, documents) is a 400."""
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's per-request attribution block (see _system_text)
+
+
+class _Media:
+    """Counts the image / document blocks replaced by placeholder text (for the log)."""
+
+    def __init__(self) -> None:
+        self.dropped = 0
+
+    def placeholder(self, block: Any) -> str:
+        self.dropped += 1
+        source = getattr(block, "source", None) or {}
+        detail = source.get("media_type") or source.get("type") or "" if isinstance(source, dict) else ""
+        return media_placeholder(block.type, str(detail))
+
+
+def _other_text(block: Any) -> str:
+    """A block of a type the model has no syntax for (server-tool calls and results, search results, ...)
+    as text: its own text when it has some, else a short note naming its type."""
+    text = getattr(block, "text", None)
+    if isinstance(text, str) and text:
+        return text
+    content = getattr(block, "content", None)
+    if isinstance(content, str) and content:
+        return content
+    if isinstance(content, list):
+        texts = [c.get("text") for c in content if isinstance(c, dict) and isinstance(c.get("text"), str)]
+        if texts:
+            return "\n".join(texts)
+    name = getattr(block, "name", None)
+    return f"[{block.type}{' ' + name if isinstance(name, str) else ''} block]"
+
+
+def _text_of(blocks: str | list[Any] | None, media: _Media) -> str:
+    """Blocks as one text: text blocks joined by newlines, images and documents as placeholders."""
     if blocks is None:
         return ""
     if isinstance(blocks, str):
         return blocks
     texts = []
-    for j, block in enumerate(blocks):
-        if block.type != "text":
-            raise _unsupported(block.type, f"{where}[{j}]", "text")
-        texts.append(block.text)
+    for block in blocks:
+        if block.type == "text":
+            texts.append(block.text)
+        elif block.type in ("image", "document"):
+            texts.append(media.placeholder(block))
+        else:
+            texts.append(_other_text(block))
     return "\n".join(texts)
 
 
-def _unsupported(kind: str, where: str, allowed: str) -> ParamError:
-    if kind in ("image", "document"):
-        return ParamError(f"{where} is an {kind} block; moed serves text-only models (no image or document "
-                          "input): send the content as text blocks", where)
-    return ParamError(f"{where} is a {kind!r} block, which cannot appear there; allowed: {allowed}", where)
+def _system_text(system: str | list[Any] | None, media: _Media) -> str:
+    """The system prompt, without Claude Code's billing-header block: ``x-anthropic-billing-header:
+    cc_version=...; cch=...;`` changes with every request, so leaving it first in the prompt would
+    make no two requests share a prefix (gateways strip it too)."""
+    if isinstance(system, list):
+        system = [b for b in system if not (b.type == "text" and b.text.lstrip().startswith(BILLING_HEADER))]
+    elif isinstance(system, str) and system.lstrip().startswith(BILLING_HEADER):
+        system = system.split("\n", 1)[1] if "\n" in system else ""
+    return _text_of(system, media)
 
 
-def _system_text(system: str | list[TextBlock] | None) -> str:
-    return _text_of(system, "system")
-
-
-def template_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
-    """Anthropic system + messages -> the HF-style dicts chat templates read (see the module docstring)."""
+def template_messages(body: CountTokensRequest, media: _Media | None = None) -> list[dict[str, Any]]:
+    """Anthropic system + messages -> HF-style chat messages (see the module docstring)."""
+    media = media or _Media()
     if not body.messages:
         raise ParamError("messages is empty; send at least one {'role': 'user', 'content': ...} message", "messages")
     out: list[dict[str, Any]] = []
-    system = _system_text(body.system)
+    system = _system_text(body.system, media)
     if system:
         out.append({"role": "system", "content": system})
     call_names: dict[str, str] = {}  # tool_use id -> tool name, from earlier assistant turns
     for i, message in enumerate(body.messages):
         where = f"messages[{i}].content"
         if message.role == "assistant":
-            out.append(_assistant_message(message, where, call_names))
+            out.append(_assistant_message(message, media, call_names))
             continue
-        for msg in _user_messages(message, where, call_names):
+        if message.role == "system":  # folded into the user turns by the chat request rules
+            out.append({"role": "system", "content": _text_of(message.content, media)})
+            continue
+        for msg in _user_messages(message, where, media, call_names):
             last = out[-1] if out else None
             if msg["role"] == "user" and last is not None and last["role"] == "user":
                 last["content"] = f"{last['content']}\n\n{msg['content']}"  # the API merges consecutive user turns
@@ -169,11 +210,11 @@ def template_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant_message(message: InputMessage, where: str, call_names: dict[str, str]) -> dict[str, Any]:
+def _assistant_message(message: InputMessage, media: _Media, call_names: dict[str, str]) -> dict[str, Any]:
     if isinstance(message.content, str):
         return {"role": "assistant", "content": message.content}
     texts, reasoning, calls = [], [], []
-    for j, block in enumerate(message.content):
+    for block in message.content:
         if block.type == "text":
             texts.append(block.text)
         elif block.type == "thinking":
@@ -184,8 +225,10 @@ def _assistant_message(message: InputMessage, where: str, call_names: dict[str, 
             call_names[block.id] = block.name
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": block.input}})
+        elif block.type in ("image", "document"):
+            texts.append(media.placeholder(block))
         else:
-            raise _unsupported(block.type, f"{where}[{j}]", "text, thinking and tool_use blocks (assistant turn)")
+            texts.append(_other_text(block))
     msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
     if reasoning:
         msg["reasoning_content"] = "\n".join(reasoning)
@@ -194,25 +237,27 @@ def _assistant_message(message: InputMessage, where: str, call_names: dict[str, 
     return msg
 
 
-def _user_messages(message: InputMessage, where: str, call_names: dict[str, str]) -> list[dict[str, Any]]:
+def _user_messages(message: InputMessage, where: str, media: _Media,
+                   call_names: dict[str, str]) -> list[dict[str, Any]]:
     if isinstance(message.content, str):
         return [{"role": "user", "content": message.content}]
     tools, texts = [], []
     for j, block in enumerate(message.content):
-        if block.type == "text":
-            texts.append(block.text)
-        elif block.type == "tool_result":
+        if block.type == "tool_result":
             if block.tool_use_id not in call_names:
                 raise ParamError(f"{where}[{j}] is a tool_result for tool_use_id {block.tool_use_id!r}, but no earlier "
                                  "assistant turn has a tool_use block with that id", f"{where}[{j}].tool_use_id")
-            result = _text_of(block.content, f"{where}[{j}].content")
+            result = _text_of(block.content, media)
             if block.is_error and not result.startswith("Error"):
                 result = f"Error: {result}"
             # tool results go first, right after the assistant turn that called the tools, as templates expect
             tools.append({"role": "tool", "tool_call_id": block.tool_use_id, "name": call_names[block.tool_use_id],
                           "content": result})
+        elif block.type in ("tool_use", "thinking", "redacted_thinking"):
+            raise ParamError(f"{where}[{j}] is a {block.type!r} block, which only an assistant turn can hold; a "
+                             "user turn holds text, tool_result, image and document blocks", f"{where}[{j}]")
         else:
-            raise _unsupported(block.type, f"{where}[{j}]", "text and tool_result blocks (user turn)")
+            texts.append(_text_of([block], media))
     if texts or not tools:
         tools.append({"role": "user", "content": "\n".join(texts)})
     return tools
@@ -261,27 +306,17 @@ def template_variables(body: CountTokensRequest) -> dict[str, Any]:
     return variables
 
 
-def prompt_of(bridge: EngineBridge, entry: Any, body: CountTokensRequest) -> tuple[list[int], list[dict[str, Any]]]:
-    """The prompt ids the messages endpoint feeds (count_tokens counts exactly these), and the tools rendered."""
-    messages = template_messages(body)
-    tools = template_tools(body)
-    if tools:
-        bridge.require_tools(entry)
-    variables = template_variables(body)
+def chat_request(body: CountTokensRequest) -> ChatRequest:
+    """The request as moed's one internal chat request (count_tokens counts exactly its prompt)."""
+    media = _Media()
+    messages = template_messages(body, media)
     last = messages[-1]
-    if last["role"] != "assistant" or last.get("tool_calls") or not last["content"]:
-        return bridge.render_chat(entry, messages, tools=tools, **variables), tools
-    # a prefill: render the turn as written and cut the prompt right after its text
-    prefill = last["content"]
-    if prefill != prefill.rstrip():
-        raise ParamError("the final assistant turn (a prefill) ends with whitespace; remove the trailing whitespace",
-                         f"messages[{len(body.messages) - 1}].content")
-    text = bridge.render_chat_text(entry, messages, tools=tools, add_generation_prompt=False, **variables)
-    cut = text.rfind(prefill)
-    if cut < 0:
-        raise ParamError("the model's chat template does not show the final assistant turn's text, so moed cannot "
-                         "continue it; end the conversation with a user turn", f"messages[{len(body.messages) - 1}]")
-    return bridge.tokenizer(entry).encode(text[: cut + len(prefill)], add_special_tokens=False), tools
+    prefill = last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"])
+    options: dict[str, Any] = {}
+    if isinstance(body, MessagesRequest):
+        options = {"params": sampling_params(body), "max_tokens": body.max_tokens, "stream": body.stream}
+    return ChatRequest(messages, template_tools(body), template_variables(body), prefill=prefill,
+                       dropped_media=media.dropped, **options)
 
 
 def sampling_params(body: MessagesRequest) -> SamplingParams:
@@ -449,12 +484,10 @@ class _Answer:
 
     def __init__(self, bridge: EngineBridge, entry: Any, body: MessagesRequest) -> None:
         self.bridge, self.entry, self.body = bridge, entry, body
-        self.prompt_ids, tools = prompt_of(bridge, entry, body)
-        bridge.check_max_tokens(entry, body.max_tokens)
-        self.params = sampling_params(body)
-        self.parser = bridge.output_parser(entry, tools=tools, prompt_ids=self.prompt_ids, stream=body.stream)
-        self.raw = bridge.parser_wants_raw(self.parser)
-        self.stream = bridge.open_stream(entry, self.prompt_ids, self.params, raw=self.raw)
+        prepared = bridge.prepare_chat(entry, chat_request(body))
+        self.prompt_ids, self.params, self.parser = prepared.prompt_ids, prepared.params, prepared.parser
+        self.raw = True
+        self.stream = prepared.stream
         self.recorder = _TokenRecorder(self.stream)
         self.builder = BlockBuilder(
             single_tool=bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use),
@@ -560,7 +593,7 @@ def anthropic_router(bridge: EngineBridge) -> APIRouter:
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         body = parse_body(CountTokensRequest, await request.body())
-        prompt_ids, _ = prompt_of(bridge, bridge.resolve(body.model), body)
+        prompt_ids, _ = bridge.chat_prompt(bridge.resolve(body.model), chat_request(body))
         return JSONResponse(CountTokensResponse(input_tokens=len(prompt_ids)).model_dump())
 
     return router

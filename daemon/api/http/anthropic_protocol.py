@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 # ---- request ----------------------------------------------------------------------------------
 
@@ -37,11 +37,33 @@ class ToolUseBlock(_Wire):
     input: dict[str, Any]
 
 
+class OtherBlock(BaseModel):
+    """Any other block type (server-tool calls and results, search results, container uploads, what the
+    API adds next): kept with all its fields, and shown to the model as a short text."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def _tagged(*known: type[BaseModel]):
+    """A union of block models chosen by "type", with OtherBlock for every type not among them."""
+    tags = {model.model_fields["type"].annotation.__args__[0]: model for model in known}
+
+    def tag_of(value: Any) -> str:
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return kind if kind in tags else "other"
+
+    members = tuple(Annotated[model, Tag(tag)] for tag, model in tags.items()) + (Annotated[OtherBlock, Tag("other")],)
+    return Annotated[Union[members], Discriminator(tag_of)]
+
+
+ResultBlock = _tagged(TextBlock, ImageBlock, DocumentBlock)
+
+
 class ToolResultBlock(_Wire):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
-    content: Union[str, list[Annotated[Union[TextBlock, ImageBlock, DocumentBlock], Field(discriminator="type")]],
-                   None] = None
+    content: Union[str, list[ResultBlock], None] = None
     is_error: bool = False
 
 
@@ -56,14 +78,13 @@ class RedactedThinkingBlock(_Wire):
     data: str = ""
 
 
-InputBlock = Annotated[
-    Union[TextBlock, ImageBlock, DocumentBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
-    Field(discriminator="type"),
-]
+InputBlock = _tagged(TextBlock, ImageBlock, DocumentBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
+                     RedactedThinkingBlock)
 
 
 class InputMessage(_Wire):
-    role: Literal["user", "assistant"]
+    # "system" entries inside messages: Claude Code sends them (beta "mid-conversation-system-2026-04-07")
+    role: Literal["user", "assistant", "system"]
     content: Union[str, list[InputBlock]]
 
 
@@ -88,6 +109,7 @@ class ThinkingConfig(_Wire):
 
 class OutputConfig(_Wire):
     effort: str | None = None  # "low" | "medium" | "high" | "xhigh" | "max"
+    format: dict[str, Any] | None = None  # {"type": "json_schema", "schema": ...}: not enforced yet (issue #34)
 
 
 class CountTokensRequest(_Wire):

@@ -28,13 +28,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from moed.api.daemon_context import DaemonContext
+from moed.api.http.chat_request import ChatRequest, fold_system_messages, warn_dropped_media
 from moed.api.http.error_status import ParamError
 from moed.api.http.metrics import HttpMetrics
 from moed.engine.model_manager import LoadedEntry
 from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent
 from moed.engine.sampling import SamplingParams
 from moed.errors import InvalidRequestError, ModelNotFoundError, ServiceUnavailableError, quoted
-from moed.text.output_parser import OutputParser, output_parser_for, prompt_opens_reasoning, supports_tools
+from moed.text.chat_template import template_renders_tool_calls
+from moed.text.generic_tools import generic_messages
+from moed.text.output_parser import OutputParser, has_native_tools, output_parser_for, prompt_opens_reasoning
 from moed.text.stop_strings import StopMatcher
 from moed.text.stream_decoder import StreamDecoder
 from moed.text.tokenizer import Tokenizer
@@ -202,12 +205,24 @@ def with_thinking(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+@dataclass
+class PreparedChat:
+    """A submitted chat request (``EngineBridge.prepare_chat``): iterate ``stream`` through ``parser``."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    parser: OutputParser
+    stream: GenerationStream
+    generic_tools: bool  # tools were offered in the generic format
+
+
 class EngineBridge:
     """Engine access for the HTTP endpoints; methods raise ``MoedError``s with messages for people."""
 
     def __init__(self, ctx: DaemonContext) -> None:
         self.ctx = ctx
         self.metrics = HttpMetrics()
+        self._native_tools: dict[int, tuple[LoadedEntry, bool]] = {}
 
     # ---- models ----
 
@@ -299,18 +314,6 @@ class EngineBridge:
         """How many prompt tokens these messages (and tools) take, generation prompt included."""
         return len(self.render_chat(entry, messages, tools=tools, **template_variables))
 
-    def check_max_tokens(self, entry: LoadedEntry, max_tokens: int | None, *, field: str = "max_tokens") -> None:
-        """ParamError (naming ``field``) when ``max_tokens`` alone exceeds the model's context.
-
-        A smaller value that does not fit after a long prompt is not an error: generation ends when
-        the context is full, with finish reason "context" (agents send generous limits by default).
-        """
-        if max_tokens is not None and max_tokens > entry.loop.context_length:
-            raise ParamError(
-                f"{field}={max_tokens} is more than model {quoted(entry.name)}'s context of "
-                f"{entry.loop.context_length} tokens (prompt and output together); ask for fewer, or load the model "
-                "with a larger context (`moed load MODEL --context N`)", field)
-
     def check_prompt_fits(self, entry: LoadedEntry, prompt_ids: Sequence[int]) -> None:
         """ParamError (code context_length_exceeded) when the prompt leaves no room for one output token.
 
@@ -329,22 +332,23 @@ class EngineBridge:
 
     # ---- tools and output parsing ----
 
-    def supports_tools(self, entry: LoadedEntry) -> bool:
-        """Whether the model's family has a tool-call parser and its chat template renders tools."""
-        return supports_tools(self.family(entry), self.tokenizer(entry).tool_chat_template)
+    def has_native_tools(self, entry: LoadedEntry) -> bool:
+        """Whether the model's family has a tool-call parser and its chat template renders tools
+        (else tools go through the generic format, ``moed.text.generic_tools``). Cached per model."""
+        key = id(entry)
+        known = self._native_tools.get(key)
+        if known is None or known[0] is not entry:
+            known = (entry, has_native_tools(self.family(entry), self.tokenizer(entry).tool_chat_template))
+            self._native_tools[key] = known
+        return known[1]
 
-    def require_tools(self, entry: LoadedEntry) -> None:
-        """InvalidRequestError (400) when the request has tools the model cannot use."""
-        if not self.supports_tools(entry):
-            family = self.family(entry) or "unknown"
-            raise InvalidRequestError(
-                f"model {quoted(entry.name)} (family {family}) does not support tool calls: its chat template "
-                "does not render tools or moed has no tool-call parser for its family; send the request without "
-                "tools, or use a model with tool support (Qwen3-MoE, gpt-oss, DeepSeek-V3, Mixtral with a tools "
-                "template)")
+    def renders_tool_calls(self, entry: LoadedEntry) -> bool:
+        """Whether the model's template shows earlier tool calls and results without a tools list."""
+        return template_renders_tool_calls(self.tokenizer(entry).chat_template)
 
     def output_parser(self, entry: LoadedEntry, *, tools: bool | Sequence[dict[str, Any]],
-                      prompt_ids: Sequence[int] | None = None, stream: bool = True) -> OutputParser:
+                      prompt_ids: Sequence[int] | None = None, stream: bool = True,
+                      generic_tools: bool = False) -> OutputParser:
         """A fresh streaming parser for one answer of this model: ``feed(text) -> [OutputEvent]``, ``finish()``.
 
         OutputEvent.kind is "text", "reasoning" or "tool_call" (``tool_index``, ``tool_id``,
@@ -367,8 +371,13 @@ class EngineBridge:
         if prompt_ids:
             tail = self.tokenizer(entry).decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
             opens = prompt_opens_reasoning(self.family(entry), tail)
+        end_tokens = ()
+        if generic_tools:
+            tokenizer = self.tokenizer(entry)
+            end_tokens = tuple(t for t in (tokenizer.id_to_token(i) for i in tokenizer.eos_token_ids) if t)
         return output_parser_for(self.family(entry), tools=bool(tools), starts_in_reasoning=opens, tool_names=names,
-                                 tool_parameters=parameters, stream_arguments=stream)
+                                 tool_parameters=parameters, stream_arguments=stream, generic_tools=generic_tools,
+                                 end_tokens=end_tokens)
 
     @staticmethod
     def parser_wants_raw(parser: OutputParser) -> bool:
@@ -376,6 +385,48 @@ class EngineBridge:
         with special tokens kept (gpt-oss's ``<|channel|>``, Mistral's ``[TOOL_CALLS]`` are special
         tokens) and drops end-of-turn tokens itself."""
         return True
+
+    # ---- one chat request, whichever API it came through ----
+
+    def chat_prompt(self, entry: LoadedEntry, chat: ChatRequest) -> tuple[list[int], bool]:
+        """(prompt ids, whether tools went in the generic format) for a chat request: system messages
+        folded, tools in the model's own syntax or the generic one, a prefill cut after its text."""
+        messages = fold_system_messages(chat.messages)
+        tools = list(chat.tools)
+        generic = bool(tools) and not self.has_native_tools(entry)
+        if generic or (not tools and not self.renders_tool_calls(entry)):
+            # without tools too: earlier calls and results must become text a template without tool syntax shows
+            messages, tools = generic_messages(messages, tools), []
+        variables = chat.template_variables
+        if not chat.prefill:
+            return self.render_chat(entry, messages, tools=tools, **variables), generic
+        prefill = messages[-1].get("content") or ""
+        if prefill != prefill.rstrip():
+            raise ParamError("the final assistant turn (a prefill) ends with whitespace; remove the trailing "
+                             "whitespace", "messages")
+        text = self.render_chat_text(entry, messages, tools=tools, add_generation_prompt=False, **variables)
+        cut = text.rfind(prefill)
+        if cut < 0:
+            raise ParamError("the model's chat template does not show the final assistant turn's text, so moed "
+                             "cannot continue it; end the conversation with a user turn", "messages")
+        ids = self.tokenizer(entry).encode(text[: cut + len(prefill)], add_special_tokens=False)
+        return ids, generic
+
+    def prepare_chat(self, entry: LoadedEntry, chat: ChatRequest) -> "PreparedChat":
+        """Render, check and submit a chat request: its prompt, parameters, output parser and open stream.
+
+        The output budget is ``chat.max_tokens`` or the rest of the context, and never more than the
+        rest of the context: agents ask for 32k tokens by default, which a local model's context
+        may not hold after their prompt (llama-server also clamps)."""
+        warn_dropped_media(chat.dropped_media, entry.name)
+        prompt_ids, generic = self.chat_prompt(entry, chat)
+        self.check_prompt_fits(entry, prompt_ids)
+        room = self.default_max_tokens(entry, prompt_ids)
+        params = dataclasses.replace(chat.params, max_tokens=min(chat.max_tokens or room, room))
+        parser = self.output_parser(entry, tools=chat.tools, prompt_ids=prompt_ids, stream=chat.stream,
+                                    generic_tools=generic)
+        stream = self.open_stream(entry, prompt_ids, params, raw=True)
+        return PreparedChat(prompt_ids, params, parser, stream, generic)
 
     # ---- generation ----
 

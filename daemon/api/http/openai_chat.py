@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from moed.api.http.bridge import EngineBridge
+from moed.api.http.chat_request import ChatRequest, media_placeholder
 from moed.api.http.error_status import ParamError, failure_of
 from moed.api.http.openai_protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage,
@@ -30,15 +31,27 @@ from moed.text.chat_template import validate_messages
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 
 
-def content_text(content: str | list[dict[str, Any]] | None, where: str) -> str | None:
-    """A message's content as one string (text parts joined by newlines); None stays None."""
+MEDIA_PART_TYPES = ("image_url", "input_image", "input_audio", "file", "input_file")
+
+
+def content_text(content: str | list[dict[str, Any]] | None, where: str, dropped: list[int] | None = None) -> str | None:
+    """A message's content as one string (text parts joined by newlines); None stays None.
+
+    Image, audio and file parts become a placeholder text (counted in ``dropped[0]``): moed's models
+    read text only, and an agent's session must not end on a screenshot."""
     if content is None or isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.get("type", "text") not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
-            raise ParamError(f"{where}.content[{j}] is a {part.get('type', 'untyped')!r} part; moed serves text "
-                             "models, so only {'type': 'text', 'text': '...'} parts are accepted",
+        kind = part.get("type", "text")
+        if kind in MEDIA_PART_TYPES:
+            if dropped is not None:
+                dropped[0] += 1
+            texts.append(media_placeholder(kind.removeprefix("input_").replace("_url", "")))
+            continue
+        if kind not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
+            raise ParamError(f"{where}.content[{j}] is a {kind!r} part; moed serves text models, so only text "
+                             "parts (and images or files, shown to the model as a placeholder) are accepted",
                              f"{where}.content")
         texts.append(part["text"])
     return "\n".join(texts)
@@ -55,14 +68,14 @@ def arguments_value(arguments: str | dict[str, Any]) -> Any:
     return value if isinstance(value, dict) else arguments
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def template_messages(messages: list[ChatMessage], dropped: list[int] | None = None) -> list[dict[str, Any]]:
     """OpenAI messages -> the HF-style dicts chat templates read; tool results must answer a tool call."""
     out: list[dict[str, Any]] = []
     call_names: dict[str, str] = {}  # tool_call id -> function name, from earlier assistant messages
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-        content = content_text(m.content, where)
+        content = content_text(m.content, where, dropped)
         if content is not None:
             msg["content"] = content
         if m.role == "assistant":
@@ -110,24 +123,24 @@ def request_tools(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return tools
 
 
-async def create_chat_completion(bridge: EngineBridge, body: ChatCompletionRequest, request: Request):
-    refuse_unsupported(body)
-    entry = bridge.resolve(body.model)
-    messages = template_messages(body.messages)
-    tools = request_tools(body)
-    if tools:
-        bridge.require_tools(entry)
+def chat_request(body: ChatCompletionRequest) -> ChatRequest:
+    """The request as moed's one internal chat request."""
+    dropped = [0]
+    messages = template_messages(body.messages, dropped)
     variables = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
         variables.setdefault("reasoning_effort", body.reasoning_effort)
-    prompt_ids = bridge.render_chat(entry, messages, tools=tools, **variables)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    bridge.check_max_tokens(entry, max_tokens, field="max_completion_tokens" if body.max_completion_tokens
-                            else "max_tokens")
-    params = sampling_params(body, max_tokens=max_tokens or bridge.default_max_tokens(entry, prompt_ids),
-                             stop=stop_strings(body.stop))
-    parser = bridge.output_parser(entry, tools=tools, prompt_ids=prompt_ids, stream=body.stream)
-    stream = bridge.open_stream(entry, prompt_ids, params, raw=True)
+    params = sampling_params(body, max_tokens=max_tokens or 1, stop=stop_strings(body.stop))
+    return ChatRequest(messages, request_tools(body), variables, params, max_tokens=max_tokens, stream=body.stream,
+                       dropped_media=dropped[0])
+
+
+async def create_chat_completion(bridge: EngineBridge, body: ChatCompletionRequest, request: Request):
+    refuse_unsupported(body)
+    entry = bridge.resolve(body.model)
+    prepared = bridge.prepare_chat(entry, chat_request(body))
+    parser, stream = prepared.parser, prepared.stream
     chat_id, created = new_id("chatcmpl-"), now()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

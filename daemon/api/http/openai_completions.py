@@ -36,9 +36,10 @@ async def create_completion(bridge: EngineBridge, body: CompletionRequest, reque
         raise ParamError("suffix (fill-in-the-middle) is not supported; leave it out", "suffix")
     entry = bridge.resolve(body.model)
     prompt_ids = prompt_ids_of(bridge, entry, body.prompt)
-    bridge.check_max_tokens(entry, body.max_tokens)
-    # OpenAI's documented default for completions is 16 tokens
-    params = sampling_params(body, max_tokens=body.max_tokens or 16, stop=stop_strings(body.stop))
+    bridge.check_prompt_fits(entry, prompt_ids)
+    # OpenAI's documented default for completions is 16 tokens; never more than the context has room for
+    max_tokens = min(body.max_tokens or 16, bridge.default_max_tokens(entry, prompt_ids))
+    params = sampling_params(body, max_tokens=max_tokens, stop=stop_strings(body.stop))
     stream = bridge.open_stream(entry, prompt_ids, params)
     cmpl_id, created = new_id("cmpl-"), now()
     if body.stream:

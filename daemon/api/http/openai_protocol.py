@@ -233,6 +233,7 @@ class ResponsesTool(_Lenient):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: list[dict[str, Any]] | None = None  # a "namespace" tool's functions (Codex's multi-agent tools)
 
 
 class ResponsesNamedTool(_Lenient):
@@ -288,6 +289,7 @@ class FunctionCallItem(BaseModel):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None  # a call to a function of a "namespace" tool
     status: Literal["in_progress", "completed", "incomplete"]
 
 

@@ -15,6 +15,7 @@ as in chat completions.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from moed.api.http.bridge import EngineBridge
+from moed.api.http.chat_request import ChatRequest, media_placeholder
 from moed.api.http.error_status import ParamError, failure_of
 from moed.api.http.openai_chat import arguments_value
 from moed.api.http.openai_protocol import (ErrorDetail, FunctionCallItem, IncompleteDetails, OutputMessageItem,
@@ -34,24 +36,34 @@ from moed.api.http.sse_response import SseResponse
 from moed.text.chat_template import validate_messages
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+log = logging.getLogger("moed.http")
 
 
-def _text_of(content: Any, where: str, field: str = "content") -> str:
+MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+
+
+def _text_of(content: Any, where: str, field: str = "content", dropped: list[int] | None = None) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ParamError(f"{where}.{field} must be a string or a list of input_text parts", f"{where}.{field}")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in MEDIA_PARTS:  # a text-only model sees a placeholder; the agent's session goes on
+            if dropped is not None:
+                dropped[0] += 1
+            texts.append(media_placeholder(kind.removeprefix("input_")))
+            continue
+        if not isinstance(part, dict) or kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise ParamError(f"{where}.{field}[{j}] is a {kind!r} part; moed serves text models, so only "
-                             "input_text / output_text parts are accepted", f"{where}.{field}")
+                             "input_text / output_text parts (and images or files, shown as a placeholder) are "
+                             "accepted", f"{where}.{field}")
         texts.append(part["text"])
     return "\n".join(texts)
 
 
-def template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+def template_messages(body: ResponsesRequest, dropped: list[int] | None = None) -> list[dict[str, Any]]:
     """``instructions`` + ``input`` items -> HF-style chat messages (leading system texts merged into one)."""
     system: list[str] = [body.instructions] if body.instructions else []
     out: list[dict[str, Any]] = []
@@ -81,7 +93,7 @@ def template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ParamError(f"{where}.role is {role!r}; use user, system, developer or assistant",
                                  f"{where}.role")
-            text = _text_of(item.get("content", ""), where)
+            text = _text_of(item.get("content", ""), where, dropped=dropped)
             if role in ("system", "developer"):
                 if not out:
                     system.append(text)
@@ -100,6 +112,8 @@ def template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if not isinstance(arguments, (str, dict)):
                 raise ParamError(f"{where}.arguments must be the call's arguments as a JSON string, got "
                                  f"{type(arguments).__name__}", f"{where}.arguments")
+            if isinstance(item.get("namespace"), str) and item["namespace"]:
+                name = f"{item['namespace']}{NAMESPACE_SEPARATOR}{name}"
             call_names[call_id] = name
             msg = assistant()
             msg.setdefault("tool_calls", []).append({"id": call_id, "type": "function", "function": {
@@ -112,7 +126,7 @@ def template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if out and out[-1]["role"] == "assistant":
                 out[-1]["_closed"] = True
             out.append({"role": "tool", "tool_call_id": call_id, "name": call_names[call_id],
-                        "content": _text_of(item.get("output", ""), where, "output")})
+                        "content": _text_of(item.get("output", ""), where, "output", dropped)})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text", ""), str)
@@ -130,12 +144,39 @@ def template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return validate_messages(out)
 
 
+NAMESPACE_SEPARATOR = "."  # a namespace tool's function "f" of namespace "ns" is offered to the model as "ns.f"
+HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+                "image_generation", "mcp", "local_shell", "tool_search")
+
+
+def _function(name: str, t: dict[str, Any] | ResponsesTool) -> dict[str, Any]:
+    get = t.get if isinstance(t, dict) else (lambda k: getattr(t, k, None))
+    return {"type": "function", "function": {k: v for k, v in (("name", name), ("description", get("description")),
+                                                               ("parameters", get("parameters"))) if v is not None}}
+
+
 def request_tools(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The tools to offer, as OpenAI-style function schemas: "function" tools as they are, each function of
+    a "namespace" tool as "namespace.function"; hosted tools (web_search, ...) need OpenAI's servers and are
+    left out, with a warning in the log; any other type is refused with a 400 naming it."""
     if not body.tools or body.tool_choice == "none":
         return []
-    tools = [{"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
-                                                                 ("parameters", t.parameters)) if v is not None}}
-             for t in body.tools if t.type == "function" and t.name]
+    tools, hosted = [], []
+    for i, t in enumerate(body.tools):
+        if t.type == "function" and t.name:
+            tools.append(_function(t.name, t))
+        elif t.type == "namespace" and t.name:
+            for sub in t.tools or []:
+                if isinstance(sub, dict) and sub.get("type", "function") == "function" and sub.get("name"):
+                    tools.append(_function(f"{t.name}{NAMESPACE_SEPARATOR}{sub['name']}", sub))
+        elif t.type in HOSTED_TOOLS:
+            hosted.append(t.type)
+        else:
+            raise ParamError(f"tools[{i}] has type {t.type!r}, which moed cannot offer to a local model; it takes "
+                             f"function and namespace tools (hosted tools such as web_search are left out)",
+                             f"tools[{i}].type")
+    if hosted:
+        log.warning("request tools %s run on OpenAI's servers; moed left them out of the prompt", ", ".join(hosted))
     choice = body.tool_choice
     if choice is not None and not isinstance(choice, str):
         tools = [t for t in tools if t["function"]["name"] == choice.name]
@@ -143,6 +184,22 @@ def request_tools(body: ResponsesRequest) -> list[dict[str, Any]]:
             raise ParamError(f"tool_choice names function {choice.name!r}, which is not among the request's "
                              "function tools", "tool_choice")
     return tools
+
+
+def chat_request(body: ResponsesRequest) -> ChatRequest:
+    """The request as moed's one internal chat request."""
+    dropped = [0]
+    messages = template_messages(body, dropped)
+    variables = {"reasoning_effort": body.reasoning.effort} if body.reasoning and body.reasoning.effort else {}
+    params = sampling_params(body, max_tokens=body.max_output_tokens or 1)
+    return ChatRequest(messages, request_tools(body), variables, params, max_tokens=body.max_output_tokens,
+                       stream=body.stream, dropped_media=dropped[0])
+
+
+def split_namespace(name: str, namespaces: frozenset[str]) -> tuple[str | None, str]:
+    """(namespace, function name) of a called tool name ("ns.f" for a namespace tool's function)."""
+    ns, sep, rest = name.partition(NAMESPACE_SEPARATOR)
+    return (ns, rest) if sep and ns in namespaces and rest else (None, name)
 
 
 class ResponseBuilder:
@@ -158,6 +215,7 @@ class ResponseBuilder:
             parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls)
         if self.response.tool_choice is None:
             self.response.tool_choice = "auto"
+        self._namespaces = frozenset(t.name for t in body.tools or [] if t.type == "namespace" and t.name)
         self._seq = 0
         self._open: Any = None  # the item being written, with _kind and _tool_index
         self._open_kind = ""
@@ -186,7 +244,8 @@ class ResponseBuilder:
             item = ReasoningItem(id=new_id("rs_"), status="in_progress", content=[])
             part = ReasoningText(text="").model_dump()
         else:
-            item = FunctionCallItem(id=new_id("fc_"), call_id=event.tool_id, name=event.name,
+            namespace, name = split_namespace(event.name, self._namespaces)
+            item = FunctionCallItem(id=new_id("fc_"), call_id=event.tool_id, name=name, namespace=namespace,
                                     arguments="", status="in_progress")
             part = None
         self.response.output.append(item)
@@ -297,16 +356,8 @@ async def create_response(bridge: EngineBridge, body: ResponsesRequest, request:
         raise ParamError("previous_response_id is not supported: moed stores no responses; send the whole "
                          "conversation in 'input'", "previous_response_id")
     entry = bridge.resolve(body.model)
-    messages = template_messages(body)
-    tools = request_tools(body)
-    if tools:
-        bridge.require_tools(entry)
-    variables = {"reasoning_effort": body.reasoning.effort} if body.reasoning and body.reasoning.effort else {}
-    prompt_ids = bridge.render_chat(entry, messages, tools=tools, **variables)
-    bridge.check_max_tokens(entry, body.max_output_tokens, field="max_output_tokens")
-    params = sampling_params(body, max_tokens=body.max_output_tokens or bridge.default_max_tokens(entry, prompt_ids))
-    parser = bridge.output_parser(entry, tools=tools, prompt_ids=prompt_ids, stream=body.stream)
-    stream = bridge.open_stream(entry, prompt_ids, params, raw=True)
+    prepared = bridge.prepare_chat(entry, chat_request(body))
+    parser, stream = prepared.parser, prepared.stream
     builder = ResponseBuilder(body, entry.name)
     if body.stream:
         return SseResponse(_events(stream, parser, builder), stream.cancel)

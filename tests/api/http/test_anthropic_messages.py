@@ -385,12 +385,6 @@ def test_bad_requests_get_the_sdk_error_classes_with_anthropic_bodies(client):
                     cast_to=object)
     assert_anthropic_error(e, "invalid_request_error", "max_tokens", "required")
 
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
-    with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(**GREEDY, model="chat", max_tokens=5, messages=[{"role": "user", "content": [
-            {"type": "text", "text": "What is this?"}, image]}])
-    assert_anthropic_error(e, "invalid_request_error", "messages[0].content[1]", "image")
-
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(**GREEDY, model="no-such-model", max_tokens=5,
                                messages=[{"role": "user", "content": "Hi"}])
@@ -411,18 +405,15 @@ def test_bad_requests_get_the_sdk_error_classes_with_anthropic_bodies(client):
 
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(**GREEDY, model="chat", max_tokens=5, tools=[WEATHER_TOOL],
-                               messages=[{"role": "user", "content": "Hi"}])
-    assert_anthropic_error(e, "invalid_request_error", "does not support tool calls")
-
-    with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(**GREEDY, model="chat", max_tokens=5, tools=[WEATHER_TOOL],
                                tool_choice={"type": "tool", "name": "nope"},
                                messages=[{"role": "user", "content": "Hi"}])
     assert_anthropic_error(e, "invalid_request_error", "nope", "get_weather")
 
-    with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(**GREEDY, model="chat", max_tokens=100_000, messages=[{"role": "user", "content": "Hi"}])
-    assert_anthropic_error(e, "invalid_request_error", "max_tokens=100000", "context")
+    # an output budget over the context is not an error: generation ends where the context does (agents ask
+    # for 32k tokens by default; llama-server clamps the same way)
+    answer = client.messages.create(**GREEDY, model="chat", max_tokens=100_000, messages=[{"role": "user",
+                                                                                         "content": "Hi"}])
+    assert answer.stop_reason in ("end_turn", "max_tokens")
 
 
 def test_a_prompt_over_the_context_is_reported_in_anthropics_words(client):
@@ -443,7 +434,7 @@ def test_malformed_bodies_get_anthropic_shaped_400s(daemon):
         b"[1, 2]",
         {"model": "chat", "messages": [{"role": "user", "content": 5}]},
         {"model": "chat", "messages": [{"role": "robot", "content": "x"}]},
-        {"model": "chat", "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+        {"model": "chat", "messages": [{"role": "user", "content": [{"type": "video", "source": 5}, "x"]}]},
         {"model": "chat", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
         {"model": "chat", "messages": [{"role": "assistant", "content": [
             {"type": "tool_use", "id": "t", "name": "f", "input": "not an object"}]}]},

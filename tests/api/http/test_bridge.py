@@ -98,11 +98,8 @@ def test_paused_stopping_and_empty_daemons(daemon):
         bridge.resolve("")
 
 
-def test_max_tokens_larger_than_the_context_is_refused(daemon):
+def test_the_default_output_budget_is_the_rest_of_the_context(daemon):
     bridge = EngineBridge(daemon.ctx)
-    bridge.check_max_tokens(daemon.entry, 1024)
-    with pytest.raises(InvalidRequestError, match="max_tokens=1025 is more than model 'one'"):
-        bridge.check_max_tokens(daemon.entry, 1025)
     prompt = bridge.render_chat(daemon.entry, HI)
     assert bridge.default_max_tokens(daemon.entry, prompt) == 1024 - len(prompt)
     assert bridge.count_tokens(daemon.entry, HI) == len(prompt)

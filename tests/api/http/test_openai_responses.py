@@ -66,7 +66,7 @@ OUTPUT = {"type": "function_call_output", "call_id": "call_1", "output": "done"}
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": []}, "input"),
     ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+    ({"input": [{"role": "user", "content": [{"type": "input_hologram", "data": "x"}]}]},
      "input[0].content"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     *[({"input": [CALL | {"arguments": value}, OUTPUT]}, "input[0].arguments") for value in (-1, True, [1])],

@@ -52,7 +52,7 @@ CUT_CALL = 'Let me see.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
 def answer(prompt: str) -> str:
     if "Cut short" in prompt:
         return CUT_CALL
-    if "<tool_response>" in prompt:
+    if "<tool_response>\n" in prompt:  # a result (the generic format's instructions name the tag too)
         return SUNNY
     if "# Tools" in prompt:
         return CALL
@@ -67,6 +67,7 @@ def daemon(tmp_path_factory):
     plain = ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("plain"), CHATML_TEMPLATE), answer,
                               family="mixtral")
     add_scripted_model(d, "no-tools", plain)
+    d.plain = plain
     add_scripted_model(d, "coder", ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("coder")),
                                                      lambda prompt: CODER_CALL))
     d.thinker = ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("thinker"), THINKING_TEMPLATE), answer)
@@ -156,12 +157,26 @@ def test_a_named_tool_choice_must_name_a_given_tool(client):
     assert "send_mail" in err.value.body["message"] and err.value.body["param"] == "tool_choice"
 
 
-def test_a_model_without_tool_support_refuses_tools_with_a_400(client):
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="no-tools", messages=ASK, tools=TOOLS)
-    assert "does not support tool calls" in err.value.body["message"]
-    # without tools the same model answers
-    assert client.chat.completions.create(model="no-tools", messages=ASK).choices[0].message.content
+def test_a_model_whose_template_has_no_tool_syntax_gets_the_generic_tool_format(daemon, client):
+    """A chatml template that renders only role and content (family mixtral, whose own syntax is
+    [TOOL_CALLS]): the tools go into the system prompt, the call comes back as <tool_call> JSON, and the
+    next turn shows the call and its result as text."""
+    reply = client.chat.completions.create(model="no-tools", messages=ASK, tools=TOOLS, temperature=0)
+    prompt = daemon.plain.prompts[-1]
+    assert prompt.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in prompt
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    history = ASK + [reply.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temp_c": 21}'}]
+    second = client.chat.completions.create(model="no-tools", messages=history, tools=TOOLS, temperature=0)
+    assert second.choices[0].message.content == SUNNY
+    prompt = daemon.plain.prompts[-1]
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{"temp_c": 21}\n</tool_response>') in prompt
+    # without tools the same model answers, and the earlier call is still shown as text
+    again = client.chat.completions.create(model="no-tools", messages=history)
+    assert again.choices[0].message.content == SUNNY and "# Tools" not in daemon.plain.prompts[-1]
 
 
 def test_a_tool_result_without_its_call_is_a_400(client):
