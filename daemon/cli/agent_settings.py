@@ -78,9 +78,17 @@ def claude_env(t: AgentTarget) -> dict[str, str]:
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": t.model,  # background tasks
         "ANTHROPIC_SMALL_FAST_MODEL": t.model,  # the older name of the haiku variable
         "API_TIMEOUT_MS": CLAUDE_TIMEOUT_MS,
+        # Claude Code puts "x-anthropic-billing-header: cc_version=...; cch=...;" first in the system prompt,
+        # different in every request; with it no two requests share a prefix (moed also strips it)
+        "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+        # no telemetry, error reports or update checks: a local setup has nobody to send them to
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
     if t.context:
         env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(t.max_output or default_max_output(t.context))
+        # compact before the model's context is full (Claude Code takes no window under 100k tokens here:
+        # below that it compacts when moed answers "prompt is too long")
+        env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(t.context)
     return env
 
 
@@ -166,7 +174,10 @@ def codex_values(t: AgentTarget) -> tuple[dict[str, Any], dict[str, Any]]:
     top: dict[str, Any] = {"model": t.model, "model_provider": PROVIDER_ID}
     if t.context:
         top["model_context_window"] = t.context
-    table: dict[str, Any] = {"name": "moed (local)", "base_url": t.v1_url, "wire_api": "responses"}
+        top["model_auto_compact_token_limit"] = t.context * 9 // 10  # compact before the context is full
+    # a long prefill on a big local model sends nothing for minutes: wait as long as Claude Code does
+    table: dict[str, Any] = {"name": "moed (local)", "base_url": t.v1_url, "wire_api": "responses",
+                             "stream_idle_timeout_ms": int(CLAUDE_TIMEOUT_MS)}
     if t.token:
         table["env_key"] = CODEX_KEY_ENV
     return top, table

@@ -46,14 +46,37 @@ class LoadPlan:
         return self.weight_bytes + self.kv_bytes
 
 
-def plan_load(path: Path, options) -> LoadPlan:
-    """Validate ``options`` (a LoadOptions) against the model at ``path``; raises InvalidRequestError."""
+KV_SHARE_OF_FREE_RAM = 0.5  # an automatic context's KV pool takes at most this share of the RAM the weights leave
+
+
+def auto_context(max_pos: int, kv_bytes_per_token: int, weight_bytes: int, available_bytes: int, max_batch: int,
+                 kv_tokens: int | None = None) -> int:
+    """The context a load gets when none is asked for: the largest the model supports
+    (``max_position_embeddings``) whose KV pool (``kv_pool_tokens``: two whole contexts, or ``max_batch``
+    when that is fewer; ``kv_tokens`` when given) fits in KV_SHARE_OF_FREE_RAM of the host RAM left after
+    the weights, in whole KV blocks; never below DEFAULT_CONTEXT (a load that cannot hold even that fails
+    with the memory error naming what would fit)."""
+    floor = min(DEFAULT_CONTEXT, max_pos)
+    room = int((available_bytes - weight_bytes) * KV_SHARE_OF_FREE_RAM)
+    if kv_tokens is not None:
+        fits = kv_tokens  # the pool is given: a context may be as long as the pool
+    else:
+        fits = room // max(1, kv_bytes_per_token) // min(max_batch, 2) if room > 0 else 0
+    fits = fits // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
+    return max(floor, min(max_pos, fits))
+
+
+def plan_load(path: Path, options, *, available_bytes: int | None = None) -> LoadPlan:
+    """Validate ``options`` (a LoadOptions) against the model at ``path``; raises InvalidRequestError.
+
+    Without ``options.context_length`` the context is ``auto_context``'s, for ``available_bytes`` of
+    host RAM (default: what is available now)."""
     config = read_model_config(path)
     max_pos = config.max_position_embeddings
-    context = options.context_length or min(DEFAULT_CONTEXT, max_pos)
-    if isinstance(context, bool) or not isinstance(context, int) or context < 2:
+    context = options.context_length
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 2):
         raise InvalidRequestError(f"context_length must be an integer of at least 2 tokens, got {quoted(context)}")
-    if context > max_pos:
+    if context is not None and context > max_pos:
         raise InvalidRequestError(
             f"context_length {context} exceeds the model's max_position_embeddings ({max_pos}); use at most {max_pos}")
     # the engine loop's own limits, checked now rather than after the weights are read
@@ -69,9 +92,12 @@ def plan_load(path: Path, options) -> LoadPlan:
     if not (MIN_EMULATED_B_P <= b_p <= MAX_EMULATED_B_P):  # NaN fails both comparisons
         raise InvalidRequestError(f"emulated_b_p {b_p!r} bytes/s is out of range: give a value between "
                                   f"{MIN_EMULATED_B_P:.0e} and {MAX_EMULATED_B_P:.0e}")
-    kv_tokens = kv_pool_tokens(context, options.max_batch, options.kv_tokens)
     est = estimate_load(path, options.experts_dtype, options.weights_dtype)
     per_token = kv_cache_bytes(config, 1, 1, est.kv_dtype) // DEFAULT_BLOCK_SIZE
+    if context is None:
+        available = available_host_bytes() if available_bytes is None else int(available_bytes)
+        context = auto_context(max_pos, per_token, est.total, available, options.max_batch, options.kv_tokens)
+    kv_tokens = kv_pool_tokens(context, options.max_batch, options.kv_tokens)
     others = tuple((dtype, est.total - est.bank_bytes + nbytes) for dtype, nbytes in est.bank_bytes_by_dtype.items()
                    if dtype != est.bank_dtype)
     return LoadPlan(context_length=context, max_batch=options.max_batch, weight_bytes=est.total,

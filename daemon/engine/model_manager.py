@@ -163,7 +163,8 @@ class ModelManager:
                         else model_name_of(path))
         if len(name) > MAX_NAME_CHARS or any(not c.isprintable() for c in name):
             raise InvalidRequestError(f"model name {quoted(name)} must be at most {MAX_NAME_CHARS} printable characters")
-        plan = plan_load(path, options)  # reads config.json / the FTW index only
+        available = self.host_ram_available() if self.host_ram_available else None
+        plan = plan_load(path, options, available_bytes=available)  # reads config.json / the FTW index only
         with self._lock:
             if self._closing:
                 raise InvalidRequestError("the daemon is shutting down; no new models are loaded")

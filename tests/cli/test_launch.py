@@ -45,10 +45,12 @@ def test_claude_prints_exports_and_writes_nothing(home, capsys):
         assert f"export {var}=qwen3-30b\n" in out
     assert "export ANTHROPIC_AUTH_TOKEN=moed\n" in out  # a placeholder: the daemon has no token
     assert "CLAUDE_CODE_MAX_OUTPUT_TOKENS" not in out  # no context known: Claude Code's own default
+    assert "export CLAUDE_CODE_ATTRIBUTION_HEADER=0\n" in out  # else no two requests share a prefix
     assert not (home / ".claude").exists()
-    # with the context known, Claude Code's output budget stays inside it (moed refuses more with a 400)
+    # with the context known, Claude Code's output budget stays inside it and it compacts before it is full
     code, out, _ = launch(capsys, "claude", "--model", "qwen3-30b", "--context", "8192")
     assert code == 0 and "export CLAUDE_CODE_MAX_OUTPUT_TOKENS=2048\n" in out
+    assert "export CLAUDE_CODE_AUTO_COMPACT_WINDOW=8192\n" in out
 
 
 def test_claude_write_merges_into_settings_and_keeps_a_backup(home, capsys):
@@ -120,7 +122,8 @@ def test_codex_write_keeps_other_lines_and_tables(home, capsys):
     old = tomllib.loads(old_text)
     assert cfg["model"] == "qwen3-30b" and cfg["model_provider"] == "moed" and cfg["model_context_window"] == 40960
     assert cfg["model_providers"]["moed"] == {"name": "moed (local)", "base_url": URL + "/v1",
-                                              "wire_api": "responses", "http_headers": {"X-Team": "a"}}
+                                              "wire_api": "responses", "http_headers": {"X-Team": "a"},
+                                              "stream_idle_timeout_ms": 3000000}
     assert cfg["model_providers"]["other"] == old["model_providers"]["other"]
     assert cfg["mcp_servers"] == old["mcp_servers"] and cfg["approval_policy"] == "on-request"
     assert text.startswith("# my settings\n")

@@ -238,3 +238,29 @@ def test_tiny_temperatures_and_extreme_penalties_still_sample():
         assert 0 <= token < 5
     # a tiny penalty makes the seen positive logits huge: they win
     assert Sampler(SamplingParams(temperature=0.5, repetition_penalty=1e-45, seed=3)).sample(logits, [4]) == 4
+
+
+def test_the_automatic_context_is_the_longest_the_model_supports_that_half_the_free_ram_holds():
+    from moed.engine.load_plan import auto_context
+
+    # a Qwen3-30B-A3B-shaped model: 48 layers x 4 KV heads x 128 x (K, V) x bf16 = 96 KiB per token, 17 GB of weights
+    per_token = 48 * 4 * 128 * 2 * 2
+    on_64 = auto_context(262144, per_token, 17 * GB, 64 * GB, max_batch=8)
+    assert on_64 == (47 * GB // 2) // per_token // 2 // 16 * 16  # two whole contexts in half the free RAM
+    assert 100_000 < on_64 < 131072
+    assert auto_context(40960, per_token, 17 * GB, 64 * GB, max_batch=8) == 40960  # the model's own limit
+    assert auto_context(262144, per_token, 17 * GB, 64 * GB, max_batch=1) == 2 * on_64  # one sequence: one context
+    assert auto_context(262144, per_token, 17 * GB, 18 * GB, max_batch=8) == 4096  # tight: the floor (the fit check decides)
+    assert auto_context(2048, per_token, 17 * GB, 18 * GB, max_batch=8) == 2048
+    assert auto_context(262144, per_token, 17 * GB, 64 * GB, max_batch=8, kv_tokens=50_000) == 50_000  # the pool's length
+
+
+def test_a_load_without_a_context_gets_the_automatic_one(models, no_weight_reads):
+    config = read_model_config(models / "tiny")
+    roomy = plan_load(models / "tiny", LoadOptions(max_batch=4), available_bytes=1 << 40)
+    assert roomy.context_length == config.max_position_embeddings
+    assert roomy.kv_tokens == 2 * roomy.context_length
+    tight = plan_load(models / "tiny", LoadOptions(max_batch=4), available_bytes=roomy.weight_bytes)
+    assert tight.context_length == config.max_position_embeddings  # the floor: min(4096, the model's limit)
+    assert plan_load(models / "tiny", LoadOptions(max_batch=4, context_length=100),
+                     available_bytes=1 << 40).context_length == 100  # asked for: kept

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from moed import __version__
 from moed.api.daemon_context import DaemonContext
+from moed.api.http.access_log import AccessLog
 from moed.api.http.bridge import EngineBridge
 from moed.api.http.error_status import AuthenticationError, HttpFailure, failure_of, validation_failure
 from moed.api.http.metrics import RequestCounter, render_metrics
@@ -138,7 +139,8 @@ def build_app(ctx: DaemonContext, *, token: str | None) -> FastAPI:
     _include_anthropic(app, bridge)
     if token:
         app.add_middleware(TokenCheck, token=token, fastapi_app=app)
-    app.add_middleware(RequestCounter, metrics=bridge.metrics)  # outermost: refused requests count too
+    app.add_middleware(RequestCounter, metrics=bridge.metrics)  # refused requests count too
+    app.add_middleware(AccessLog)  # outermost: one line per request, refused ones included
     return app
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moed.api.daemon_context import DaemonContext
+from moed.api.http.access_log import current_record
 from moed.api.http.chat_request import ChatRequest, fold_system_messages, warn_dropped_media
 from moed.api.http.error_status import ParamError
 from moed.api.http.metrics import HttpMetrics
@@ -449,9 +450,17 @@ class EngineBridge:
         request_id = request_id or uuid.uuid4().hex
         handle = entry.loop.submit(GenerationRequest(request_id, list(prompt_ids), params, deadline))
         name = entry.name
+        record = current_record()
+        if record is not None:
+            record.model, record.prompt_tokens = name, len(prompt_ids)
 
         def on_done(event: StreamEvent) -> None:
             usage = event.usage
+            if record is not None:
+                record.finish = event.finish_reason
+                if usage is not None:
+                    record.cached_tokens, record.generated_tokens = usage.cached_tokens, usage.completion_tokens
+                    record.ttft_s = usage.ttft_s if usage.completion_tokens else None
             self.metrics.observe_done(name, event.finish_reason, usage.prompt_tokens if usage else len(prompt_ids),
                                       usage.completion_tokens if usage else 0)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from moed import errors
 from moed.api.errors import one_line
+from moed.api.http.access_log import note_error
 
 log = logging.getLogger("moed.api.http")
 
@@ -42,7 +43,14 @@ class AuthenticationError(errors.MoedError):
 
 
 def failure_of(exc: BaseException) -> HttpFailure:
-    """The HTTP failure for an exception raised while serving a request (internal errors are logged)."""
+    """The HTTP failure for an exception raised while serving a request (internal errors are logged; the
+    message goes into the request's access-log line)."""
+    failure = _failure_of(exc)
+    note_error(failure.message)
+    return failure
+
+
+def _failure_of(exc: BaseException) -> HttpFailure:
     message = one_line(str(exc), MAX_MESSAGE_CHARS)
     if isinstance(exc, AuthenticationError):
         return HttpFailure(401, "authentication", message)
