@@ -38,7 +38,9 @@ def add_client_commands(sub, add_address) -> None:
     load.add_argument("--device", default="auto", choices=("auto", "cpu", "emulated", "cuda"))
     load.add_argument("--policy", default="adaptive")
     load.add_argument("--cache-fraction", type=float)
-    load.add_argument("--context", type=int, default=0)
+    load.add_argument("--context", type=int, default=0,
+                      help="context length in tokens (default: the longest the model supports whose KV pool "
+                           "fits half the RAM the weights leave, at least 4096)")
     load.add_argument("--experts-dtype", default="", choices=("", *EXPERT_DTYPES))
     load.add_argument("--kv-tokens", type=int, default=0,
                       help="KV pool size in tokens, shared by all sequences (default: two whole contexts)")
@@ -214,10 +216,12 @@ def print_ps(client: MoedClient) -> None:
     if not models:
         print("no models loaded or found in the model directories")
         return
-    print(f"{'NAME':24} {'STATE':8} {'DEVICE':9} {'EXPERTS':7} {'HOST':>10} {'DEVICE MEM':>11} {'DISK':>10}  PATH")
+    print(f"{'NAME':24} {'STATE':8} {'DEVICE':9} {'EXPERTS':7} {'CONTEXT':>8} {'HOST':>10} {'DEVICE MEM':>11} "
+          f"{'DISK':>10}  PATH")
     for m in models:
         state = "loaded" if m.loaded else "on disk"
-        print(f"{m.name[:24]:24} {state:8} {m.device or '-':9} {m.experts_dtype or '-':7} "
+        context = str(m.context_length) if m.loaded and m.context_length else "-"
+        print(f"{m.name[:24]:24} {state:8} {m.device or '-':9} {m.experts_dtype or '-':7} {context:>8} "
               f"{gb(m.host_bytes) if m.loaded else '-':>10} {gb(m.vram_bytes) if m.loaded else '-':>11} "
               f"{gb(m.disk_bytes):>10}  {m.path}")
 

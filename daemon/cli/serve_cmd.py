@@ -31,7 +31,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "emulated", "cuda"))
     parser.add_argument("--policy", default="adaptive")
     parser.add_argument("--cache-fraction", type=float, default=0.25)
-    parser.add_argument("--context", type=int, default=0)
+    parser.add_argument("--context", type=int, default=0,
+                        help="context length of --model (default: the longest the model supports whose KV pool "
+                             "fits half the RAM the weights leave, at least 4096)")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--vram-cap", default="auto", help="cap VRAM use: bytes (6G), a percentage (50%%) or auto")

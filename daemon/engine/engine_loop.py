@@ -434,6 +434,10 @@ class EngineLoop:
                 self._scheduler.record(chunk.seq_id, len(chunk.token_ids), token)
             if self._kv.checkpoints:
                 self._take_checkpoints([chunk for chunk, _, reason, _ in results if not reason])
+            elif self._kv.prefix_cache:  # prefilled prompt blocks are shared at once, not when the request ends
+                for chunk, _, reason, _ in results:
+                    if not reason and len(chunk.token_ids) > 1:
+                        self._kv.publish(chunk.seq_id, self._scheduler.cached_token_ids(chunk.seq_id))
             for chunk, token, reason, error in results:
                 if reason:
                     if error:

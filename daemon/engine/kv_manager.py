@@ -188,6 +188,28 @@ class KVManager:
     def table(self, seq_id: int) -> list[int]:
         return self._seqs[seq_id].blocks
 
+    def publish(self, seq_id: int, token_ids: list[int]) -> int:
+        """Put the whole blocks of a running sequence's prefilled ``token_ids`` into the prefix tree now, locked
+        for as long as it runs: a request with the same prefix that arrives while this one still runs (or
+        is being cancelled) reuses them instead of prefilling them again, as SGLang and vLLM share prompt
+        blocks once prefilled. Returns the tokens published (0: nothing new). Not for hybrid models, whose
+        prefixes are reused only up to state checkpoints."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or self.tree is None or self.checkpoints:
+            return 0
+        full = min(len(token_ids) // self.block_size, len(seq.blocks))
+        depth = RadixCache.depth(seq.node) if seq.node is not None else 0
+        if full * self.block_size <= depth:
+            return 0
+        prefix = token_ids[: full * self.block_size]
+        self.tree.insert(prefix, seq.blocks[:full])
+        node = self.tree.match_prefix(prefix).node  # ends exactly after the prefix
+        self.tree.lock(node)
+        if seq.node is not None:
+            self.tree.unlock(seq.node)
+        seq.node = node
+        return len(prefix)
+
     def release(self, seq_id: int, token_ids: list[int] | None) -> None:
         """End a sequence. ``token_ids``: the tokens whose K/V its blocks hold (None: do not cache them,
         e.g. after a failed step); their whole blocks go into the prefix tree."""

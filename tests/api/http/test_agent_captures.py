@@ -95,3 +95,31 @@ def test_claude_codes_mid_conversation_system_entry_lands_in_a_user_turn(served)
     head = text.strip().splitlines()[0]
     user_turns = prompt.split("<|im_start|>user\n")[1:]
     assert any(head in turn for turn in user_turns)
+
+
+def _usage(stream_text: str) -> dict:
+    """The cumulative usage of an Anthropic stream's message_delta event."""
+    for line in stream_text.splitlines():
+        if line.startswith("data: ") and '"message_delta"' in line:
+            return json.loads(line[6:])["usage"]
+    raise AssertionError("no message_delta in the stream")
+
+
+@pytest.mark.parametrize("attribution", [True, False], ids=["billing-header-on", "CLAUDE_CODE_ATTRIBUTION_HEADER=0"])
+def test_the_second_claude_code_request_of_a_session_prefills_only_its_new_tokens(served, attribution):
+    daemon, _ = served
+    daemon.manager.get("agent-model").loop.run_at_safe_point(
+        lambda: daemon.manager.get("agent-model").loop._kv.clear_cache()).result()  # noqa: SLF001 - a cold start
+    first, second = (json.loads(p.read_text()) for p in CAPTURES if p.name.startswith("claude"))
+    for n, capture in enumerate((first, second)):
+        system = capture["body"]["system"]
+        assert not system[0]["text"].startswith("x-anthropic-billing-header")  # recorded after `moed launch`
+        if attribution:  # what Claude Code sends without CLAUDE_CODE_ATTRIBUTION_HEADER=0: new values each time
+            header = f"x-anthropic-billing-header: cc_version=2.1.197.{n}f6; cc_entrypoint=sdk-cli; cch={n}a{n}b7;"
+            capture["body"]["system"] = [{"type": "text", "text": header}, *system]
+    status, text = replay(daemon, first)
+    assert status == 200
+    shared = _usage(text)["input_tokens"] + _usage(text)["cache_read_input_tokens"]
+    status, text = replay(daemon, second)
+    usage = _usage(text)
+    assert status == 200 and usage["cache_read_input_tokens"] >= 0.99 * shared, usage
