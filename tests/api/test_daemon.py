@@ -273,6 +273,10 @@ def test_cli_client_commands(daemon):
                                     capture_output=True, text=True, timeout=120)
     ps = run("ps")
     assert ps.returncode == 0 and "tiny" in ps.stdout, ps.stderr
+    header, *rows = ps.stdout.splitlines()
+    assert "CONTEXT" in header
+    loaded = [r for r in rows if " loaded " in r]
+    assert loaded and all(r.split()[4].isdigit() for r in loaded), ps.stdout  # each loaded model's context
     status = run("status")
     assert status.returncode == 0 and "state" in status.stdout
     answer = run("run", "--raw", "The router reads", "--max-tokens", "5", "--model", "main")
