@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moed.api.daemon_context import DaemonContext
-from moed.api.http.access_log import current_record
+from moed.api.http.access_log import AccessRecord, current_record
 from moed.api.http.chat_request import ChatRequest, fold_system_messages, warn_dropped_media
 from moed.api.http.error_status import ParamError
 from moed.api.http.metrics import HttpMetrics
@@ -80,6 +80,7 @@ class GenerationStream:
         self._left = threading.Event()  # the consumer is gone: the pump may end
         self._started = False
         self._done = False
+        self.access: AccessRecord | None = None  # the HTTP request's access-log record, when there is one
 
     def cancel(self) -> bool:
         """Ask the engine to stop this request (idempotent; False when it had already finished)."""
@@ -131,6 +132,8 @@ class GenerationStream:
                     silent_until = now + heartbeat_s
                 if isinstance(item, BaseException):
                     raise item
+                if self.access is not None and not item.done:  # so far (the done event has the totals)
+                    self.access.generated_tokens = (self.access.generated_tokens or 0) + len(item.token_ids)
                 if item.done:
                     self._done = True
                     self.finish_reason = item.finish_reason
@@ -465,12 +468,15 @@ class EngineBridge:
                                       usage.completion_tokens if usage else 0)
 
         if not raw:
-            return GenerationStream(handle, on_done=on_done)
-        tokenizer = self.tokenizer(entry)
-        eos = frozenset() if params.ignore_eos else frozenset(
-            set(entry.runtime.model.config.eos_token_ids) | set(tokenizer.eos_token_ids))
-        return GenerationStream(handle, raw_decoder=tokenizer.stream_decoder(prompt_ids, skip_special_tokens=False),
-                                eos_ids=eos, stop=params.stop, on_done=on_done)
+            stream = GenerationStream(handle, on_done=on_done)
+        else:
+            tokenizer = self.tokenizer(entry)
+            eos = frozenset() if params.ignore_eos else frozenset(
+                set(entry.runtime.model.config.eos_token_ids) | set(tokenizer.eos_token_ids))
+            stream = GenerationStream(handle, raw_decoder=tokenizer.stream_decoder(prompt_ids, skip_special_tokens=False),
+                                      eos_ids=eos, stop=params.stop, on_done=on_done)
+        stream.access = record
+        return stream
 
     async def stream(self, entry: LoadedEntry, prompt_ids: list[int], params: SamplingParams, *,
                      request_id: str | None = None, deadline: float | None = None, raw: bool = False,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 import openai
 import pytest
@@ -39,3 +40,21 @@ def test_a_failure_mid_stream_is_in_the_line(daemon, client, caplog):
         client.chat.completions.create(model="tiny", messages=long, max_tokens=4, stream=True)
     line = _lines(caplog)[-1]
     assert '" 400 ' in line and "prompt is too long" in line
+
+
+def test_a_client_that_leaves_mid_answer_is_logged_with_what_it_got(daemon, client, caplog):
+    caplog.set_level(logging.INFO, logger="moed.access")
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    got = 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].delta.content)
+        if got >= 2:
+            break
+    stream.close()
+    daemon.wait_idle()
+    deadline = time.monotonic() + 10
+    while not any("client_left" in line for line in _lines(caplog)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    line = next(line for line in _lines(caplog) if "client_left" in line)
+    assert re.search(r"generated=(\d+)", line) and int(re.search(r"generated=(\d+)", line).group(1)) >= 2, line
