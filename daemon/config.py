@@ -82,6 +82,13 @@ def gpu_memory_file() -> Path | None:
     return Path(value) if value else None
 
 
+def test_runtime_hook() -> str | None:
+    """$MOED_TEST_RUNTIME_HOOK ("module:function"): tests only. The daemon hands every model it loads to that
+    function and serves the runtime it returns; the real-agent tests put a scripted logits source in front of
+    the demo model this way (moed.engine.runtime_hook). Unset in normal use."""
+    return os.environ.get("MOED_TEST_RUNTIME_HOOK") or None
+
+
 def xdg_config_home() -> Path:
     """$XDG_CONFIG_HOME, else ~/.config: where OpenCode keeps opencode.json (`moed launch opencode`)."""
     return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")

@@ -149,7 +149,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             queued_requests=sum(e.loop.num_queued for e in loaded),
             tokens_per_second=sum(e.loop.tokens_per_second for e in loaded),
             requests_served=sum(e.loop.requests_served for e in loaded),
-            last_error=ctx.last_error, cache_resizes=ctx.cache_resizes)
+            last_error=ctx.last_error, cache_resizes=ctx.cache_resizes, http_url=ctx.http_url)
         recent = next((e for e in loaded if e.name == ctx.manager.last_used), loaded[0] if loaded else None)
         if recent is not None:
             status.engine.CopyFrom(engine_figures(recent.stats, recent.loop.kv_figures()))

@@ -22,6 +22,7 @@ class DaemonContext:
     shutdown_requested: threading.Event = field(default_factory=threading.Event)
     shutdown_cancel_inflight: bool = True
     version: str = __version__
+    http_url: str = ""  # the HTTP API's base URL once it listens ("" when the daemon serves no HTTP)
 
     def state(self) -> str:
         if self.stopping:

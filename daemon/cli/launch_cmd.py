@@ -1,7 +1,7 @@
 """`moed launch claude|opencode|codex`: print, or with --write merge, the settings that point an agent at moed.
 
-The model name and context length come from the running daemon (ListModels over gRPC) when it
-answers, else from --model / --context. --write merges into the agent's own config file,
+The HTTP address, model name and context length come from the running daemon (GetStatus and
+ListModels over gRPC) when it answers, else from --url / --model / --context. --write merges into the agent's own config file,
 keeping every unrelated setting, saves a timestamped backup of a file it changes, and prints
 each value it changed; a file that cannot be merged safely is left alone with a clear message.
 """
@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -33,7 +34,8 @@ def add_launch_command(sub, add_address) -> None:
     add_address(launch)
     launch.add_argument("agent", choices=AGENTS)
     launch.add_argument("--write", action="store_true", help="write the settings into the agent's config file")
-    launch.add_argument("--url", default=DEFAULT_URL, help=f"moed's HTTP server (default {DEFAULT_URL})")
+    launch.add_argument("--url", help=f"moed's HTTP server (default: the address the daemon's --http listens on; "
+                                      f"{DEFAULT_URL} when no daemon answers)")
     launch.add_argument("--model", help="model name (default: the one model loaded in the daemon)")
     launch.add_argument("--context", type=int, help="context length in tokens (default: the daemon's figure)")
     launch.add_argument("--max-output", type=int, help="max output tokens for OpenCode (default: a quarter of "
@@ -41,23 +43,33 @@ def add_launch_command(sub, add_address) -> None:
     launch.add_argument("--config", metavar="FILE", help="write this file instead of the agent's default one")
 
 
-def _model_from_daemon(address: str, token: str | None, want: str | None) -> tuple[str, int | None] | None:
-    """(name, context) from the daemon's ListModels, or None when no daemon answers."""
+@dataclass(frozen=True)
+class DaemonFacts:
+    """What the running daemon says: the model to use, its context, where its HTTP API listens ("": off)."""
+
+    model: str
+    context: int | None
+    http_url: str
+
+
+def _facts_from_daemon(address: str, token: str | None, want: str | None) -> DaemonFacts | None:
+    """The daemon's model (``want`` or its one loaded model), context and HTTP URL; None when no daemon answers."""
     from moed.api.client import DaemonUnavailableError, MoedClient
 
     try:
         with MoedClient(address, token=token, timeout=3.0) as client:
             models = client.list_models()
+            http_url = client.status().http_url
     except DaemonUnavailableError:
         return None
     if want:
         for m in models:
             if m.name == want:
-                return m.name, m.context_length or None
-        return want, None  # not known to the daemon (yet): trust the flag
+                return DaemonFacts(m.name, m.context_length or None, http_url)
+        return DaemonFacts(want, None, http_url)  # not known to the daemon (yet): trust the flag
     loaded = [m for m in models if m.loaded]
     if len(loaded) == 1:
-        return loaded[0].name, loaded[0].context_length or None
+        return DaemonFacts(loaded[0].name, loaded[0].context_length or None, http_url)
     if loaded:
         names = ", ".join(m.name for m in loaded)
         raise InvalidRequestError(f"several models are loaded ({names}); pick one with --model NAME.")
@@ -66,23 +78,31 @@ def _model_from_daemon(address: str, token: str | None, want: str | None) -> tup
 
 
 def resolve_target(args: argparse.Namespace, address: str, token: str | None,
-                   lookup: Callable[..., tuple[str, int | None] | None] = _model_from_daemon):
-    """The AgentTarget for the flags: the daemon's model when it answers, else --model/--context."""
+                   lookup: Callable[..., DaemonFacts | None] = _facts_from_daemon):
+    """The AgentTarget for the flags: what the daemon says when it answers, else --url/--model/--context."""
     from moed.cli.agent_settings import AgentTarget
 
-    url = args.url.rstrip("/")
-    if url.endswith("/v1"):
-        url = url[:-3]
-    if not url.startswith(("http://", "https://")):
-        raise InvalidRequestError(f"--url must start with http:// or https://, got {args.url!r}.")
     if args.context is not None and args.context <= 0 or args.max_output is not None and args.max_output <= 0:
         raise InvalidRequestError("--context and --max-output must be positive numbers of tokens.")
-    found = None if args.model and args.context else lookup(address, token, args.model)
+    found = None if args.url and args.model and args.context else lookup(address, token, args.model)
     if found is None and not args.model:
         raise InvalidRequestError(
             f"no moed daemon answers at {address}, so the model is unknown. Start it "
             f"(`moed serve --http 127.0.0.1:8080`) and load a model, or pass --model NAME (and --context N).")
-    name, context = found if found is not None else (args.model, None)
+    if args.url:
+        url = args.url
+    elif found is not None and not found.http_url:
+        raise InvalidRequestError(
+            f"the daemon at {address} serves no HTTP API, which the agents need. Restart it with "
+            f"`moed serve --http 127.0.0.1:8080`, or pass --url if another moed serves it.")
+    else:
+        url = found.http_url if found is not None else DEFAULT_URL
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    if not url.startswith(("http://", "https://")):
+        raise InvalidRequestError(f"--url must start with http:// or https://, got {url!r}.")
+    name, context = (found.model, found.context) if found is not None else (args.model, None)
     return AgentTarget(url=url, model=name, context=args.context or context, max_output=args.max_output,
                        token=token)
 

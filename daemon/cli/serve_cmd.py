@@ -131,6 +131,7 @@ def _run_until_shutdown(ctx, server, http, lock, args: argparse.Namespace, log_f
     lock.update_address(addresses[0])
     if http is not None:
         http.start()
+        ctx.http_url = http.url
         addresses.append(http.url)
     log.info("moed daemon pid %s, logs in %s", os.getpid(), log_file)
     print(f"moed daemon listening on {', '.join(addresses)} (logs: {log_file})", flush=True)

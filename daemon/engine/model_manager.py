@@ -15,6 +15,7 @@ from typing import Callable
 from moed.config import EngineConfig
 from moed.engine.engine_loop import EngineLoop
 from moed.engine.runtime import ModelRuntime, open_runtime
+from moed.engine.runtime_hook import apply_runtime_hook
 from moed.engine.load_plan import check_load_fits, plan_load
 from moed.errors import InvalidRequestError, ModelExistsError, ModelFormatError, quoted
 from moed.layers.packed_linear import weight_nbytes
@@ -188,6 +189,7 @@ class ModelManager:
 
             runtime = open_runtime(path, experts_dtype=options.experts_dtype, verify=options.verify,
                                    progress=report, engine=engine, weights_dtype=options.weights_dtype)
+            runtime = apply_runtime_hook(runtime, name)
             if progress:
                 progress("building", 1, 1)
             if runtime.tokenizer is None:

@@ -217,7 +217,7 @@ class MemoryFigures(_message.Message):
     def __init__(self, has_gpu: _Optional[bool] = ..., vram_total: _Optional[int] = ..., vram_free: _Optional[int] = ..., vram_other_apps: _Optional[int] = ..., vram_ours: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., cap_bytes: _Optional[int] = ..., host_total: _Optional[int] = ..., host_available: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("state", "version", "models", "engine", "memory", "active_requests", "queued_requests", "tokens_per_second", "requests_served", "last_error", "cache_resizes")
+    __slots__ = ("state", "version", "models", "engine", "memory", "active_requests", "queued_requests", "tokens_per_second", "requests_served", "last_error", "cache_resizes", "http_url")
     STATE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class Status(_message.Message):
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     CACHE_RESIZES_FIELD_NUMBER: _ClassVar[int]
+    HTTP_URL_FIELD_NUMBER: _ClassVar[int]
     state: str
     version: str
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
@@ -240,7 +241,8 @@ class Status(_message.Message):
     requests_served: int
     last_error: str
     cache_resizes: int
-    def __init__(self, state: _Optional[str] = ..., version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., engine: _Optional[_Union[EngineFigures, _Mapping]] = ..., memory: _Optional[_Union[MemoryFigures, _Mapping]] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., requests_served: _Optional[int] = ..., last_error: _Optional[str] = ..., cache_resizes: _Optional[int] = ...) -> None: ...
+    http_url: str
+    def __init__(self, state: _Optional[str] = ..., version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., engine: _Optional[_Union[EngineFigures, _Mapping]] = ..., memory: _Optional[_Union[MemoryFigures, _Mapping]] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., requests_served: _Optional[int] = ..., last_error: _Optional[str] = ..., cache_resizes: _Optional[int] = ..., http_url: _Optional[str] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
     __slots__ = ("model", "seconds")

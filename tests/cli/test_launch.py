@@ -173,6 +173,7 @@ def test_without_daemon_or_model_says_what_to_do(home, capsys):
 
 class FakeClient:
     models: list = []
+    http_url = "http://127.0.0.1:43210"
 
     def __init__(self, address, token=None, timeout=10.0):
         pass
@@ -185,6 +186,9 @@ class FakeClient:
 
     def list_models(self):
         return self.models
+
+    def status(self):
+        return control_pb2.Status(http_url=self.http_url)
 
 
 def info(name: str, loaded: bool, context: int = 0):
@@ -204,6 +208,22 @@ def test_model_and_context_come_from_the_daemon(home, capsys, monkeypatch):
     FakeClient.models = [info("a", False)]
     code, _, err = launch(capsys, "claude")
     assert code == 2 and "no model loaded" in err
+
+
+def test_the_http_address_comes_from_the_daemon(home, capsys, monkeypatch):
+    monkeypatch.setattr("moed.api.client.MoedClient", FakeClient)
+    FakeClient.models = [info("qwen3-30b", True, 32768)]
+    FakeClient.http_url = "http://127.0.0.1:43210"  # `moed serve --http 127.0.0.1:0` picked this port
+    code = main(["launch", "opencode"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and '"baseURL": "http://127.0.0.1:43210/v1"' in out
+    assert launch(capsys, "opencode")[1].count(URL) == 1  # --url wins
+    FakeClient.http_url = ""  # a daemon without --http: the agents could not reach it
+    code = main(["launch", "claude"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "serves no HTTP API" in err and "--http 127.0.0.1:8080" in err
+    code = main(["launch", "claude", "--url", URL])
+    assert code == 0 and f"ANTHROPIC_BASE_URL={URL}" in capsys.readouterr().out
 
 
 def test_help_lists_launch(capsys):

@@ -59,14 +59,14 @@ class Daemon:
 
 
 def start_daemon(home: Path, *args: str, models_dir: Path | None = None, gpu_total: int = 8 << 30,
-                 wait: bool = True) -> Daemon:
+                 wait: bool = True, extra_env: dict[str, str] | None = None) -> Daemon:
     home.mkdir(parents=True, exist_ok=True)
     socket = home / "moed.sock"
     gpu_file = home / "gpu.json"
     gpu_file.write_text(json.dumps({"total": gpu_total, "other_apps": 0}))
     env = dict(os.environ, MOED_RUNTIME_DIR=str(home / "run"), MOED_LOG_DIR=str(home / "logs"),
                MOED_CACHE_DIR=str(home / "cache"), MOED_MODELS=str(models_dir or home / "models"),
-               MOED_GPU_MEMORY_FILE=str(gpu_file), PYTHONUNBUFFERED="1")
+               MOED_GPU_MEMORY_FILE=str(gpu_file), PYTHONUNBUFFERED="1", **(extra_env or {}))
     env.pop("MOED_SOCKET", None)
     log = open(home / "daemon.out", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "moed.cli.main", "serve", "--socket", str(socket), *args],

@@ -109,12 +109,13 @@ class ChatScriptedModel(ScriptedModel):
     """
 
     def __init__(self, tokenizer: Tokenizer, answer: Callable[[str], str], *, family: str = "qwen3_moe",
-                 step_delay_s: float = 0.0, filler: int | None = None) -> None:
-        super().__init__({}, vocab_size=tokenizer.vocab_size, eos_token_ids=(EOS,), step_delay_s=step_delay_s)
-        self.config = ChatScriptedConfig(vocab_size=tokenizer.vocab_size, eos_token_ids=(EOS,), family=family)
+                 step_delay_s: float = 0.0, filler: int | None = None, eos: int = EOS) -> None:
+        super().__init__({}, vocab_size=tokenizer.vocab_size, eos_token_ids=(eos,), step_delay_s=step_delay_s)
+        self.config = ChatScriptedConfig(vocab_size=tokenizer.vocab_size, eos_token_ids=(eos,), family=family)
         self.tokenizer = tokenizer
         self.answer = answer
-        self.filler = EOS if filler is None else filler
+        self.eos = eos
+        self.filler = eos if filler is None else filler
         self._marker = tokenizer.encode(GENERATION_PROMPT, add_special_tokens=False)
         self._slot_scripts: dict[int, list[int]] = {}
         self.prompts: list[str] = []  # every prompt answered, as text
@@ -129,7 +130,7 @@ class ChatScriptedModel(ScriptedModel):
                 prompt = self.tokenizer.decode(tokens, skip_special_tokens=False)
                 self.prompts.append(prompt)
                 out = self.tokenizer.encode(self.answer(prompt), add_special_tokens=False)
-                script = self._slot_scripts[seq] = tokens + out + [EOS]
+                script = self._slot_scripts[seq] = tokens + out + [self.eos]
         return script[n] if script is not None and n < len(script) else self.filler
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -147,6 +148,11 @@ def template_messages(body: ResponsesRequest, dropped: list[int] | None = None) 
 NAMESPACE_SEPARATOR = "."  # a namespace tool's function "f" of namespace "ns" is offered to the model as "ns.f"
 HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
                 "image_generation", "mcp", "local_shell", "tool_search")
+_DATED = re.compile(r"_\d{4}_\d{2}_\d{2}$")  # "web_search_2025_08_26": a dated version of "web_search"
+
+
+def is_hosted_tool(kind: str | None) -> bool:
+    return bool(kind) and _DATED.sub("", kind) in HOSTED_TOOLS
 
 
 def _function(name: str, t: dict[str, Any] | ResponsesTool) -> dict[str, Any]:
@@ -169,7 +175,7 @@ def request_tools(body: ResponsesRequest) -> list[dict[str, Any]]:
             for sub in t.tools or []:
                 if isinstance(sub, dict) and sub.get("type", "function") == "function" and sub.get("name"):
                     tools.append(_function(f"{t.name}{NAMESPACE_SEPARATOR}{sub['name']}", sub))
-        elif t.type in HOSTED_TOOLS:
+        elif is_hosted_tool(t.type):
             hosted.append(t.type)
         else:
             raise ParamError(f"tools[{i}] has type {t.type!r}, which moed cannot offer to a local model; it takes "

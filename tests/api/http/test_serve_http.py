@@ -59,6 +59,8 @@ def test_serve_http_answers_openai_clients_and_gRPC_alike_then_stops(tmp_path, m
             grpc_text = "".join(p.text for p in grpc_client.generate(
                 messages=[{"role": "user", "content": "The GPU"}], model="tiny", max_tokens=6))
         assert reply.choices[0].message.content == grpc_text  # one engine behind both
+        with daemon.client() as grpc_client:  # where `moed launch` and `moed status` learn the address
+            assert grpc_client.status().http_url == url
     finally:
         assert daemon.stop() == 0, (daemon.home / "daemon.out").read_text()
     with pytest.raises(OSError):
