@@ -59,6 +59,7 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.num_blocks = 0  # blocks the tree stores
         self.evicted_blocks = 0
+        self._evictable = 0  # blocks of unlocked nodes, kept up to date (admission reads it every step)
 
     def _block_key(self, tokens, i: int) -> tuple[int, ...]:
         return tuple(tokens[i : i + self.block_size])
@@ -115,6 +116,7 @@ class RadixCache:
                 node.children[leaf.key[:bs]] = leaf
                 self.allocator.incref(leaf.blocks)
                 self.num_blocks += len(leaf.blocks)
+                self._evictable += len(leaf.blocks)  # a new leaf is unlocked
                 return i // bs
             n = self._common_blocks(child.key, tokens, i)
             if n * bs < len(child.key):
@@ -135,6 +137,8 @@ class RadixCache:
 
     def lock(self, node: RadixNode) -> None:
         while node is not None:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.blocks)
             node.lock_ref += 1
             node = node.parent
 
@@ -143,10 +147,19 @@ class RadixCache:
             if node.lock_ref < 1:
                 raise ValueError("radix cache: a node was unlocked more often than it was locked")
             node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node.blocks)
             node = node.parent
 
     def evictable_blocks(self) -> int:
-        """Blocks held by unlocked nodes (what ``evict`` could give up at most)."""
+        """Blocks held by unlocked nodes (what ``evict`` could give up at most); O(1), kept up to date by
+        insert / lock / unlock / evict. Every block a running sequence holds that the tree stores is on a
+        locked path (KVManager locks what it inserts for a running sequence), so each of these blocks
+        goes back to the pool when evicted."""
+        return self._evictable
+
+    def count_evictable_blocks(self) -> int:
+        """``evictable_blocks`` counted by walking the tree (for tests of the maintained count)."""
         total, stack = 0, [self.root]
         while stack:
             node = stack.pop()
@@ -171,6 +184,7 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[leaf.key[: self.block_size]]
             freed += self.allocator.decref(leaf.blocks)
+            self._evictable -= len(leaf.blocks)
             if self.on_evict is not None:
                 self.on_evict(leaf)
             self.num_blocks -= len(leaf.blocks)

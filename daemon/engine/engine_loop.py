@@ -324,10 +324,14 @@ class EngineLoop:
             chunks = [c for c in plan.chunks if c.seq_id in self._live]
         if not chunks:
             return
+        # blocks first: a sequence preempted here goes back to the queue and is not part of this step,
+        # so a failure of the forward below is not its failure
+        ready = self._with_blocks(chunks)
+        if not ready:
+            return
+        chunks = [c for c, _ in ready]
         try:
-            chunks, logits = self._forward(chunks)  # [B, V]
-            if not chunks:
-                return
+            logits = self._forward(ready)  # [B, V]
         except Exception as exc:
             log.exception("engine %s: model step failed", self.name)
             message = f"model step failed: {type(exc).__name__}: {exc}"
@@ -400,10 +404,7 @@ class EngineLoop:
                     dropped.add(victim)
         return ready
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor | None]:
-        ready = self._with_blocks(chunks)
-        if not ready:
-            return [], None
+    def _forward(self, ready: list[tuple[ScheduledChunk, list[int]]]) -> torch.Tensor:
         chunks, tables = [c for c, _ in ready], [t for _, t in ready]
         if self._kv.checkpoints:
             self._restore_states(chunks)
@@ -413,7 +414,7 @@ class EngineLoop:
         logits = self.runtime.model.forward(batch, self._cache)
         self.num_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(chunks))
-        return chunks, logits
+        return logits
 
     def _after_forward(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
         results: list[tuple[ScheduledChunk, int | None, str, str]] = []  # chunk, token, finish reason, error

@@ -141,6 +141,7 @@ class KVManager:
             raise ValueError(f"sequence {seq_id} has {len(seq.blocks)} blocks, a checkpoint after {full} was asked")
         self.tree.insert(token_ids, seq.blocks[:full])
         node = self.tree.match_prefix(token_ids).node  # ends exactly after token_ids (a split if need be)
+        self._hold(seq, node)
         if node.checkpoint is not None:
             self._drop_checkpoint(node)
         node.checkpoint = (payload, nbytes)
@@ -203,12 +204,18 @@ class KVManager:
             return 0
         prefix = token_ids[: full * self.block_size]
         self.tree.insert(prefix, seq.blocks[:full])
-        node = self.tree.match_prefix(prefix).node  # ends exactly after the prefix
+        self._hold(seq, self.tree.match_prefix(prefix).node)  # the node ends exactly after the prefix
+        return len(prefix)
+
+    def _hold(self, seq: _SeqBlocks, node: RadixNode) -> None:
+        """Lock the path to ``node`` (blocks of ``seq`` just inserted) for as long as ``seq`` runs, in place of
+        its shallower lock: blocks a running sequence holds are never counted as evictable."""
+        if seq.node is not None and RadixCache.depth(seq.node) >= RadixCache.depth(node):
+            return
         self.tree.lock(node)
         if seq.node is not None:
             self.tree.unlock(seq.node)
         seq.node = node
-        return len(prefix)
 
     def release(self, seq_id: int, token_ids: list[int] | None) -> None:
         """End a sequence. ``token_ids``: the tokens whose K/V its blocks hold (None: do not cache them,

@@ -358,3 +358,122 @@ def test_results_are_unchanged_when_the_pool_shrinks_under_cached_prefixes(runti
             assert u3.cached_tokens > 0  # the grown pool caches again
         loop.stop()
     assert results[True] == results[False]
+
+
+class _FailsAfterAPreemption:
+    """The tiny model, except that the first forward right after a preemption raises (a failed step)."""
+
+    def __init__(self, model) -> None:
+        self._model, self.loop, self.failed_batch = model, None, None
+        self._seen: set[int] = set()
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, batch, cache):
+        new = set(self.loop._preempted) - self._seen  # noqa: SLF001 - the loop's own record
+        self._seen |= new
+        if new and self.failed_batch is None:
+            self.failed_batch = set(batch.slots)  # with block tables the rows are keyed by sequence id
+            raise RuntimeError("injected step failure")
+        return self._model.forward(batch, cache)
+
+
+def test_a_failed_step_fails_only_the_sequences_in_it_not_the_one_just_preempted(runtime, loops):
+    """A sequence preempted while the step was being put together was not in the failed forward: it goes
+    back to the queue and finishes normally; only the sequences of the failed step end with an error."""
+    from moed.engine.runtime import ModelRuntime
+
+    vocab = runtime.model.config.vocab_size
+    prompts = [_tokens(40 + i, 10, vocab) for i in range(4)]
+    failing = _FailsAfterAPreemption(runtime.model)
+    rt = ModelRuntime(runtime.loaded, failing, runtime.executor, runtime.tokenizer)
+    loop = EngineLoop(rt, name="tiny", prefix_cache=True, max_batch=4, context_length=64, kv_tokens=64)
+    failing.loop = loop
+    loop.start()
+    try:
+        handles = [loop.submit(GenerationRequest(f"f{i}", p, SamplingParams(temperature=0.0, max_tokens=30,
+                                                                            ignore_eos=True)))
+                   for i, p in enumerate(prompts)]
+        finished = []
+        for h in handles:
+            events = list(h.events(timeout=120))
+            finished.append((events[-1].finish_reason, [t for e in events for t in e.token_ids]))
+    finally:
+        assert loop.stop(timeout=10)
+    assert failing.failed_batch, "no step ran right after a preemption"
+    alone_loop = loops(False, max_batch=1, context_length=64)
+    for seq, (prompt, (reason, tokens)) in enumerate(zip(prompts, finished)):
+        if seq in failing.failed_batch:
+            assert reason == "error"
+        else:
+            assert reason == "length", (seq, reason, failing.failed_batch)
+            (alone, _), = _run(alone_loop, [prompt], max_tokens=30)
+            assert tokens == alone
+
+
+def test_blocks_a_running_hybrid_sequence_checkpointed_are_not_counted_as_room():
+    """A checkpoint puts a running sequence's blocks into the tree; evicting them would free nothing (the
+    sequence still holds them), so admission must not count them as room for another prompt."""
+    kv = KVManager(num_blocks=4, block_size=BS, checkpoints=True)
+    tokens = list(range(100, 164))  # 64 tokens: the whole pool
+    assert kv.admit(0, tokens) == 0
+    kv.ensure(0, 64)
+    assert kv.checkpoint(0, tokens[:32], "state", 10)
+    assert kv.tree.evictable_blocks() == 0 == kv.tree.count_evictable_blocks()
+    assert kv.admit(1, list(range(300, 320))) is None  # no room: wait, rather than be admitted into a full pool
+    kv.release(0, None)
+    assert kv.tree.evictable_blocks() == 2 == kv.tree.count_evictable_blocks()  # now they are a cached prefix
+    assert kv.admit(1, list(range(300, 320))) == 0
+
+
+def test_the_maintained_evictable_count_matches_the_tree_through_random_sessions():
+    import random
+
+    rng = random.Random(7)
+    for checkpoints in (False, True):
+        kv = KVManager(num_blocks=24, block_size=BS, checkpoints=checkpoints)
+        running: dict[int, list[int]] = {}
+        stems = [list(range(1000 * k, 1000 * k + 48)) for k in range(3)]
+        for step in range(400):
+            op = rng.random()
+            if op < 0.35 and len(running) < 4:
+                seq = step
+                prompt = rng.choice(stems)[: rng.choice((16, 20, 32, 48))] + [rng.randrange(50000, 60000)
+                                                                            for _ in range(rng.randrange(1, 20))]
+                if kv.admit(seq, prompt, alone=not running) is not None:
+                    running[seq] = prompt
+            elif op < 0.6 and running:
+                seq = rng.choice(list(running))
+                tokens = running[seq] = running[seq] + [rng.randrange(60000, 70000) for _ in range(rng.randrange(1, 9))]
+                try:
+                    kv.ensure(seq, len(tokens))
+                except Exception:
+                    kv.release(seq, None)
+                    del running[seq]
+                    continue
+                full = len(tokens) // BS * BS
+                if full and checkpoints:
+                    kv.checkpoint(seq, tokens[:full], "s", 1)
+                elif full:
+                    kv.publish(seq, tokens)
+            elif op < 0.85 and running:
+                seq = rng.choice(list(running))
+                tokens = running.pop(seq)
+                kv.release(seq, tokens if rng.random() < 0.8 else None)
+            elif op < 0.95:
+                kv.tree.evict(rng.randrange(1, 6))
+            else:
+                try:
+                    kv.resize(rng.choice((16, 20, 24, 28)))
+                except Exception:
+                    pass
+            assert kv.tree.evictable_blocks() == kv.tree.count_evictable_blocks(), step
+            # every evictable block goes back to the pool when evicted: nobody else holds it
+            held = {b for s in running for b in kv.table(s)}
+            stack = [kv.tree.root]
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                if node.lock_ref == 0:
+                    assert not held & set(node.blocks), step
