@@ -82,24 +82,32 @@ class KVCache:
         return cache
 
     def resized(self, num_blocks: int, moves: list[tuple[int, int]]) -> "KVCache":
-        """A pool of ``num_blocks`` blocks holding this one's contents (blocks below both sizes in place,
-        then each ``(old, new)`` move); the per-sequence states are the same tensors. Block tables only."""
+        """This pool, resized to ``num_blocks`` blocks in place (the same object is returned): each ``(old, new)``
+        move is applied inside the old tensor first, then each entry is replaced by its resized copy one at
+        a time, so at most one entry exists twice (a shrink under memory pressure never holds two pools).
+        The per-sequence states are untouched. Block tables only."""
         if self.num_slots:
             raise ValueError("a pool with static slots cannot be resized")
-        first = next((t for entries in self.layers for t in entries.values()), None)
-        device = first.device if first is not None else None
-        out = KVCache([{name: tuple(t.shape[2:]) for name, t in entries.items()} for entries in self.layers],
-                      num_blocks, self.block_size, self.dtype, device)
-        out.states = self.states
-        keep = min(num_blocks, self.num_blocks)
-        src = torch.tensor([old for old, _ in moves], dtype=torch.long, device=device)
-        dst = torch.tensor([new for _, new in moves], dtype=torch.long, device=device)
-        for old_entries, new_entries in zip(self.layers, out.layers):
-            for name, t in old_entries.items():
-                new_entries[name][:keep].copy_(t[:keep])
+        if num_blocks < 1:
+            raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
+        src = dst = None
+        for entries in self.layers:
+            for name in list(entries):
+                t = entries.pop(name)
                 if moves:
-                    new_entries[name].index_copy_(0, dst, t.index_select(0, src))
-        return out
+                    if src is None:
+                        src = torch.tensor([old for old, _ in moves], dtype=torch.long, device=t.device)
+                        dst = torch.tensor([new for _, new in moves], dtype=torch.long, device=t.device)
+                    t.index_copy_(0, dst, t.index_select(0, src))  # into free blocks below the new size
+                if num_blocks <= t.shape[0]:
+                    resized = t[:num_blocks].clone()
+                else:
+                    resized = torch.zeros(num_blocks, *t.shape[1:], dtype=t.dtype, device=t.device)
+                    resized[: t.shape[0]].copy_(t)
+                del t  # the old entry goes before the next one is copied
+                entries[name] = resized
+        self.num_blocks = num_blocks
+        return self
 
     def nbytes(self) -> int:
         """The K/V pool's bytes (per-sequence states apart: ``state_nbytes``)."""

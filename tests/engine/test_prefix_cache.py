@@ -477,3 +477,38 @@ def test_the_maintained_evictable_count_matches_the_tree_through_random_sessions
                 stack.extend(node.children.values())
                 if node.lock_ref == 0:
                     assert not held & set(node.blocks), step
+
+
+def _rss_and_peak() -> tuple[int, int]:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    return int(status["VmRSS"].split()[0]) << 10, int(status["VmHWM"].split()[0]) << 10
+
+
+def test_a_shrinking_pool_never_holds_two_pools():
+    """Resizing copies one entry at a time and lets the old one go first: the process's peak RSS during a
+    shrink of a 384 MiB pool to half rises by about one entry (32 MiB), not by the new pool (192 MiB)."""
+    from moed.cache.kv_cache import KVCache
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
+    except OSError:
+        pytest.skip("no /proc/self/clear_refs here (Linux only): the peak RSS cannot be reset")
+    entry_mib = 32
+    layers = [{"k": (entry_mib << 20) // (64 * BS * 4), "v": (entry_mib << 20) // (64 * BS * 4)} for _ in range(6)]
+    layers = [{name: (n,) for name, n in entries.items()} for entries in layers]
+    cache = KVCache(layers, 64, BS, torch.float32)
+    for entries in cache.layers:
+        for t in entries.values():
+            t.fill_(1.0)  # every page touched
+    cache.entry(5, "v")[40] = 7.0
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before, _ = _rss_and_peak()
+    resized = cache.resized(32, [(40, 3)])
+    _, peak = _rss_and_peak()
+    assert resized is cache and cache.num_blocks == 32 and cache.nbytes() == 12 * (entry_mib << 19)
+    assert peak - before < (2 * entry_mib) << 20, (peak - before) >> 20  # not the new pool's 192 MiB
+    assert torch.all(cache.entry(5, "v")[3] == 7.0) and torch.all(cache.entry(0, "k") == 1.0)
+    cache.resized(48, [])
+    assert cache.entry(5, "v").shape[0] == 48 and torch.all(cache.entry(5, "v")[3] == 7.0)
