@@ -45,6 +45,9 @@ def run_serve(args: argparse.Namespace, socket_path: str) -> int:
     # Signals first: a SIGTERM that arrives while the daemon starts (`systemctl --user stop moed`
     # right after a start) must end in the same orderly shutdown as one that arrives later, never
     # in the default "killed by SIGTERM". The event becomes the daemon's shutdown_requested.
+    from moed.engine.memory_release import limit_malloc_arenas
+
+    limit_malloc_arenas()  # before the daemon's threads: an unloaded model's memory goes back (memory_release)
     shutdown = threading.Event()
     restore = install_shutdown_handlers(shutdown.set)
     try:

@@ -15,6 +15,7 @@ from typing import Callable
 from moed.config import EngineConfig
 from moed.engine.engine_loop import EngineLoop
 from moed.engine.runtime import ModelRuntime, open_runtime
+from moed.engine.memory_release import release_freed_memory
 from moed.engine.runtime_hook import apply_runtime_hook
 from moed.engine.load_plan import check_load_fits, plan_load
 from moed.errors import InvalidRequestError, ModelExistsError, ModelFormatError, quoted
@@ -210,6 +211,8 @@ class ModelManager:
                 loop.stop(cancel_inflight=True)
             if runtime is not None:
                 runtime.close()
+            runtime = loop = None
+            release_freed_memory()  # a failed load gives back what it had read
             raise
         finally:
             with self._lock:
@@ -224,6 +227,8 @@ class ModelManager:
             return False
         entry.loop.stop(cancel_inflight=True)
         entry.runtime.close()
+        del entry
+        release_freed_memory()
         return True
 
     def close(self, *, cancel_inflight: bool = True, load_timeout: float = 60.0) -> None:
@@ -239,9 +244,12 @@ class ModelManager:
         with self._lock:
             entries = list(self._models.values())
             self._models.clear()
-        for entry in entries:
+        while entries:
+            entry = entries.pop()
             entry.loop.stop(cancel_inflight=cancel_inflight)
             entry.runtime.close()
+            del entry
+            release_freed_memory()
 
     # -- lookup -------------------------------------------------------------------------------------
     def get(self, name: str = "") -> LoadedEntry:
