@@ -241,6 +241,13 @@ class EngineLoop:
         num = getattr(cache, "num_blocks", 0)
         return cache.nbytes() // num if num else 0
 
+    def state_bytes(self) -> int:
+        """A hybrid model's recurrent states (one per batch row) plus its checkpoint budget: they sit next to
+        the KV pool (on the device with it) and come out of the same share; 0 for other models."""
+        cache = self._cache
+        states = cache.state_nbytes() if cache is not None and hasattr(cache, "state_nbytes") else 0
+        return states + (self._kv.checkpoint_budget if self._kv.checkpoints else 0)
+
     def kv_floor_blocks(self) -> int:
         """The fewest blocks the pool may shrink to: those running sequences hold, and one whole context."""
         with self._lock:

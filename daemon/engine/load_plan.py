@@ -40,24 +40,42 @@ class LoadPlan:
     bank_bytes: int = 0
     # weight_bytes with the bank in another dtype (empty for FTW: its dtype was fixed at conversion)
     weight_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
+    # hybrid models (gated DeltaNet layers): the per-sequence recurrent state of max_batch rows, and the
+    # budget of state checkpoints kept for prefix reuse (EngineLoop checkpoint_bytes); 0 for others
+    state_bytes: int = 0
+    checkpoint_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes
+        return self.weight_bytes + self.kv_bytes + self.state_bytes + self.checkpoint_bytes
+
+
+DEFAULT_CHECKPOINT_BYTES = 1 << 30  # a hybrid model's state checkpoints, at most (LRU beyond)
+
+
+def recurrent_state_bytes(config) -> int:
+    """Bytes of one sequence's recurrent state (fp32 conv window + delta-rule matrix per linear layer)."""
+    d = config.linear_attention
+    if d is None or not config.has_recurrent_state:
+        return 0
+    conv_dim = 2 * d.num_k_heads * d.k_head_dim + d.num_v_heads * d.v_head_dim
+    per_layer = conv_dim * (d.conv_kernel - 1) + d.num_v_heads * d.k_head_dim * d.v_head_dim
+    return 4 * per_layer * sum(config.is_linear(i) for i in range(config.num_layers))
 
 
 KV_SHARE_OF_FREE_RAM = 0.5  # an automatic context's KV pool takes at most this share of the RAM the weights leave
 
 
 def auto_context(max_pos: int, kv_bytes_per_token: int, weight_bytes: int, available_bytes: int, max_batch: int,
-                 kv_tokens: int | None = None) -> int:
+                 kv_tokens: int | None = None, other_bytes: int = 0) -> int:
     """The context a load gets when none is asked for: the largest the model supports
     (``max_position_embeddings``) whose KV pool (``kv_pool_tokens``: two whole contexts, or ``max_batch``
     when that is fewer; ``kv_tokens`` when given) fits in KV_SHARE_OF_FREE_RAM of the host RAM left after
-    the weights, in whole KV blocks; never below DEFAULT_CONTEXT (a load that cannot hold even that fails
-    with the memory error naming what would fit)."""
+    the weights (and ``other_bytes``: a hybrid model's states and checkpoints), in whole KV blocks; never
+    below DEFAULT_CONTEXT (a load that cannot hold even that fails with the memory error naming what would
+    fit)."""
     floor = min(DEFAULT_CONTEXT, max_pos)
-    room = int((available_bytes - weight_bytes) * KV_SHARE_OF_FREE_RAM)
+    room = int((available_bytes - weight_bytes - other_bytes) * KV_SHARE_OF_FREE_RAM)
     if kv_tokens is not None:
         fits = kv_tokens  # the pool is given: a context may be as long as the pool
     else:
@@ -94,15 +112,23 @@ def plan_load(path: Path, options, *, available_bytes: int | None = None) -> Loa
                                   f"{MIN_EMULATED_B_P:.0e} and {MAX_EMULATED_B_P:.0e}")
     est = estimate_load(path, options.experts_dtype, options.weights_dtype)
     per_token = kv_cache_bytes(config, 1, 1, est.kv_dtype) // DEFAULT_BLOCK_SIZE
+    state_bytes = recurrent_state_bytes(config) * options.max_batch
+    checkpoint_bytes = 0
+    if state_bytes and options.prefix_cache:
+        checkpoint_bytes = DEFAULT_CHECKPOINT_BYTES if options.checkpoint_bytes is None else options.checkpoint_bytes
+        if isinstance(checkpoint_bytes, bool) or not isinstance(checkpoint_bytes, int) or checkpoint_bytes < 0:
+            raise InvalidRequestError(f"checkpoint_bytes must be a number of bytes >= 0, got {quoted(checkpoint_bytes)}")
     if context is None:
         available = available_host_bytes() if available_bytes is None else int(available_bytes)
-        context = auto_context(max_pos, per_token, est.total, available, options.max_batch, options.kv_tokens)
+        context = auto_context(max_pos, per_token, est.total, available, options.max_batch, options.kv_tokens,
+                               other_bytes=state_bytes + checkpoint_bytes)
     kv_tokens = kv_pool_tokens(context, options.max_batch, options.kv_tokens)
     others = tuple((dtype, est.total - est.bank_bytes + nbytes) for dtype, nbytes in est.bank_bytes_by_dtype.items()
                    if dtype != est.bank_dtype)
     return LoadPlan(context_length=context, max_batch=options.max_batch, weight_bytes=est.total,
                     kv_bytes=per_token * kv_tokens, kv_bytes_per_token=per_token, kv_tokens=kv_tokens,
-                    bank_dtype=est.bank_dtype, bank_bytes=est.bank_bytes, weight_bytes_by_dtype=others)
+                    bank_dtype=est.bank_dtype, bank_bytes=est.bank_bytes, weight_bytes_by_dtype=others,
+                    state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes)
 
 
 def check_load_fits(plan: LoadPlan, *, available_bytes: int | None = None, what: str = "the model") -> None:
@@ -111,10 +137,12 @@ def check_load_fits(plan: LoadPlan, *, available_bytes: int | None = None, what:
     available = available_host_bytes() if available_bytes is None else int(available_bytes)
     if plan.total_bytes <= available:
         return
+    states = (f" + {format_bytes(plan.state_bytes + plan.checkpoint_bytes)} of recurrent states and state "
+              f"checkpoints" if plan.state_bytes else "")
     need = (f"{what} needs {format_bytes(plan.total_bytes)} of host RAM ({format_bytes(plan.weight_bytes)} of weights "
             f"+ {format_bytes(plan.kv_bytes)} of KV pool for {plan.kv_tokens} tokens, context "
-            f"{plan.context_length}) but {format_bytes(available)} are available")
-    room = available - plan.weight_bytes
+            f"{plan.context_length}{states}) but {format_bytes(available)} are available")
+    room = available - plan.weight_bytes - plan.state_bytes - plan.checkpoint_bytes
     tokens = room // plan.kv_bytes_per_token if room > 0 and plan.kv_bytes_per_token > 0 else 0
     hints = []
     pool = tokens // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE  # whole blocks

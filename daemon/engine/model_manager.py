@@ -40,6 +40,7 @@ class LoadOptions:
     weights_dtype: str = "auto"  # non-expert weights: the checkpoint's dtype, or "fp32"
     prefix_cache: bool = True  # reuse the K/V of earlier requests' common prefixes
     kv_tokens: int | None = None  # the KV pool's size in tokens (None: engine/kv_manager.kv_pool_tokens)
+    checkpoint_bytes: int | None = None  # hybrid models' state checkpoints (None: load_plan.DEFAULT_CHECKPOINT_BYTES)
 
 
 @dataclass
@@ -197,7 +198,7 @@ class ModelManager:
                 raise ModelFormatError(f"{path}: no tokenizer.json; the daemon serves text and needs one")
             loop = EngineLoop(runtime, name=name, max_batch=options.max_batch, max_queue=options.max_queue,
                               context_length=plan.context_length, prefix_cache=options.prefix_cache,
-                              kv_tokens=plan.kv_tokens)
+                              kv_tokens=plan.kv_tokens, checkpoint_bytes=plan.checkpoint_bytes)
             entry = LoadedEntry(name, path, runtime, loop, options)
             with self._lock:
                 if self._closing:
@@ -286,13 +287,14 @@ class ModelManager:
         if share is None or not per_block:
             target = loop.kv_full_blocks
         else:
-            room = share - model.weight_device_bytes - experts_wanted
+            room = share - model.weight_device_bytes - loop.state_bytes() - experts_wanted
             target = max(loop.kv_floor_blocks(), min(loop.kv_full_blocks, room // per_block))
         if target != loop.kv_num_blocks:
             loop.resize_kv(target)
         if share is None:
             return experts_wanted
-        return min(experts_wanted, max(share - model.weight_device_bytes - target * per_block, 0))
+        fixed = model.weight_device_bytes + loop.state_bytes()  # states and their checkpoints live with the pool
+        return min(experts_wanted, max(share - fixed - target * per_block, 0))
 
     def apply_cache_budget(self, cache_bytes: int | None) -> int:
         """Resize every loaded model's device expert cache to share ``cache_bytes`` (None = each its

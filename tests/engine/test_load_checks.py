@@ -264,3 +264,48 @@ def test_a_load_without_a_context_gets_the_automatic_one(models, no_weight_reads
     assert tight.context_length == config.max_position_embeddings  # the floor: min(4096, the model's limit)
     assert plan_load(models / "tiny", LoadOptions(max_batch=4, context_length=100),
                      available_bytes=1 << 40).context_length == 100  # asked for: kept
+
+
+def test_a_hybrid_models_states_and_checkpoints_are_in_the_load_plan(tmp_path):
+    """A gated-DeltaNet model keeps a recurrent state per batch row and up to checkpoint_bytes of state
+    checkpoints: both are planned (and checked against free RAM) with the weights and the KV pool."""
+    root = build_tiny_model_dir(tmp_path / "models", "qwen3_next", "hybrid")
+    plan = plan_load(root / "hybrid", LoadOptions(max_batch=3, context_length=64))
+    assert plan.checkpoint_bytes == 1 << 30 and plan.state_bytes > 0
+    assert plan.total_bytes == plan.weight_bytes + plan.kv_bytes + plan.state_bytes + plan.checkpoint_bytes
+    manager = ModelManager([root])
+    entry = manager.load("hybrid", LoadOptions(device="cpu", max_batch=3, context_length=64, checkpoint_bytes=12345))
+    try:
+        assert entry.loop._cache.state_nbytes() == plan.state_bytes  # noqa: SLF001 - what the loop allocated
+        assert entry.loop._kv.checkpoint_budget == 12345  # noqa: SLF001
+        assert entry.loop.state_bytes() == plan.state_bytes + 12345
+    finally:
+        manager.close()
+    no_cache = plan_load(root / "hybrid", LoadOptions(max_batch=3, context_length=64, prefix_cache=False))
+    assert no_cache.checkpoint_bytes == 0 and no_cache.state_bytes == plan.state_bytes
+    short = ModelManager([root], host_ram_available=lambda: plan.weight_bytes + plan.kv_bytes + plan.state_bytes)
+    with pytest.raises(InsufficientMemoryError, match="recurrent states and state checkpoints"):
+        short.load("hybrid", LoadOptions(device="cpu", max_batch=3, context_length=64))
+    with pytest.raises(InvalidRequestError, match="checkpoint_bytes"):
+        plan_load(root / "hybrid", LoadOptions(context_length=64, checkpoint_bytes=-1))
+    build_tiny_model("qwen3_moe", root / "plain")
+    plain = plan_load(root / "plain", LoadOptions(context_length=64))
+    assert plain.state_bytes == plain.checkpoint_bytes == 0
+
+
+def test_the_device_split_leaves_room_for_a_hybrid_models_states_and_checkpoints():
+    """With the model on a device its states and checkpoints sit next to the KV pool: the KV blocks and the
+    expert cache share what is left of the model's VRAM share after the weights and them."""
+    from types import SimpleNamespace
+
+    resized = []
+    loop = SimpleNamespace(kv_block_bytes=lambda: 1000, kv_full_blocks=100, kv_floor_blocks=lambda: 10,
+                           kv_num_blocks=100, resize_kv=resized.append, state_bytes=lambda: 30_000)
+    entry = SimpleNamespace(loop=loop, runtime=SimpleNamespace(model=SimpleNamespace(weight_device_bytes=50_000)))
+    experts = ModelManager._split_device_share(entry, 200_000, 40_000)  # noqa: SLF001
+    assert resized == [80]  # 200k - 50k weights - 30k states - 40k experts = 80 blocks of 1000
+    assert experts == 40_000
+    loop.state_bytes = lambda: 0
+    resized.clear()
+    ModelManager._split_device_share(entry, 200_000, 40_000)  # noqa: SLF001
+    assert resized == []  # without states the whole pool (100 blocks) fits
