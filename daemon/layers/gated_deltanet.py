@@ -11,8 +11,11 @@ g_t = -exp(A_log) * softplus(a_t + dt_bias) and beta_t = sigmoid(b_t). The outpu
 value head, gated by SiLU(z_t), and projected back to D. What a sequence carries from step to step
 is its state: the last K-1 conv inputs ``[C, K-1]`` and S; ``forward`` reads and updates them in
 ``states`` (one row per sequence). Checked against transformers' Qwen3NextGatedDeltaNet
-(tests/layers/test_gated_deltanet.py). This is the token-by-token form of the rule; a chunked form
-(several tokens per matrix product) is the faster prefill still to come.
+(tests/layers/test_gated_deltanet.py). Decode steps run the rule token by token
+(``recurrent_delta_rule``, also the reference); a prefill of CHUNKED_FROM tokens or more runs the
+chunk-parallel form (``chunked_delta_rule``, the WY form of the flash-linear-attention project):
+128 tokens per set of matrix products, one triangular solve per chunk, one pass over the state per
+chunk instead of per token.
 """
 
 from __future__ import annotations
@@ -139,16 +142,9 @@ class GatedDeltaNet:
         k = _l2norm(k.reshape(t, c.num_k_heads, c.k_head_dim)).repeat_interleave(rep, dim=1)  # [T, Hv, Dk]
         v = v.reshape(t, c.num_v_heads, c.v_head_dim)
         beta = torch.sigmoid(b)  # [T, Hv]
-        decay = torch.exp(-self.a_log.exp() * F.softplus(a + self.dt_bias))  # [T, Hv]
-        out = torch.empty(t, c.num_v_heads, c.v_head_dim, dtype=torch.float32, device=x.device)
-        s = state
-        for i in range(t):
-            s = s * decay[i][:, None, None]
-            recalled = torch.einsum("hkv,hk->hv", s, k[i])
-            delta = (v[i] - recalled) * beta[i][:, None]
-            s = s + k[i][:, :, None] * delta[:, None, :]
-            out[i] = torch.einsum("hkv,hk->hv", s, q[i])
-        state.copy_(s)
+        log_decay = -self.a_log.exp() * F.softplus(a + self.dt_bias)  # [T, Hv]
+        rule = chunked_delta_rule if t >= CHUNKED_FROM else recurrent_delta_rule
+        out = rule(q, k, v, beta, log_decay, state)
         normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + c.eps) * self.norm_w
         gated = (normed * F.silu(z)).reshape(t, c.value_dim)
         return linear(gated, self.w_out)
@@ -162,3 +158,61 @@ class GatedDeltaNet:
             if n:
                 out[row, :n] = self.forward_row(x[row, :n], conv_states[row], states[row])
         return out
+
+
+CHUNKED_FROM = 16  # tokens of one row from which the chunk-parallel rule is the faster one
+CHUNK = 128  # tokens per chunk: measured fastest on 2 cores at Qwen3-Next's head shape (64: 1.09 s, 128: 0.87 s per 8k)
+
+
+def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                         log_decay: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule token by token (the reference). ``q, k [T, H, Dk]``, ``v [T, H, Dv]``,
+    ``beta, log_decay [T, H]``; ``state [H, Dk, Dv]`` (float32) is updated in place. Returns ``[T, H, Dv]``."""
+    decay = log_decay.exp()
+    out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
+    s = state
+    for i in range(q.shape[0]):
+        s = s * decay[i][:, None, None]
+        recalled = torch.einsum("hkv,hk->hv", s, k[i])
+        delta = (v[i] - recalled) * beta[i][:, None]
+        s = s + k[i][:, :, None] * delta[:, None, :]
+        out[i] = torch.einsum("hkv,hk->hv", s, q[i])
+    state.copy_(s)
+    return out
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                       log_decay: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """The same rule, ``chunk`` tokens at a time (same arguments and result as ``recurrent_delta_rule``).
+
+    Within a chunk, with G the cumulative log decay from the chunk's start, S0 the state before it and
+    u_i the value token i writes (u_i = beta_i (v_i - S'_i^T k_i), S'_i the decayed state it reads):
+    u = T (beta v) - T (beta e^G k) S0, where T = (I + diag(beta) A)^-1 and A_ij = e^(G_i - G_j) k_i.k_j
+    for j < i (a unit lower-triangular solve); the outputs are o = e^G q S0 + (M * q k^T) u with
+    M_ij = e^(G_i - G_j) for j <= i; the state after the chunk is e^G_C S0 + (e^(G_C - G) k)^T u.
+    The last chunk may be shorter."""
+    t, h, dk = k.shape
+    dv = v.shape[2]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(chunk, device=q.device)
+    out = torch.empty(t, h, dv, dtype=torch.float32, device=q.device)
+    s = state.float()
+    for start in range(0, t, chunk):  # one chunk at a time: its [H, C, C] and [H, C, D] tensors stay in cache
+        end = min(start + chunk, t)
+        m = end - start  # the last chunk may be shorter: the same algebra on fewer tokens
+        qc, kc, vc = (x[start:end].transpose(0, 1).float().contiguous() for x in (q, k, v))  # [H, C, D]
+        bc = beta[start:end].t().float()  # [H, C]
+        gc = log_decay[start:end].t().float().cumsum(-1)  # G: cumulative log decay within the chunk
+        decay_ij = (gc[:, :, None] - gc[:, None, :]).masked_fill_(~causal[:m, :m], float("-inf")).exp_()
+        kk = kc @ kc.transpose(-1, -2)
+        lower = (kk.mul_(decay_ij).mul_(bc[:, :, None])).tril_(-1).add_(eye[:m, :m])
+        rhs = torch.cat([bc[..., None] * vc, (bc * gc.exp())[..., None] * kc], dim=-1)  # [H, C, Dv + Dk]
+        solved = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+        u = solved[..., :dv] - solved[..., dv:] @ s  # [H, C, Dv]: the values this chunk writes
+        attn = (qc @ kc.transpose(-1, -2)).mul_(decay_ij)  # zero above the diagonal
+        out[start:end] = ((qc * gc.exp()[..., None]) @ s + attn @ u).transpose(0, 1)
+        last = gc[:, -1:]  # [H, 1]
+        s = s * last.exp()[..., None] + (kc * (last - gc).exp()[..., None]).transpose(-1, -2) @ u
+    state.copy_(s)
+    return out
+

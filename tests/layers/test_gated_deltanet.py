@@ -1,8 +1,10 @@
 """The gated DeltaNet layer (Qwen3-Next's linear attention) against transformers' own module.
 
 transformers runs its pure-torch fallbacks here (the chunked delta rule for a whole sequence, no
-conv kernels installed); ours is the token-by-token rule with per-sequence state. The state carried
-between calls must give the same output as one call over the whole sequence.
+conv kernels installed); ours runs the token-by-token rule for short calls (decode) and its own
+chunk-parallel form for prefills, with per-sequence state. The state carried between calls must give
+the same output as one call over the whole sequence; the chunked rule is also held against the
+token-by-token one directly (lengths that are and are not whole chunks, strong and weak decay).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moed.layers.gated_deltanet import DeltaNetConfig, GatedDeltaNet
+from moed.layers.gated_deltanet import DeltaNetConfig, GatedDeltaNet, chunked_delta_rule, recurrent_delta_rule
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,6 +59,42 @@ def test_one_call_and_chunked_calls_match_transformers(heads):
     parts = [ours.forward(x[:, :9], [9], conv, state), ours.forward(x[:, 9:19], [10], conv, state)]
     parts += [ours.forward(x[:, i:i + 1], [1], conv, state) for i in range(19, 23)]
     torch.testing.assert_close(torch.cat(parts, dim=1), want, rtol=0, atol=1e-4 * span)
+
+
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4)], ids=["hv=hk", "grouped-values"])
+def test_a_long_prefill_through_the_chunked_rule_matches_transformers(heads):
+    """300 tokens: the chunked rule (whole chunks and a partial one), then as 150 + 140 token prefills
+    (a chunked call resuming from a chunked call's state) and 10 decode steps."""
+    module, ours = _reference(*heads)
+    x = torch.randn(1, 300, 64, generator=torch.Generator().manual_seed(6)) * 0.5
+    with torch.no_grad():
+        want = module(x)
+    span = float(want.abs().max())
+    conv, state = _fresh_state(ours)
+    torch.testing.assert_close(ours.forward(x, [300], conv, state), want, rtol=0, atol=1e-4 * span)
+    conv, state = _fresh_state(ours)
+    parts = [ours.forward(x[:, :150], [150], conv, state), ours.forward(x[:, 150:290], [140], conv, state)]
+    parts += [ours.forward(x[:, i:i + 1], [1], conv, state) for i in range(290, 300)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), want, rtol=0, atol=1e-4 * span)
+
+
+@pytest.mark.parametrize("length", [1, 17, 128, 129, 300])
+@pytest.mark.parametrize("decay", [0.05, 3.0], ids=["weak-decay", "strong-decay"])
+@pytest.mark.parametrize("chunk", [4, 128])
+def test_the_chunked_rule_is_the_token_by_token_rule(length, decay, chunk):
+    g = torch.Generator().manual_seed(length)
+    h, dk, dv = 3, 16, 8
+    q = torch.nn.functional.normalize(torch.randn(length, h, dk, generator=g), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(length, h, dk, generator=g), dim=-1)
+    v = torch.randn(length, h, dv, generator=g)
+    beta = torch.rand(length, h, generator=g)
+    log_decay = -torch.rand(length, h, generator=g) * decay
+    start = torch.randn(h, dk, dv, generator=g)
+    s_ref, s_chunked = start.clone(), start.clone()
+    want = recurrent_delta_rule(q, k, v, beta, log_decay, s_ref)
+    got = chunked_delta_rule(q, k, v, beta, log_decay, s_chunked, chunk=chunk)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
+    torch.testing.assert_close(s_chunked, s_ref, rtol=0, atol=2e-5 * float(s_ref.abs().max()))
 
 
 def test_rows_of_a_batch_keep_their_own_state_and_padding_changes_nothing():
