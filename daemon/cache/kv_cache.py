@@ -7,8 +7,9 @@ sequences share the pool, and blocks can be shared between sequences (a common p
 
 A step names each row's table in ``ForwardBatch.block_tables``; a batch without tables uses the
 cache's static slot tables (``KVCache.for_slots``: slot ``s`` owns a fixed run of blocks, the layout
-every caller had before paging). The torch path writes with one ``index_put`` per entry and reads by
-gathering ``[B, L]`` rows; the native decode kernel (native/cpu/attn_decode.c) walks the tables itself.
+every caller had before paging). The torch path writes with one ``index_copy_`` per entry and reads
+one sequence's key range at a time (``read_range``: only the blocks that hold it, for
+layers/paged_attention.py); the native decode kernel (native/cpu/attn_decode.c) walks the tables itself.
 """
 
 from __future__ import annotations
@@ -170,9 +171,9 @@ class KVCache:
             memo[key] = out
         return memo[key]
 
-    def _indices(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(pool rows written [N], their (row, step) places [N] as flat indices into [B * T],
-        pool rows read [B, L]); on the batch's device."""
+    def _indices(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pool rows written [N], their (row, step) places [N] as flat indices into [B * T]); on the batch's
+        device."""
         memo = batch.memo
         key = ("kv_index", id(self))
         if key not in memo:
@@ -185,22 +186,32 @@ class KVCache:
             rows = table.gather(1, blocks) * bs + positions % bs  # [B, T]
             write_rows = rows[valid]
             places = valid.reshape(-1).nonzero()[:, 0]
-            keys = torch.arange(batch.num_keys)
-            read_blocks = (keys // bs).clamp(max=width - 1)
-            read = table[:, read_blocks] * bs + (keys % bs)[None, :]  # [B, L]; past a row's end: masked
-            memo[key] = tuple(batch.upload(t) for t in (write_rows, places, read))
+            memo[key] = tuple(batch.upload(t) for t in (write_rows, places))
         return memo[key]
+
+    def _row_blocks(self, batch, row: int) -> torch.Tensor:
+        """Row ``row``'s blocks for its keys 0..start+length-1, as an index tensor on the step's device (once
+        per step and row)."""
+        memo = batch.memo
+        key = ("kv_row_blocks", id(self), row)
+        if key not in memo:
+            need = -(-(batch.starts[row] + batch.lengths[row]) // self.block_size)
+            memo[key] = batch.upload(torch.tensor(self.tables(batch)[row][:need], dtype=torch.long))
+        return memo[key]
+
+    def read_range(self, layer: int, name: str, batch, row: int, j0: int, j1: int,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``[j1 - j0, ...]``: keys j0..j1-1 of one row (positions its block table covers), in ``dtype``; reads
+        only the blocks that hold them."""
+        bs = self.block_size
+        blocks = self._row_blocks(batch, row)[j0 // bs : -(-j1 // bs)]
+        store = self.layers[layer][name]
+        out = store.index_select(0, blocks).reshape(-1, *store.shape[2:])[j0 % bs : j0 % bs + (j1 - j0)]
+        return out if dtype is None else out.to(dtype)
 
     def write(self, layer: int, name: str, values: torch.Tensor, batch) -> None:
         """values [B, T, ...]: store each row's valid new tokens at their positions (cast to the pool's dtype)."""
         store = self.layers[layer][name]
-        write_rows, places, _ = self._indices(batch)
+        write_rows, places = self._indices(batch)
         flat = values.reshape(-1, *values.shape[2:]).index_select(0, places)
         store.view(-1, *store.shape[2:]).index_copy_(0, write_rows, flat.to(store.dtype))
-
-    def read(self, layer: int, name: str, batch, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """[B, L, ...] keys 0..L-1 of each row (past a row's length: garbage the caller masks), in ``dtype``."""
-        store = self.layers[layer][name]
-        _, _, read = self._indices(batch)
-        out = store.view(-1, *store.shape[2:])[read]
-        return out if dtype is None else out.to(dtype)

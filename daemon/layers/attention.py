@@ -1,46 +1,22 @@
 """Multi-head attention with grouped KV heads, optional q/k norms, clipping and attention sinks.
 
 Shapes: B batch, T new tokens, L visible keys, H query heads, Hk key/value heads, Dh head dim.
+Decode on the CPU runs the native kernel; every other step attends the paged pool block by block
+(layers/paged_attention.py): no T x L score or mask tensor.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moed.cache.kv_cache import KVCache
 from moed.kernels.native_cpu import native
 from moed.layers.layer_config import AttentionConfig
 from moed.layers.linear import linear, linear_many
 from moed.layers.norms import rms_norm
+from moed.layers.paged_attention import attend_paged
 from moed.layers.rotary import RotaryEmbedding
 from moed.runner.forward_batch import ForwardBatch
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, T, Dh], k [B, Hk, L, Dh], v [B, Hk, L, Dv], mask [B, 1, T, L] -> [B, T, H * Dv]."""
-    groups = q.shape[1] // k.shape[1]
-    if sinks is None:
-        # one fused kernel (flash attention on the CPU, GQA without repeating K/V) instead of the
-        # score matrix, masked_fill and softmax below: 1.7x faster on a 256-token prefill chunk
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
-        return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, H, T, L]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is not None:
-        # gpt-oss: a per-head learned logit joins the softmax and is then dropped
-        sink = sinks.float().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
-        scores = torch.cat([scores, sink], dim=-1)
-        scores = scores - scores.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(scores, dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v)  # [B, H, T, Dv]
-    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
 
 
 class MhaAttention:
@@ -91,9 +67,15 @@ class MhaAttention:
         q, k = self._rotate(q, cos_sin), self._rotate(k, cos_sin)
         cache.write(self.layer, "k", k.transpose(1, 2), batch)
         cache.write(self.layer, "v", v, batch)
-        keys = cache.read(self.layer, "k", batch, q.dtype).transpose(1, 2)  # [B, Hk, L, Dh]
-        values = cache.read(self.layer, "v", batch, q.dtype).transpose(1, 2)
-        out = attend(q, keys, values, batch.attention_mask(self.window), cfg.scaling, self.sinks)
+
+        def read_kv(row: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
+            # keys j0..j1-1 of one sequence, read back from the pool (so a reused prefix and a fresh one are
+            # the same numbers), [Hk, kb, Dh] in the compute dtype
+            return tuple(cache.read_range(self.layer, name, batch, row, j0, j1, q.dtype).transpose(0, 1)
+                         for name in ("k", "v"))
+
+        out = attend_paged(q, read_kv, batch.starts, batch.lengths, cfg.scaling, window=self.window,
+                           sinks=self.sinks, value_dim=cfg.head_dim)
         return linear(out if gate is None else out * gate, self.wo, self.bo)
 
     def _native_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,

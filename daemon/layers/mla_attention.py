@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from moed.cache.kv_cache import KVCache
-from moed.layers.attention import attend
 from moed.layers.linear import linear
 from moed.layers.layer_config import AttentionConfig
 from moed.layers.norms import rms_norm
+from moed.layers.paged_attention import attend_paged
 from moed.layers.rotary import RotaryEmbedding
 from moed.runner.forward_batch import ForwardBatch
 
@@ -54,13 +54,16 @@ class MlaAttention:
         k_rot = self.rotary.apply(k_rot[:, None], *cos_sin)[:, 0]  # [B, T, Rr], shared by all heads
         cache.write(self.layer, "latent", latent, batch)
         cache.write(self.layer, "k_rot", k_rot, batch)
-        latent_all = cache.read(self.layer, "latent", batch, latent.dtype)  # [B, L, C]
-        k_rot_all = cache.read(self.layer, "k_rot", batch, k_rot.dtype)  # [B, L, Rr]
-        num_keys = latent_all.shape[1]
-        kv = linear(latent_all, self.kv_b).view(bsz, num_keys, cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
-        k_nope, values = kv.transpose(1, 2).split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        k_rot_heads = k_rot_all[:, None].expand(-1, cfg.num_heads, -1, -1)
-        keys = torch.cat([k_nope, k_rot_heads], dim=-1)  # [B, H, L, Rn + Rr]
-        query = torch.cat([q_pass, q_rot], dim=-1)
-        out = attend(query, keys, values, batch.attention_mask(None), cfg.scaling)
+        heads, nope, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+
+        def read_kv(row: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
+            # one block of the row's latent cache expanded through kv_b: keys [H, kb, Rn + Rr], values [H, kb, Dv]
+            lat = cache.read_range(self.layer, "latent", batch, row, j0, j1, latent.dtype)  # [kb, C]
+            rot = cache.read_range(self.layer, "k_rot", batch, row, j0, j1, k_rot.dtype)  # [kb, Rr]
+            kv = linear(lat, self.kv_b).view(j1 - j0, heads, nope + dv).transpose(0, 1)
+            k_nope, values = kv.split([nope, dv], dim=-1)
+            return torch.cat([k_nope, rot[None].expand(heads, -1, -1)], dim=-1), values
+
+        query = torch.cat([q_pass, q_rot], dim=-1)  # [B, H, T, Rn + Rr]
+        out = attend_paged(query, read_kv, batch.starts, batch.lengths, cfg.scaling, value_dim=dv)
         return linear(out, self.wo, self.bo)

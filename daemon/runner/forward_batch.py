@@ -34,7 +34,6 @@ class ForwardBatch:
         self.positions = starts[:, None] + offsets[None, :]  # [B, T]
         self.valid = offsets[None, :] < torch.tensor(self.lengths)[:, None]  # [B, T]
         self.num_keys = max(s + n for s, n in zip(self.starts, self.lengths))
-        self._masks: dict[int | None, torch.Tensor] = {}
         self.memo: dict = {}  # per-step values derived once (the KV cache's pool indices)
         if self.block_tables is not None and len(self.block_tables) != batch:
             raise ValueError("ForwardBatch: block_tables needs one table per sequence")
@@ -63,29 +62,10 @@ class ForwardBatch:
         return cls(ids, list(starts), [len(t) for t in tokens], list(slots), block_tables, state_slots)
 
     def moved(self, to: Callable[[torch.Tensor], torch.Tensor]) -> "ForwardBatch":
-        """The same step with its tensors (ids, positions, valid, masks as they are made) through ``to``
+        """The same step with its tensors (ids, positions, valid) through ``to``
         (a device's upload); the lists stay on the host. The original is unchanged."""
         out = copy.copy(self)
         out._host_positions, out._host_valid = self.positions, self.valid
         out.input_ids, out.positions, out.valid = to(self.input_ids), to(self.positions), to(self.valid)
-        out._masks, out._to, out.memo = {}, to, {}
+        out._to, out.memo = to, {}
         return out
-
-    def attention_mask(self, window: int | None) -> torch.Tensor:
-        """[B, 1, T, L] bool: key j is visible to query t iff j <= pos(t) and, with a window w, j > pos(t) - w."""
-        to = getattr(self, "_to", None)
-        if to is not None:  # a moved batch: made on the host, then uploaded once per window
-            if window not in self._masks:
-                host = copy.copy(self)
-                host._to, host._masks = None, {}
-                host.positions = self._host_positions
-                self._masks[window] = to(host.attention_mask(window))
-            return self._masks[window]
-        if window not in self._masks:
-            keys = torch.arange(self.num_keys)[None, None, :]  # [1, 1, L]
-            query_pos = self.positions[:, :, None]  # [B, T, 1]
-            mask = keys <= query_pos
-            if window is not None:
-                mask &= keys > query_pos - window
-            self._masks[window] = mask[:, None]
-        return self._masks[window]

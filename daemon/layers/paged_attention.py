@@ -1,0 +1,155 @@
+"""Attention over the paged KV pool without score matrices: key blocks merged by their log-sum-exp.
+
+Shapes: H query heads, Hk key/value heads, n new tokens of one sequence (queries at positions
+s..s+n-1), Dk / Dv key / value dims, kb keys of one block.
+
+Each sequence of a step is attended on its own: its keys are read from the pool a block of at most
+KEY_BLOCK tokens at a time (through its block table, widened to the compute dtype), and each block's
+partial result (output, log-sum-exp per query) is merged into the running one, as flash attention
+does across its tiles. Nothing of size n x L (or H x n x L) exists: the largest tensors are a block's
+keys and its H x n x kb scores. Keys before the new tokens are visible to every query (no mask); the
+new tokens' own keys form a causal square (``is_causal``, no mask tensor); a sliding window reads
+only the blocks inside it (and masks the band inside a block: n x kb at most). Attention sinks
+(gpt-oss) start the running log-sum-exp at the sink's logit instead of joining the scores as a column.
+
+On the CPU each block runs torch's flash-attention kernel, which returns the log-sum-exp
+(``aten::_scaled_dot_product_flash_attention_for_cpu``); a block with a window mask, and every block
+on other devices, runs ``block_reference`` (explicit scores for that block only). ``attend_dense`` in
+tests is the whole-matrix oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+KEY_BLOCK = 1024  # keys per block, and new tokens per query tile (a multiple of the pool's block size)
+
+# read_kv(row, j0, j1) -> (keys [Hk, j1 - j0, Dk], values [Hk, j1 - j0, Dv]) of keys j0..j1-1 of that row
+ReadKV = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def block_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    mask: torch.Tensor | None = None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: q [H, n, Dk], k [Hk, kb, Dk], v [Hk, kb, Dv], mask [n, kb] (True: visible) or ``causal``
+    (n == kb, query i sees keys 0..i) -> (out [H, n, Dv], lse [H, n]); a query that sees no key of the block
+    gets out 0 and lse -inf."""
+    groups = q.shape[0] // k.shape[0]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, n, kb]
+    if causal:
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    probs = torch.exp(scores - top)
+    total = probs.sum(dim=-1, keepdim=True)
+    out = torch.matmul(probs, v) / total.clamp(min=torch.finfo(total.dtype).tiny)
+    lse = (top + torch.log(total)).squeeze(-1)  # log(0) = -inf where nothing is visible
+    return out, lse
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if mask is None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype:
+        dim, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
+        if q.shape[-1] != dim or dv != dim:  # the kernel wants one head size (MLA: 192 for q/k, 128 for v):
+            q, k, v = (F.pad(t, (0, dim - t.shape[-1])) for t in (q, k, v))  # zeros change no score
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), 0.0, causal, scale=scale)
+        return out[0, ..., :dv], lse[0].to(out.dtype)
+    return block_reference(q, k, v, scale, mask, causal)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial softmax results over disjoint key sets -> the result over both."""
+    new = torch.logaddexp(lse, part_lse)
+    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    w_old = torch.where(torch.isfinite(lse), torch.exp(lse - safe), torch.zeros_like(lse))
+    w_new = torch.where(torch.isfinite(part_lse), torch.exp(part_lse - safe), torch.zeros_like(part_lse))
+    return out * w_old[..., None] + part * w_new[..., None], new
+
+
+def attend_row(q: torch.Tensor, read_kv: ReadKV, row: int, start: int, scale: float, *, window: int | None = None,
+               sinks: torch.Tensor | None = None, value_dim: int | None = None) -> torch.Tensor:
+    """q [H, n, Dk] of one sequence whose first new token is at position ``start`` (its keys 0..start+n-1 are
+    in the pool, the new ones included) -> [H, n, Dv]."""
+    heads, n = q.shape[0], q.shape[1]
+    end = start + n
+    lo = 0 if window is None else max(0, start - window + 1)
+    out = lse = None
+    if sinks is not None:  # the sink's logit joins every query's softmax denominator and adds no value
+        lse = sinks.to(q.dtype).reshape(heads, 1).expand(heads, n).contiguous()
+    positions = None
+    j0 = lo
+    while j0 < end:
+        # the keys before the new tokens in blocks, then the new tokens' own keys: a causal square
+        j1, causal = (min(start, j0 + KEY_BLOCK), False) if j0 < start else (end, True)
+        k, v = read_kv(row, j0, j1)
+        mask = None
+        if window is not None:  # key j is visible to the query at p iff p - window < j <= p
+            if positions is None:
+                positions = torch.arange(start, end, device=q.device)[:, None]
+            keys = torch.arange(j0, j1, device=q.device)[None, :]
+            mask, causal = (keys <= positions) & (keys > positions - window), False
+        part, part_lse = _block(q, k, v, scale, mask, causal)
+        if out is None:
+            out = torch.zeros(heads, n, part.shape[-1], dtype=part.dtype, device=part.device)
+            if lse is None:
+                lse = torch.full((heads, n), float("-inf"), dtype=part.dtype, device=part.device)
+        out, lse = _merge(out, lse, part, part_lse)
+        j0 = j1
+    if out is None:  # no keys at all (n == 0)
+        out = torch.zeros(heads, n, value_dim or q.shape[-1], dtype=q.dtype, device=q.device)
+    return out
+
+
+def attend_paged(q: torch.Tensor, read_kv: ReadKV, starts: list[int], lengths: list[int], scale: float, *,
+                 window: int | None = None, sinks: torch.Tensor | None = None, value_dim: int) -> torch.Tensor:
+    """q [B, H, T, Dk] (right-padded: row b has ``lengths[b]`` new tokens from position ``starts[b]``, their keys
+    already written to the pool) -> [B, T, H * Dv], zeros on padding. Each row's new tokens are attended in
+    query tiles of KEY_BLOCK: a tile's keys are everything before it (full blocks) and its own causal square."""
+    bsz, heads, steps, _ = q.shape
+    out = torch.zeros(bsz, steps, heads * value_dim, dtype=q.dtype, device=q.device)
+    for row, (start, n) in enumerate(zip(starts, lengths)):
+        for a in range(0, n, KEY_BLOCK):  # query tiles: a tile's own keys form a causal square of <= KEY_BLOCK
+            b = min(n, a + KEY_BLOCK)
+            o = attend_row(q[row, :, a:b], read_kv, row, start + a, scale, window=window, sinks=sinks,
+                           value_dim=value_dim)
+            out[row, a:b] = o.transpose(0, 1).reshape(b - a, heads * value_dim)
+    return out
+
+
+def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole-matrix oracle (tests): q [B, H, T, Dh], k [B, Hk, L, Dh], v [B, Hk, L, Dv], mask [B, 1, T, L]
+    -> [B, T, H * Dv]. With sinks a per-head logit joins each softmax and is dropped."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v)
+    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
+def dense_mask(starts: list[int], lengths: list[int], steps: int, num_keys: int, window: int | None) -> torch.Tensor:
+    """[B, 1, T, L] bool for ``attend_dense`` (tests): key j visible to the query at p iff j <= p (and p - w < j)."""
+    keys = torch.arange(num_keys)[None, None, :]
+    pos = (torch.tensor(starts)[:, None] + torch.arange(steps)[None, :])[:, :, None]
+    mask = keys <= pos
+    if window is not None:
+        mask &= keys > pos - window
+    return mask[:, None]
+
+
+__all__ = ["KEY_BLOCK", "attend_paged", "attend_row", "block_reference", "attend_dense", "dense_mask"]
