@@ -9,6 +9,7 @@ import torch
 
 from moed.cache.kv_cache import KVCache
 from moed.layers.linear import linear
+from moed.layers.packed_linear import PackedLinear
 from moed.layers.layer_config import AttentionConfig
 from moed.layers.norms import rms_norm
 from moed.layers.paged_attention import attend_paged
@@ -28,6 +29,7 @@ class MlaAttention:
         self.kv_a_norm = get("kv_a_layernorm.weight")
         self.kv_b = get("kv_b_proj.weight")
         self.wo, self.bo = get("o_proj.weight"), get("o_proj.bias")
+        self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def cache_entries_for(cfg: AttentionConfig) -> dict[str, tuple[int, ...]]:
@@ -55,6 +57,8 @@ class MlaAttention:
         cache.write(self.layer, "latent", latent, batch)
         cache.write(self.layer, "k_rot", k_rot, batch)
         heads, nope, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        if steps <= ABSORB_MAX_STEPS and not isinstance(self.kv_b, PackedLinear):
+            return linear(self._absorbed_attention(q_pass, q_rot, latent.dtype, batch, cache), self.wo, self.bo)
 
         def read_kv(row: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
             # one block of the row's latent cache expanded through kv_b: keys [H, kb, Rn + Rr], values [H, kb, Dv]
@@ -67,3 +71,37 @@ class MlaAttention:
         query = torch.cat([q_pass, q_rot], dim=-1)  # [B, H, T, Rn + Rr]
         out = attend_paged(query, read_kv, batch.starts, batch.lengths, cfg.scaling, value_dim=dv)
         return linear(out, self.wo, self.bo)
+
+    def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b split per head into W_uk [H, Rn, C] and W_uv [H, Dv, C] (views of the weight when it already
+        has ``dtype``; else one converted copy, kept)."""
+        cfg = self.cfg
+        if self._absorbed is None or self._absorbed[0].dtype != dtype:
+            w = self.kv_b.to(dtype).view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+            self._absorbed = (w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:])
+        return self._absorbed
+
+    def _absorbed_attention(self, q_pass: torch.Tensor, q_rot: torch.Tensor, dtype: torch.dtype, batch: ForwardBatch,
+                            cache: KVCache) -> torch.Tensor:
+        """Attention on the latent cache itself (DeepSeek's "absorbed" form, for decode): the nope part of each
+        query goes through W_uk into the latent space, so every key is [latent | k_rot] shared by all heads
+        (one KV head) and every value the latent; the per-head output leaves through W_uv. Reads L x (C + Rr)
+        per step instead of expanding L x H x (Rn + Dv) through kv_b. [B, H, T, *] -> [B, T, H * Dv]."""
+        cfg = self.cfg
+        bsz, heads, steps, _ = q_pass.shape
+        w_uk, w_uv = self._absorbed_weights(dtype)
+        q_lat = torch.einsum("bhtn,hnc->bhtc", q_pass.to(dtype), w_uk)  # [B, H, T, C]
+        query = torch.cat([q_lat, q_rot.to(dtype)], dim=-1)  # [B, H, T, C + Rr]
+
+        def read_kv(row: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
+            lat = cache.read_range(self.layer, "latent", batch, row, j0, j1, dtype)  # [kb, C]
+            rot = cache.read_range(self.layer, "k_rot", batch, row, j0, j1, dtype)  # [kb, Rr]
+            return torch.cat([lat, rot], dim=-1)[None], lat[None]  # one KV head
+
+        out_lat = attend_paged(query, read_kv, batch.starts, batch.lengths, cfg.scaling, value_dim=cfg.kv_lora_rank)
+        out_lat = out_lat.view(bsz, steps, heads, cfg.kv_lora_rank)
+        return torch.einsum("bthc,hvc->bthv", out_lat, w_uv).reshape(bsz, steps, heads * cfg.v_head_dim)
+
+
+ABSORB_MAX_STEPS = 8  # new tokens per row up to which attention runs on the latent cache (decode, short steps)
+
