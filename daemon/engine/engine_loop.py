@@ -1,9 +1,12 @@
 """EngineLoop: one thread serving many requests on one model by continuous batching over one KV cache.
 
-Each step: finish expired and cancelled sequences, take the scheduler's plan, run one ForwardBatch
-holding every scheduled prefill chunk and decode token, then sample (each request with its own
-Sampler), detokenize and stream. Other threads only submit, cancel, read figures and queue safe-point
-functions; the model, the cache and the per-request samplers/decoders are touched by the loop thread.
+Each step: finish expired and cancelled sequences, take the scheduler's plan (engine/scheduler.py:
+admission, chunking, preemption order), grow the sequences' block tables (preempting when the pool
+runs dry), run one ForwardBatch holding every scheduled prefill chunk and decode token, then let each
+request sample, detokenize and stream (engine/live_request.py); a hybrid model's prefill stops and
+state snapshots are engine/hybrid_checkpoints.py's. A failed step fails only its own sequences.
+Other threads only submit, cancel, read figures and queue safe-point functions; the model, the cache
+and the per-request samplers/decoders are touched by the loop thread.
 """
 
 from __future__ import annotations
@@ -13,21 +16,20 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE
+from moed.engine.hybrid_checkpoints import HybridCheckpoints, boundary_ids
 from moed.engine.kv_manager import KVFigures, KVManager, OutOfBlocks, kv_pool_tokens
-from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent, Usage
+from moed.engine.live_request import LiveRequest
+from moed.engine.request import GenerationRequest, RequestHandle
 from moed.engine.runtime import DEFAULT_CONTEXT, ModelRuntime
-from moed.engine.sampling import Sampler, SamplingParams
+from moed.engine.sampling import SamplingParams
 from moed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from moed.errors import InvalidRequestError, quoted
 from moed.runner.forward_batch import ForwardBatch
-from moed.text.stop_strings import StopMatcher
-from moed.text.stream_decoder import StreamDecoder
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,6 @@ DEFAULT_MAX_STEP_TOKENS = 1024  # tokens per step, all sequences together
 # step (experts/prefill_stream.py), so a step must carry thousands of tokens to hide it (the paper:
 # 8192-token chunks); attention runs there too, so the activations live in VRAM.
 DEVICE_PREFILL_CHUNK = 4096
-# special tokens that end a semantic unit inside a message (a hybrid model checkpoints its state there)
-BOUNDARY_MARKERS = ("</think>", "</tool_call>", "</tool_response>")
 DEVICE_MAX_STEP_TOKENS = 8192
 
 
@@ -49,22 +49,6 @@ def step_sizes(runtime: ModelRuntime, batch: int = 1) -> tuple[int, int]:
     if getattr(runtime.model, "device", None) is not None:
         return DEVICE_PREFILL_CHUNK, max(DEVICE_MAX_STEP_TOKENS, DEVICE_PREFILL_CHUNK * batch)
     return DEFAULT_PREFILL_CHUNK, max(DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK * batch)
-
-
-@dataclass
-class _Live:
-    """The loop's side of one request (sampler, decoder, timings); dropped when the request finishes."""
-
-    request: GenerationRequest
-    handle: RequestHandle
-    sampler: Sampler
-    stop: StopMatcher
-    decoder: StreamDecoder | None
-    submitted_at: float
-    generated: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
-    cached_tokens: int = 0  # prompt tokens found in the prefix cache at its (first) admission
-    last_token_at: float = 0.0
 
 
 class EngineLoop:
@@ -107,24 +91,20 @@ class EngineLoop:
         self.kv_full_blocks = num_blocks  # the pool's configured size (a memory budget may hold it lower)
         self._context_blocks = -(-context // DEFAULT_BLOCK_SIZE)
         self._scheduler = Scheduler(SchedulerConfig(max_batch, max_queue, prefill_chunk, max_step_tokens),
-                                    on_admit=self._on_admit, stops=self._checkpoint_stops)
+                                    on_admit=self._on_admit, stops=lambda *a: self._checkpoints.stops(*a))
         self._vocab_size = config.vocab_size
         eos = set(config.eos_token_ids)
         if runtime.tokenizer is not None:
             eos |= set(runtime.tokenizer.eos_token_ids)
         self._eos_ids = frozenset(eos)
-        # hybrid models' checkpoint boundaries: ends of messages, and of thinking / tool calls / tool
-        # outputs where the tokenizer has a token for them (Qwen's chat templates do)
-        markers = set()
-        if runtime.tokenizer is not None:
-            markers = {runtime.tokenizer.token_to_id(m) for m in BOUNDARY_MARKERS} - {None}
-        self._boundary_ids = frozenset(eos | markers)
+        # hybrid models: prefill stops and recurrent-state snapshots at semantic boundaries
+        self._checkpoints = HybridCheckpoints(self._kv, self._scheduler, boundary_ids(runtime.tokenizer, eos))
         self._cache = (runtime.model.new_pool(num_blocks, DEFAULT_BLOCK_SIZE, state_slots=max_batch) if recurrent
                        else runtime.model.new_pool(num_blocks, DEFAULT_BLOCK_SIZE))
 
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._live: dict[int, _Live] = {}  # seq id -> request state (queued and running)
+        self._live: dict[int, LiveRequest] = {}  # seq id -> request state (queued and running)
         self._safe_points: list[tuple[Callable[[], Any], Future]] = []
         self._thread: threading.Thread | None = None
         self._accepting = True
@@ -149,11 +129,7 @@ class EngineLoop:
         """Validate and queue; raises InvalidRequestError or QueueFullError without queueing anything."""
         self._validate(request)
         handle = RequestHandle(request.request_id, self.cancel)
-        decoder = None
-        if self.runtime.tokenizer is not None:
-            decoder = self.runtime.tokenizer.stream_decoder(request.prompt_ids)
-        live = _Live(request, handle, Sampler(request.params), StopMatcher(request.params.stop), decoder,
-                     time.monotonic())
+        live = LiveRequest.create(request, handle, self.runtime.tokenizer)
         with self._wakeup:
             if not self._accepting:
                 raise InvalidRequestError("the daemon is shutting down")
@@ -360,35 +336,6 @@ class EngineLoop:
                 live.cached_tokens = cached
         return cached
 
-    def _checkpoint_stops(self, seq_id: int, token_ids: list[int], cached: int) -> tuple[int, ...]:
-        """Where a hybrid model's prefill stops for state checkpoints: after each boundary token (end of a
-        message, of thinking, of a tool call or a tool output) of the part not cached yet, and before the
-        prompt's last token, each snapped down to a whole block."""
-        if not self._kv.checkpoints:
-            return ()
-        bs, last = DEFAULT_BLOCK_SIZE, len(token_ids) - 1
-        ends = [i + 1 for i in range(cached, last) if token_ids[i] in self._boundary_ids] + [last]
-        return tuple(sorted({p // bs * bs for p in ends if cached < p // bs * bs <= last}))
-
-    def _restore_states(self, chunks: list[ScheduledChunk]) -> None:
-        """Load the state checkpoint a newly admitted hybrid sequence resumes from into its state slot."""
-        for c in chunks:
-            saved = self._kv.take_restore(c.seq_id)
-            if saved is not None:
-                for (layer, name), t in saved.items():
-                    self._cache.state(layer, name)[c.slot].copy_(t)
-
-    def _take_checkpoints(self, chunks: list[ScheduledChunk]) -> None:
-        """(Under the lock, after the step is recorded) snapshot the state of sequences whose prefill just
-        reached their checkpoint position, and keep it in the prefix tree."""
-        for c in chunks:
-            if c.start + len(c.token_ids) not in self._scheduler.stops_of(c.seq_id):
-                continue
-            saved = {(layer, name): t[c.slot].clone() for layer, entries in enumerate(self._cache.states)
-                     for name, t in entries.items()}
-            nbytes = sum(t.numel() * t.element_size() for t in saved.values())
-            self._kv.checkpoint(c.seq_id, self._scheduler.cached_token_ids(c.seq_id), saved, nbytes)
-
     def _with_blocks(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, list[int]]]:
         """Each chunk with its sequence's block table, grown for the tokens it writes. When the pool runs dry
         the newest running sequence without blocks for this step yet is preempted (possibly the chunk's
@@ -413,8 +360,8 @@ class EngineLoop:
 
     def _forward(self, ready: list[tuple[ScheduledChunk, list[int]]]) -> torch.Tensor:
         chunks, tables = [c for c, _ in ready], [t for _, t in ready]
-        if self._kv.checkpoints:
-            self._restore_states(chunks)
+        if self._checkpoints.enabled:
+            self._checkpoints.restore(self._cache, chunks)
         # with block tables the batch's "slots" are the sequences' ids (the routing trace keys on them)
         batch = ForwardBatch.from_token_lists([c.token_ids for c in chunks], [c.start for c in chunks],
                                               [c.seq_id for c in chunks], tables, [c.slot for c in chunks])
@@ -430,7 +377,8 @@ class EngineLoop:
                 results.append((chunk, None, "", ""))
                 continue
             try:
-                token, reason = self._accept(self._live[chunk.seq_id], logits[row], chunk.start + len(chunk.token_ids))
+                token, reason = self._live[chunk.seq_id].accept(logits[row], chunk.start + len(chunk.token_ids),
+                                                                self._eos_ids, self.context_length)
                 results.append((chunk, token, reason, ""))
             except Exception as exc:
                 log.exception("engine %s: sampling failed", self.name)
@@ -440,8 +388,8 @@ class EngineLoop:
         with self._lock:
             for chunk, token, reason, error in results:
                 self._scheduler.record(chunk.seq_id, len(chunk.token_ids), token)
-            if self._kv.checkpoints:
-                self._take_checkpoints([chunk for chunk, _, reason, _ in results if not reason])
+            if self._checkpoints.enabled:
+                self._checkpoints.take(self._cache, [chunk for chunk, _, reason, _ in results if not reason])
             elif self._kv.prefix_cache:  # prefilled prompt blocks are shared at once, not when the request ends
                 for chunk, _, reason, _ in results:
                     if not reason and len(chunk.token_ids) > 1:
@@ -456,33 +404,6 @@ class EngineLoop:
             while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
                 self._rate.popleft()
 
-    def _accept(self, live: _Live, logits: torch.Tensor, num_cached: int) -> tuple[int, str]:
-        """Sample one token, stream it; returns (token, finish reason or "")."""
-        params = live.request.params
-        # the ids so far matter only to a repetition penalty: no copy of a long prompt per token without one
-        seen = live.request.prompt_ids + live.generated if params.repetition_penalty != 1.0 else ()
-        token = live.sampler.sample(logits, seen)
-        now = time.monotonic()
-        if live.first_token_at is None:
-            live.first_token_at = now
-        live.last_token_at = now
-        live.generated.append(token)
-        is_eos = token in self._eos_ids and not params.ignore_eos
-        delta, hit_stop = "", False
-        if live.decoder is not None and not is_eos:
-            delta, hit_stop = live.stop.push(live.decoder.add(token))
-        reason = ""
-        if is_eos:
-            reason = "eos"
-        elif hit_stop:
-            reason = "stop"
-        elif len(live.generated) >= params.max_tokens:
-            reason = "length"
-        elif num_cached + 1 >= self.context_length:  # prompt + generated fill the context
-            reason = "context"
-        live.handle.push(StreamEvent(text=delta, token_ids=(token,), done=False))
-        return token, reason
-
     # ---- shared (caller holds the lock) ----
 
     def _finish_locked(self, seq_id: int, reason: str, error: str = "") -> None:
@@ -494,24 +415,7 @@ class EngineLoop:
         self._scheduler.finish(seq_id)
         if live is None:
             return
-        tail = ""
-        if reason != "error" and live.decoder is not None and not live.stop.stopped:
-            try:
-                tail, hit_stop = live.stop.push(live.decoder.flush())
-                tail += "" if hit_stop else live.stop.flush()
-                if hit_stop and reason in ("eos", "length", "context"):
-                    reason = "stop"
-            except Exception:  # a decoder failure must not keep the done event from being sent
-                log.exception("engine %s: flushing the decoder failed", self.name)
-        n = len(live.generated)
-        first = live.first_token_at
-        span = live.last_token_at - first if first is not None else 0.0
-        usage = Usage(prompt_tokens=len(live.request.prompt_ids), completion_tokens=n,
-                      ttft_s=first - live.submitted_at if first is not None else 0.0,
-                      decode_tok_s=(n - 1) / span if n > 1 and span > 0 else 0.0, seed=live.sampler.seed,
-                      cached_tokens=live.cached_tokens)
-        live.handle.push(StreamEvent(text=tail, token_ids=(), done=True, finish_reason=reason, usage=usage,
-                                     error=error))
+        live.handle.push(live.done_event(reason, error))
         self.requests_served += 1
 
     def _validate(self, request: GenerationRequest) -> None:
