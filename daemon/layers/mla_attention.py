@@ -69,7 +69,9 @@ class MlaAttention:
             return torch.cat([k_nope, rot[None].expand(heads, -1, -1)], dim=-1), values
 
         query = torch.cat([q_pass, q_rot], dim=-1)  # [B, H, T, Rn + Rr]
-        out = attend_paged(query, read_kv, batch.starts, batch.lengths, cfg.scaling, value_dim=dv)
+        # a block of keys costs H x (Rn + Rr + Dv) floats per key once expanded: smaller blocks than MHA's
+        out = attend_paged(query, read_kv, batch.starts, batch.lengths, cfg.scaling, value_dim=dv,
+                           key_block=MLA_KEY_BLOCK)
         return linear(out, self.wo, self.bo)
 
     def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,5 +105,6 @@ class MlaAttention:
         return torch.einsum("bthc,hvc->bthv", out_lat, w_uv).reshape(bsz, steps, heads * cfg.v_head_dim)
 
 
+MLA_KEY_BLOCK = 512  # keys expanded through kv_b at a time (DeepSeek-V3: 512 x 128 x 320 floats, 84 MB)
 ABSORB_MAX_STEPS = 8  # new tokens per row up to which attention runs on the latent cache (decode, short steps)
 

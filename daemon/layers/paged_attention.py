@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-KEY_BLOCK = 1024  # keys per block, and new tokens per query tile (a multiple of the pool's block size)
+KEY_BLOCK = 4096  # keys per block before the new tokens (MHA: 4096 x Hk x (Dk + Dv) floats, ~8 MB at 4 x 128)
+QUERY_TILE = 1024  # new tokens attended together: their own keys form a causal square of at most this side
 
 # read_kv(row, j0, j1) -> (keys [Hk, j1 - j0, Dk], values [Hk, j1 - j0, Dv]) of keys j0..j1-1 of that row
 ReadKV = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -66,29 +67,29 @@ def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two partial softmax results over disjoint key sets -> the result over both."""
+    """Two partial softmax results over disjoint key sets -> the result over both (``out`` updated in place)."""
     new = torch.logaddexp(lse, part_lse)
     safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
     w_old = torch.where(torch.isfinite(lse), torch.exp(lse - safe), torch.zeros_like(lse))
     w_new = torch.where(torch.isfinite(part_lse), torch.exp(part_lse - safe), torch.zeros_like(part_lse))
-    return out * w_old[..., None] + part * w_new[..., None], new
+    out.mul_(w_old[..., None].to(out.dtype)).add_(part * w_new[..., None].to(part.dtype))
+    return out, new
 
 
 def attend_row(q: torch.Tensor, read_kv: ReadKV, row: int, start: int, scale: float, *, window: int | None = None,
-               sinks: torch.Tensor | None = None, value_dim: int | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, value_dim: int | None = None,
+               key_block: int | None = None) -> torch.Tensor:
     """q [H, n, Dk] of one sequence whose first new token is at position ``start`` (its keys 0..start+n-1 are
     in the pool, the new ones included) -> [H, n, Dv]."""
     heads, n = q.shape[0], q.shape[1]
     end = start + n
     lo = 0 if window is None else max(0, start - window + 1)
-    out = lse = None
-    if sinks is not None:  # the sink's logit joins every query's softmax denominator and adds no value
-        lse = sinks.to(q.dtype).reshape(heads, 1).expand(heads, n).contiguous()
-    positions = None
+    out = lse = positions = None
+    key_block = key_block or KEY_BLOCK
     j0 = lo
     while j0 < end:
         # the keys before the new tokens in blocks, then the new tokens' own keys: a causal square
-        j1, causal = (min(start, j0 + KEY_BLOCK), False) if j0 < start else (end, True)
+        j1, causal = (min(start, j0 + key_block), False) if j0 < start else (end, True)
         k, v = read_kv(row, j0, j1)
         mask = None
         if window is not None:  # key j is visible to the query at p iff p - window < j <= p
@@ -97,29 +98,31 @@ def attend_row(q: torch.Tensor, read_kv: ReadKV, row: int, start: int, scale: fl
             keys = torch.arange(j0, j1, device=q.device)[None, :]
             mask, causal = (keys <= positions) & (keys > positions - window), False
         part, part_lse = _block(q, k, v, scale, mask, causal)
-        if out is None:
-            out = torch.zeros(heads, n, part.shape[-1], dtype=part.dtype, device=part.device)
-            if lse is None:
-                lse = torch.full((heads, n), float("-inf"), dtype=part.dtype, device=part.device)
-        out, lse = _merge(out, lse, part, part_lse)
+        out, lse = (part, part_lse) if out is None else _merge(out, lse, part, part_lse)
         j0 = j1
     if out is None:  # no keys at all (n == 0)
-        out = torch.zeros(heads, n, value_dim or q.shape[-1], dtype=q.dtype, device=q.device)
+        return torch.zeros(heads, n, value_dim or q.shape[-1], dtype=q.dtype, device=q.device)
+    if sinks is not None:  # the sink's logit joins every query's softmax denominator and adds no value
+        sink = sinks.to(lse.dtype).reshape(heads, 1)
+        keep = torch.exp(lse - torch.logaddexp(lse, sink))  # exp(-inf) = 0 where no key was visible
+        out = out * keep[..., None].to(out.dtype)
     return out
 
 
 def attend_paged(q: torch.Tensor, read_kv: ReadKV, starts: list[int], lengths: list[int], scale: float, *,
-                 window: int | None = None, sinks: torch.Tensor | None = None, value_dim: int) -> torch.Tensor:
+                 window: int | None = None, sinks: torch.Tensor | None = None, value_dim: int,
+                 key_block: int | None = None) -> torch.Tensor:
     """q [B, H, T, Dk] (right-padded: row b has ``lengths[b]`` new tokens from position ``starts[b]``, their keys
     already written to the pool) -> [B, T, H * Dv], zeros on padding. Each row's new tokens are attended in
-    query tiles of KEY_BLOCK: a tile's keys are everything before it (full blocks) and its own causal square."""
+    query tiles of QUERY_TILE: a tile's keys are everything before it (in blocks of ``key_block``, default
+    KEY_BLOCK: callers whose blocks cost more per key pass less) and its own causal square."""
     bsz, heads, steps, _ = q.shape
     out = torch.zeros(bsz, steps, heads * value_dim, dtype=q.dtype, device=q.device)
     for row, (start, n) in enumerate(zip(starts, lengths)):
-        for a in range(0, n, KEY_BLOCK):  # query tiles: a tile's own keys form a causal square of <= KEY_BLOCK
-            b = min(n, a + KEY_BLOCK)
+        for a in range(0, n, QUERY_TILE):
+            b = min(n, a + QUERY_TILE)
             o = attend_row(q[row, :, a:b], read_kv, row, start + a, scale, window=window, sinks=sinks,
-                           value_dim=value_dim)
+                           value_dim=value_dim, key_block=key_block)
             out[row, a:b] = o.transpose(0, 1).reshape(b - a, heads * value_dim)
     return out
 
@@ -152,4 +155,4 @@ def dense_mask(starts: list[int], lengths: list[int], steps: int, num_keys: int,
     return mask[:, None]
 
 
-__all__ = ["KEY_BLOCK", "attend_paged", "attend_row", "block_reference", "attend_dense", "dense_mask"]
+__all__ = ["KEY_BLOCK", "QUERY_TILE", "attend_paged", "attend_row", "block_reference", "attend_dense", "dense_mask"]

@@ -44,6 +44,7 @@ def _pool_with(keys: list[torch.Tensor], values: list[torch.Tensor], starts, len
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(pa, "KEY_BLOCK", 32)
+    monkeypatch.setattr(pa, "QUERY_TILE", 16)
 
 
 @pytest.mark.parametrize("window", [None, 5, 40])
