@@ -56,6 +56,12 @@ def block_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if k.shape[0] == 1 and q.shape[0] > 1 and mask is None and not causal:
+        # one KV head (MLA on its latent cache) and every key visible: the heads are just more queries of
+        # that head, so the block is one [H * n, kb] product instead of H thin ones
+        heads, n = q.shape[0], q.shape[1]
+        out, lse = _block(q.reshape(1, heads * n, q.shape[-1]), k, v, scale, None, False)
+        return out.reshape(heads, n, out.shape[-1]), lse.reshape(heads, n)
     if mask is None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype:
         dim, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
         if q.shape[-1] != dim or dv != dim:  # the kernel wants one head size (MLA: 192 for q/k, 128 for v):

@@ -49,7 +49,8 @@ def small_blocks(monkeypatch):
 
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("sinks", [False, True])
-@pytest.mark.parametrize("shape", [(4, 4, 16, 16), (8, 2, 16, 16), (4, 4, 24, 16)], ids=["mha", "gqa", "mla-dims"])
+@pytest.mark.parametrize("shape", [(4, 4, 16, 16), (8, 2, 16, 16), (4, 1, 16, 16), (4, 4, 24, 16)],
+                         ids=["mha", "gqa", "one-kv-head", "mla-dims"])
 @pytest.mark.parametrize("path", ["cpu-kernel", "reference"])
 def test_key_blocks_merge_to_the_whole_matrix_result(small_blocks, monkeypatch, window, sinks, shape, path):
     if path == "reference":
