@@ -27,6 +27,9 @@ import torch.nn.functional as F
 
 KEY_BLOCK = 4096  # keys per block before the new tokens (MHA: 4096 x Hk x (Dk + Dv) floats, ~8 MB at 4 x 128)
 QUERY_TILE = 1024  # new tokens attended together: their own keys form a causal square of at most this side
+# where blocks run block_reference (not the CPU's flash kernel: CUDA today), the scores of one block are
+# materialised: query tiles and key blocks shrink so that H x n x kb stays under this many floats
+REFERENCE_SCORES = 1 << 24
 
 # read_kv(row, j0, j1) -> (keys [Hk, j1 - j0, Dk], values [Hk, j1 - j0, Dv]) of keys j0..j1-1 of that row
 ReadKV = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -124,9 +127,13 @@ def attend_paged(q: torch.Tensor, read_kv: ReadKV, starts: list[int], lengths: l
     KEY_BLOCK: callers whose blocks cost more per key pass less) and its own causal square."""
     bsz, heads, steps, _ = q.shape
     out = torch.zeros(bsz, steps, heads * value_dim, dtype=q.dtype, device=q.device)
+    tile, key_block = QUERY_TILE, key_block or KEY_BLOCK
+    if q.device.type != "cpu":  # block_reference's scores: H x tile x tile and H x tile x key_block, bounded
+        tile = max(16, min(tile, int((REFERENCE_SCORES // heads) ** 0.5) // 16 * 16))
+        key_block = max(16, min(key_block, REFERENCE_SCORES // (heads * tile) // 16 * 16))
     for row, (start, n) in enumerate(zip(starts, lengths)):
-        for a in range(0, n, QUERY_TILE):
-            b = min(n, a + QUERY_TILE)
+        for a in range(0, n, tile):
+            b = min(n, a + tile)
             o = attend_row(q[row, :, a:b], read_kv, row, start + a, scale, window=window, sinks=sinks,
                            value_dim=value_dim, key_block=key_block)
             out[row, a:b] = o.transpose(0, 1).reshape(b - a, heads * value_dim)
