@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from moed.cache.host_bank import EXPERT_DTYPES
 from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE
 from moed.devices.select import DEVICE_NAMES
@@ -44,10 +46,21 @@ class LoadPlan:
     # budget of state checkpoints kept for prefix reuse (EngineLoop checkpoint_bytes); 0 for others
     state_bytes: int = 0
     checkpoint_bytes: int = 0
+    # MLA models with half-precision weights: the float32 copy of kv_b the absorbed decode keeps per layer
+    absorbed_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes + self.state_bytes + self.checkpoint_bytes
+        return self.weight_bytes + self.kv_bytes + self.state_bytes + self.checkpoint_bytes + self.absorbed_bytes
+
+
+def absorbed_mla_bytes(config, kv_dtype) -> int:
+    """The float32 kv_b copy MLA's absorbed decode makes (layers/mla_attention.py), when the weights are not
+    float32 already (a float32 model's kv_b is used as it is)."""
+    a = config.attention
+    if a.kind != "mla" or kv_dtype == torch.float32:
+        return 0
+    return 4 * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank * config.num_layers
 
 
 DEFAULT_CHECKPOINT_BYTES = 1 << 30  # a hybrid model's state checkpoints, at most (LRU beyond)
@@ -121,14 +134,15 @@ def plan_load(path: Path, options, *, available_bytes: int | None = None) -> Loa
     if context is None:
         available = available_host_bytes() if available_bytes is None else int(available_bytes)
         context = auto_context(max_pos, per_token, est.total, available, options.max_batch, options.kv_tokens,
-                               other_bytes=state_bytes + checkpoint_bytes)
+                               other_bytes=state_bytes + checkpoint_bytes + absorbed_mla_bytes(config, est.kv_dtype))
     kv_tokens = kv_pool_tokens(context, options.max_batch, options.kv_tokens)
     others = tuple((dtype, est.total - est.bank_bytes + nbytes) for dtype, nbytes in est.bank_bytes_by_dtype.items()
                    if dtype != est.bank_dtype)
     return LoadPlan(context_length=context, max_batch=options.max_batch, weight_bytes=est.total,
                     kv_bytes=per_token * kv_tokens, kv_bytes_per_token=per_token, kv_tokens=kv_tokens,
                     bank_dtype=est.bank_dtype, bank_bytes=est.bank_bytes, weight_bytes_by_dtype=others,
-                    state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes)
+                    state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
+                    absorbed_bytes=absorbed_mla_bytes(config, est.kv_dtype))
 
 
 def check_load_fits(plan: LoadPlan, *, available_bytes: int | None = None, what: str = "the model") -> None:
@@ -142,7 +156,7 @@ def check_load_fits(plan: LoadPlan, *, available_bytes: int | None = None, what:
     need = (f"{what} needs {format_bytes(plan.total_bytes)} of host RAM ({format_bytes(plan.weight_bytes)} of weights "
             f"+ {format_bytes(plan.kv_bytes)} of KV pool for {plan.kv_tokens} tokens, context "
             f"{plan.context_length}{states}) but {format_bytes(available)} are available")
-    room = available - plan.weight_bytes - plan.state_bytes - plan.checkpoint_bytes
+    room = available - plan.weight_bytes - plan.state_bytes - plan.checkpoint_bytes - plan.absorbed_bytes
     tokens = room // plan.kv_bytes_per_token if room > 0 and plan.kv_bytes_per_token > 0 else 0
     hints = []
     pool = tokens // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE  # whole blocks

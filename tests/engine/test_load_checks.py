@@ -309,3 +309,18 @@ def test_the_device_split_leaves_room_for_a_hybrid_models_states_and_checkpoints
     resized.clear()
     ModelManager._split_device_share(entry, 200_000, 40_000)  # noqa: SLF001
     assert resized == []  # without states the whole pool (100 blocks) fits
+
+
+def test_the_absorbed_mla_copy_of_kv_b_is_planned_for_half_precision_weights(tmp_path):
+    from moed.engine.load_plan import absorbed_mla_bytes
+
+    build_tiny_model("deepseek_v3", tmp_path / "mla")
+    config = read_model_config(tmp_path / "mla")
+    a = config.attention
+    per_layer = 4 * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank
+    assert absorbed_mla_bytes(config, torch.bfloat16) == per_layer * config.num_layers > 0
+    assert absorbed_mla_bytes(config, torch.float32) == 0  # a float32 kv_b is used as it is
+    plan = plan_load(tmp_path / "mla", LoadOptions(context_length=64))  # the tiny model is float32
+    assert plan.absorbed_bytes == 0
+    build_tiny_model("qwen3_moe", tmp_path / "mha")
+    assert absorbed_mla_bytes(read_model_config(tmp_path / "mha"), torch.bfloat16) == 0
