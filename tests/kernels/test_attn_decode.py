@@ -113,7 +113,7 @@ def test_the_native_path_is_the_one_taken(monkeypatch):
     calls = []
     real = LIB.attn_decode
     monkeypatch.setattr(LIB, "attn_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(attention_module, "attend", lambda *a, **k: pytest.fail("torch attention ran at decode"))
+    monkeypatch.setattr(attention_module, "attend_paged", lambda *a, **k: pytest.fail("torch attention ran at decode"))
     batch = ForwardBatch(torch.zeros(1, 1, dtype=torch.int64), starts=[3], lengths=[1], slots=[0])
     _run(layer, rotary, cache, torch.randn(1, 1, 24, generator=gen), batch)
     assert calls == [1]
