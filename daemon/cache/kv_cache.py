@@ -172,21 +172,24 @@ class KVCache:
         return memo[key]
 
     def _indices(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pool rows written [N], their (row, step) places [N] as flat indices into [B * T]); on the batch's
+        """(pool rows written [N], their places [N] as flat indices into the step's [R * T]); on the batch's
         device."""
         memo = batch.memo
         key = ("kv_index", id(self))
         if key not in memo:
-            bs = self.block_size
-            table = self.table_tensor(batch).long()  # [B, MB]
-            width = table.shape[1]
-            positions = batch.host_positions  # [B, T]
-            valid = batch.host_valid
-            blocks = (positions // bs).clamp(max=width - 1)
-            rows = table.gather(1, blocks) * bs + positions % bs  # [B, T]
-            write_rows = rows[valid]
-            places = valid.reshape(-1).nonzero()[:, 0]
-            memo[key] = tuple(batch.upload(t) for t in (write_rows, places))
+            bs, steps = self.block_size, batch.input_ids.shape[1]
+            tables = self.tables(batch)
+            write_rows, places = [], []
+            for seq, table in enumerate(tables):
+                row, off, start, n = batch.segment(seq)
+                if not n:
+                    continue
+                pos = torch.arange(start, start + n)
+                blocks = torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.int64)
+                write_rows.append(blocks[pos // bs] * bs + pos % bs)
+                places.append(torch.arange(row * steps + off, row * steps + off + n))
+            cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+            memo[key] = tuple(batch.upload(cat(t)) for t in (write_rows, places))
         return memo[key]
 
     def _row_blocks(self, batch, row: int) -> torch.Tensor:
@@ -210,7 +213,7 @@ class KVCache:
         return out if dtype is None else out.to(dtype)
 
     def write(self, layer: int, name: str, values: torch.Tensor, batch) -> None:
-        """values [B, T, ...]: store each row's valid new tokens at their positions (cast to the pool's dtype)."""
+        """values [R, T, ...]: store each sequence's new tokens at their positions (cast to the pool's dtype)."""
         store = self.layers[layer][name]
         write_rows, places = self._indices(batch)
         flat = values.reshape(-1, *values.shape[2:]).index_select(0, places)

@@ -362,9 +362,11 @@ class EngineLoop:
         chunks, tables = [c for c, _ in ready], [t for _, t in ready]
         if self._checkpoints.enabled:
             self._checkpoints.restore(self._cache, chunks)
-        # with block tables the batch's "slots" are the sequences' ids (the routing trace keys on them)
+        # with block tables the batch's "slots" are the sequences' ids (the routing trace keys on them); chunks
+        # of different lengths are packed into one row (no padding: a decode row costs one token)
         batch = ForwardBatch.from_token_lists([c.token_ids for c in chunks], [c.start for c in chunks],
-                                              [c.seq_id for c in chunks], tables, [c.slot for c in chunks])
+                                              [c.seq_id for c in chunks], tables, [c.slot for c in chunks],
+                                              packed=True)
         logits = self.runtime.model.forward(batch, self._cache)
         self.num_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(chunks))

@@ -53,7 +53,7 @@ class MhaAttention:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        if steps == 1:
+        if steps == 1 and not batch.packed:
             out = self._native_decode(q, k, v, batch, cache, cos_sin)
             if out is not None:
                 out = out.view(bsz, 1, -1)
@@ -68,14 +68,14 @@ class MhaAttention:
         cache.write(self.layer, "k", k.transpose(1, 2), batch)
         cache.write(self.layer, "v", v, batch)
 
-        def read_kv(row: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def read_kv(seq: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
             # keys j0..j1-1 of one sequence, read back from the pool (so a reused prefix and a fresh one are
             # the same numbers), [Hk, kb, Dh] in the compute dtype
-            return tuple(cache.read_range(self.layer, name, batch, row, j0, j1, q.dtype).transpose(0, 1)
+            return tuple(cache.read_range(self.layer, name, batch, seq, j0, j1, q.dtype).transpose(0, 1)
                          for name in ("k", "v"))
 
         out = attend_paged(q, read_kv, batch.starts, batch.lengths, cfg.scaling, window=self.window,
-                           sinks=self.sinks, value_dim=cfg.head_dim)
+                           sinks=self.sinks, value_dim=cfg.head_dim, rows=batch.rows, offsets=batch.offsets)
         return linear(out if gate is None else out * gate, self.wo, self.bo)
 
     def _native_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,

@@ -83,7 +83,8 @@ class LinearAttentionBlock:
             if n and start == 0:
                 conv[slot].zero_()
                 rec[slot].zero_()
-        return self.net.forward(x, batch.lengths, [conv[s] for s in slots], [rec[s] for s in slots])
+        return self.net.forward(x, batch.lengths, [conv[s] for s in slots], [rec[s] for s in slots],
+                                rows=batch.rows, offsets=batch.offsets)
 
 
 class GatedDeltaNet:
@@ -149,14 +150,18 @@ class GatedDeltaNet:
         gated = (normed * F.silu(z)).reshape(t, c.value_dim)
         return linear(gated, self.w_out)
 
-    def forward(self, x: torch.Tensor, lengths: list[int], conv_states, states) -> torch.Tensor:
-        """``x [B, T, D]`` right-padded to T with ``lengths[b]`` real tokens per row -> ``[B, T, D]`` (zeros on
-        padding); row b's states are ``conv_states[b]`` / ``states[b]`` (tensors updated in place: rows of a
-        ``[B, ...]`` tensor, or views into a state store)."""
+    def forward(self, x: torch.Tensor, lengths: list[int], conv_states, states, *, rows: list[int] | None = None,
+                offsets: list[int] | None = None) -> torch.Tensor:
+        """``x [R, T, D]`` with sequence i's ``lengths[i]`` tokens at places ``offsets[i]..`` of row ``rows[i]``
+        (default: row i from place 0, right-padded) -> ``[R, T, D]`` (zeros where no sequence is); sequence i's
+        states are ``conv_states[i]`` / ``states[i]`` (tensors updated in place: rows of a ``[B, ...]`` tensor,
+        or views into a state store)."""
         out = torch.zeros(x.shape[0], x.shape[1], self.w_out.shape[0], dtype=torch.float32, device=x.device)
-        for row, n in enumerate(lengths):
+        rows = list(range(len(lengths))) if rows is None else rows
+        offsets = [0] * len(lengths) if offsets is None else offsets
+        for seq, (row, off, n) in enumerate(zip(rows, offsets, lengths)):
             if n:
-                out[row, :n] = self.forward_row(x[row, :n], conv_states[row], states[row])
+                out[row, off:off + n] = self.forward_row(x[row, off:off + n], conv_states[seq], states[seq])
         return out
 
 

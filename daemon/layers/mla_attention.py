@@ -56,23 +56,53 @@ class MlaAttention:
         k_rot = self.rotary.apply(k_rot[:, None], *cos_sin)[:, 0]  # [B, T, Rr], shared by all heads
         cache.write(self.layer, "latent", latent, batch)
         cache.write(self.layer, "k_rot", k_rot, batch)
-        heads, nope, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-        if steps <= ABSORB_MAX_STEPS and not isinstance(self.kv_b, PackedLinear):
-            return linear(self._absorbed_attention(q_pass, q_rot, latent.dtype, batch, cache), self.wo, self.bo)
+        # each sequence with a few new tokens (decode) attends the latent cache itself; longer ones (prefill)
+        # expand it through kv_b, where that is the faster form
+        absorb = not isinstance(self.kv_b, PackedLinear)
+        count = len(batch.lengths)
+        short = [i for i, n in enumerate(batch.lengths) if absorb and n <= ABSORB_MAX_STEPS]
+        long = [i for i in range(count) if i not in set(short)]
+        out = None
+        for seqs, absorbed in ((short, True), (long, False)):
+            if not seqs:
+                continue
+            if len(seqs) == count:  # every sequence: attend in the step's own layout
+                part = self._attend(q_pass, q_rot, latent.dtype, batch, cache, seqs, batch.rows, batch.offsets,
+                                    absorbed)
+            else:  # some: their tokens gathered into one packed row, and the result put back in place
+                places = _places(batch, seqs)
+                lengths = [batch.lengths[i] for i in seqs]
+                offsets = [sum(lengths[:j]) for j in range(len(seqs))]
+                sub = self._attend(_take(q_pass, places), _take(q_rot, places), latent.dtype, batch, cache, seqs,
+                                   [0] * len(seqs), offsets, absorbed)
+                part = torch.zeros(bsz * steps, sub.shape[-1], dtype=sub.dtype, device=sub.device)
+                part[places] = sub[0]
+                part = part.view(bsz, steps, -1)
+            out = part if out is None else out + part
+        return linear(out, self.wo, self.bo)
 
-        def read_kv(row: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
-            # one block of the row's latent cache expanded through kv_b: keys [H, kb, Rn + Rr], values [H, kb, Dv]
-            lat = cache.read_range(self.layer, "latent", batch, row, j0, j1, latent.dtype)  # [kb, C]
-            rot = cache.read_range(self.layer, "k_rot", batch, row, j0, j1, k_rot.dtype)  # [kb, Rr]
+    def _attend(self, q_pass: torch.Tensor, q_rot: torch.Tensor, dtype: torch.dtype, batch: ForwardBatch,
+                cache: KVCache, seqs: list[int], rows: list[int], offsets: list[int], absorbed: bool) -> torch.Tensor:
+        """Attention of the sequences ``seqs`` of the step, whose queries ``q_pass / q_rot [R, H, T, *]`` are at
+        ``rows`` / ``offsets`` -> ``[R, T, H * Dv]``."""
+        cfg = self.cfg
+        heads, nope, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        starts, lengths = [batch.starts[i] for i in seqs], [batch.lengths[i] for i in seqs]
+        if absorbed:
+            return self._absorbed_attention(q_pass, q_rot, dtype, batch, cache, seqs, starts, lengths, rows, offsets)
+
+        def read_kv(local: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
+            # one block of the sequence's latent cache expanded through kv_b: keys [H, kb, Rn + Rr], values [H, kb, Dv]
+            lat = cache.read_range(self.layer, "latent", batch, seqs[local], j0, j1, dtype)  # [kb, C]
+            rot = cache.read_range(self.layer, "k_rot", batch, seqs[local], j0, j1, q_rot.dtype)  # [kb, Rr]
             kv = linear(lat, self.kv_b).view(j1 - j0, heads, nope + dv).transpose(0, 1)
             k_nope, values = kv.split([nope, dv], dim=-1)
             return torch.cat([k_nope, rot[None].expand(heads, -1, -1)], dim=-1), values
 
-        query = torch.cat([q_pass, q_rot], dim=-1)  # [B, H, T, Rn + Rr]
+        query = torch.cat([q_pass, q_rot], dim=-1)  # [R, H, T, Rn + Rr]
         # a block of keys costs H x (Rn + Rr + Dv) floats per key once expanded: smaller blocks than MHA's
-        out = attend_paged(query, read_kv, batch.starts, batch.lengths, cfg.scaling, value_dim=dv,
-                           key_block=MLA_KEY_BLOCK)
-        return linear(out, self.wo, self.bo)
+        return attend_paged(query, read_kv, starts, lengths, cfg.scaling, value_dim=dv, key_block=MLA_KEY_BLOCK,
+                            rows=rows, offsets=offsets)
 
     def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b split per head into W_uk [H, Rn, C] and W_uv [H, Dv, C] (views of the weight when it already
@@ -84,25 +114,41 @@ class MlaAttention:
         return self._absorbed
 
     def _absorbed_attention(self, q_pass: torch.Tensor, q_rot: torch.Tensor, dtype: torch.dtype, batch: ForwardBatch,
-                            cache: KVCache) -> torch.Tensor:
+                            cache: KVCache, seqs: list[int], starts: list[int], lengths: list[int], rows: list[int],
+                            offsets: list[int]) -> torch.Tensor:
         """Attention on the latent cache itself (DeepSeek's "absorbed" form, for decode): the nope part of each
         query goes through W_uk into the latent space, so every key is [latent | k_rot] shared by all heads
         (one KV head) and every value the latent; the per-head output leaves through W_uv. Reads L x (C + Rr)
-        per step instead of expanding L x H x (Rn + Dv) through kv_b. [B, H, T, *] -> [B, T, H * Dv]."""
+        per step instead of expanding L x H x (Rn + Dv) through kv_b. [R, H, T, *] -> [R, T, H * Dv]."""
         cfg = self.cfg
         bsz, heads, steps, _ = q_pass.shape
         w_uk, w_uv = self._absorbed_weights(dtype)
-        q_lat = torch.einsum("bhtn,hnc->bhtc", q_pass.to(dtype), w_uk)  # [B, H, T, C]
-        query = torch.cat([q_lat, q_rot.to(dtype)], dim=-1)  # [B, H, T, C + Rr]
+        q_lat = torch.einsum("bhtn,hnc->bhtc", q_pass.to(dtype), w_uk)  # [R, H, T, C]
+        query = torch.cat([q_lat, q_rot.to(dtype)], dim=-1)  # [R, H, T, C + Rr]
 
-        def read_kv(row: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
-            lat = cache.read_range(self.layer, "latent", batch, row, j0, j1, dtype)  # [kb, C]
-            rot = cache.read_range(self.layer, "k_rot", batch, row, j0, j1, dtype)  # [kb, Rr]
+        def read_kv(local: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
+            lat = cache.read_range(self.layer, "latent", batch, seqs[local], j0, j1, dtype)  # [kb, C]
+            rot = cache.read_range(self.layer, "k_rot", batch, seqs[local], j0, j1, dtype)  # [kb, Rr]
             return torch.cat([lat, rot], dim=-1)[None], lat[None]  # one KV head
 
-        out_lat = attend_paged(query, read_kv, batch.starts, batch.lengths, cfg.scaling, value_dim=cfg.kv_lora_rank)
+        out_lat = attend_paged(query, read_kv, starts, lengths, cfg.scaling, value_dim=cfg.kv_lora_rank, rows=rows,
+                               offsets=offsets)
         out_lat = out_lat.view(bsz, steps, heads, cfg.kv_lora_rank)
         return torch.einsum("bthc,hvc->bthv", out_lat, w_uv).reshape(bsz, steps, heads * cfg.v_head_dim)
+
+
+def _places(batch: ForwardBatch, seqs: list[int]) -> torch.Tensor:
+    """Flat indices into the step's [R * T] places of the sequences ``seqs``' tokens, in that order."""
+    steps = batch.input_ids.shape[1]
+    idx = [torch.arange(row * steps + off, row * steps + off + n)
+           for row, off, _, n in (batch.segment(i) for i in seqs)]
+    return batch.upload(torch.cat(idx))
+
+
+def _take(q: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
+    """[R, H, T, D] -> the given places as one packed row [1, H, N, D]."""
+    rows, heads, steps, dim = q.shape
+    return q.transpose(1, 2).reshape(rows * steps, heads, dim)[places].transpose(0, 1)[None]
 
 
 MLA_KEY_BLOCK = 512  # keys expanded through kv_b at a time (DeepSeek-V3: 512 x 128 x 320 floats, 84 MB)

@@ -31,7 +31,7 @@ QUERY_TILE = 1024  # new tokens attended together: their own keys form a causal 
 # materialised: query tiles and key blocks shrink so that H x n x kb stays under this many floats
 REFERENCE_SCORES = 1 << 24
 
-# read_kv(row, j0, j1) -> (keys [Hk, j1 - j0, Dk], values [Hk, j1 - j0, Dv]) of keys j0..j1-1 of that row
+# read_kv(seq, j0, j1) -> (keys [Hk, j1 - j0, Dk], values [Hk, j1 - j0, Dv]) of keys j0..j1-1 of that sequence
 ReadKV = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -120,23 +120,28 @@ def attend_row(q: torch.Tensor, read_kv: ReadKV, row: int, start: int, scale: fl
 
 def attend_paged(q: torch.Tensor, read_kv: ReadKV, starts: list[int], lengths: list[int], scale: float, *,
                  window: int | None = None, sinks: torch.Tensor | None = None, value_dim: int,
-                 key_block: int | None = None) -> torch.Tensor:
-    """q [B, H, T, Dk] (right-padded: row b has ``lengths[b]`` new tokens from position ``starts[b]``, their keys
-    already written to the pool) -> [B, T, H * Dv], zeros on padding. Each row's new tokens are attended in
-    query tiles of QUERY_TILE: a tile's keys are everything before it (in blocks of ``key_block``, default
-    KEY_BLOCK: callers whose blocks cost more per key pass less) and its own causal square."""
-    bsz, heads, steps, _ = q.shape
-    out = torch.zeros(bsz, steps, heads * value_dim, dtype=q.dtype, device=q.device)
+                 key_block: int | None = None, rows: list[int] | None = None,
+                 offsets: list[int] | None = None) -> torch.Tensor:
+    """q [R, H, T, Dk] -> [R, T, H * Dv], zeros where no sequence is. Sequence i has ``lengths[i]`` new tokens
+    from position ``starts[i]`` (their keys already in the pool) at places ``offsets[i]..`` of tensor row
+    ``rows[i]`` (default: row i from place 0, the padded layout; ForwardBatch.segment). ``read_kv`` is called
+    with the sequence's index. Each sequence's new tokens are attended in query tiles of QUERY_TILE: a tile's
+    keys are everything before it (in blocks of ``key_block``, default KEY_BLOCK: callers whose blocks cost
+    more per key pass less) and its own causal square."""
+    num_rows, heads, steps, _ = q.shape
+    out = torch.zeros(num_rows, steps, heads * value_dim, dtype=q.dtype, device=q.device)
     tile, key_block = QUERY_TILE, key_block or KEY_BLOCK
     if q.device.type != "cpu":  # block_reference's scores: H x tile x tile and H x tile x key_block, bounded
         tile = max(16, min(tile, int((REFERENCE_SCORES // heads) ** 0.5) // 16 * 16))
         key_block = max(16, min(key_block, REFERENCE_SCORES // (heads * tile) // 16 * 16))
-    for row, (start, n) in enumerate(zip(starts, lengths)):
+    rows = list(range(len(starts))) if rows is None else rows
+    offsets = [0] * len(starts) if offsets is None else offsets
+    for seq, (row, off, start, n) in enumerate(zip(rows, offsets, starts, lengths)):
         for a in range(0, n, tile):
             b = min(n, a + tile)
-            o = attend_row(q[row, :, a:b], read_kv, row, start + a, scale, window=window, sinks=sinks,
+            o = attend_row(q[row, :, off + a:off + b], read_kv, seq, start + a, scale, window=window, sinks=sinks,
                            value_dim=value_dim, key_block=key_block)
-            out[row, a:b] = o.transpose(0, 1).reshape(b - a, heads * value_dim)
+            out[row, off + a:off + b] = o.transpose(0, 1).reshape(b - a, heads * value_dim)
     return out
 
 

@@ -141,12 +141,12 @@ class MoeTransformer:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache, *, last_only: bool = True) -> torch.Tensor:
-        """Run one step; returns logits [B, V] of each sequence's last valid token, or [B, T, V] (on the host)."""
+        """Run one step; returns logits [S, V] of each sequence's last new token, or [R, T, V] of every place (on
+        the host)."""
         begin_step = getattr(self.executor, "begin_step", None)
         if begin_step is not None:  # executors that trace routing or plan by phase want to know
-            rows = batch.valid.nonzero()[:, 0].tolist()
-            begin_step("prefill" if max(batch.lengths) > 1 else "decode", [batch.slots[r] for r in rows],
-                       batch.positions[batch.valid].tolist())
+            begin_step("prefill" if max(batch.lengths) > 1 else "decode",
+                       [batch.slots[s] for s in batch.token_sequences()], batch.positions[batch.valid].tolist())
         if self.device is None:
             return self._forward(batch, cache, self.rotary.cos_sin(batch.positions), last_only)
         dev = self.device
@@ -159,9 +159,9 @@ class MoeTransformer:
                  last_only: bool) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         x = F.embedding(batch.input_ids, self.embed).float()  # [B, T, D] (the table may be bf16)
-        valid = batch.valid
-        all_valid = all(n == valid.shape[1] for n in batch.lengths)
-        chain = self.decode_chain() if all_valid and x.shape[1] == 1 and self.device is None else None
+        valid, all_valid = batch.valid, batch.all_valid
+        chain = (self.decode_chain() if all_valid and x.shape[1] == 1 and not batch.packed and self.device is None
+                 else None)
         if isinstance(chain, DecodeChain) and chain.applies(x, cache):
             # decode on the CPU executor: every layer (and the final norm and lm_head when their weights
             # suit it) in one native call, the same bits as the code below
@@ -175,7 +175,7 @@ class MoeTransformer:
             x, h = add_rms_norm(x, attention.forward(rms_norm(x, input_norm, eps), batch, cache, cos_sin),
                                 post_norm, eps)
             if isinstance(mlp, MoeLayer):
-                if all_valid:  # decode and unpadded prefill: every row is a real token
+                if all_valid:  # decode, packed steps and unpadded prefill: every place is a real token
                     x = x + mlp.forward(h.view(-1, h.shape[-1])).view(h.shape)
                 else:
                     # route real tokens only: padding must not reach experts (or caches and traces)
@@ -185,10 +185,10 @@ class MoeTransformer:
             else:
                 x = x + mlp.forward(h)
         if last_only:
-            rows, last = torch.arange(x.shape[0]), torch.tensor(batch.lengths) - 1
+            rows, last = (torch.tensor(t) for t in batch.last_places())
             if self.device is not None:
                 rows, last = self.device.to_device(rows), self.device.to_device(last)
-            x = x[rows, last][:, None]  # [B, 1, D]
+            x = x[rows, last][:, None]  # [S, 1, D]
         logits = linear(rms_norm(x, self.final_norm, eps), self.lm_head)
         return logits[:, 0] if last_only else logits
 
