@@ -91,7 +91,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                            experts_dtype=request.experts_dtype or None, verify=request.verify,
                            max_batch=request.max_batch or 8, max_queue=request.max_queue or 64,
                            emulated_b_p=request.emulated_b_p or 16e9, weights_dtype=request.weights_dtype or "auto",
-                           prefix_cache=not request.no_prefix_cache, kv_tokens=request.kv_tokens or None)
+                           prefix_cache=not request.no_prefix_cache, kv_tokens=request.kv_tokens or None,
+                           kv_type=request.kv_type or None)
 
     def UnloadModel(self, request, context):
         if not request.model:

@@ -18,8 +18,16 @@ import math
 
 import torch
 
+from moed.cache import q8_0
+
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (a power of two: the native kernel shifts instead of dividing)
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# what --kv-type names (llama.cpp's -ctk/-ctv names): int8 stands for q8_0 blocks (cache/q8_0.py)
+KV_TYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "q8_0": torch.int8}
+
+
+def kv_type_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in KV_TYPES.items() if d == dtype)
 
 
 def kv_dtype_for(weight_dtype: torch.dtype | None) -> torch.dtype:
@@ -32,9 +40,14 @@ def kv_dtype_for(weight_dtype: torch.dtype | None) -> torch.dtype:
 # starts, lengths, slots, block_tables, num_keys, host_positions, host_valid, memo, upload().
 
 
+def kv_value_bytes(dtype: torch.dtype) -> float:
+    """Bytes per stored K/V value (q8_0: an int8 and 1/32 of a float16 scale)."""
+    return q8_0.bytes_per_value() if dtype == torch.int8 else torch.empty((), dtype=dtype).element_size()
+
+
 def kv_bytes_per_token(layer_entries: list[dict[str, tuple[int, ...]]], dtype: torch.dtype) -> int:
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(math.prod(shape) * size for entries in layer_entries for shape in entries.values())
+    values = sum(math.prod(shape) for entries in layer_entries for shape in entries.values())
+    return math.ceil(values * kv_value_bytes(dtype))
 
 
 class KVCache:
@@ -49,14 +62,22 @@ class KVCache:
             raise ValueError(f"KV block size must be a power of two, got {block_size}")
         if num_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
-        if dtype not in KV_DTYPES.values():
-            raise ValueError(f"KV dtype must be float32 or bfloat16, got {dtype}")
+        if dtype not in KV_TYPES.values():
+            raise ValueError(f"KV dtype must be float32, bfloat16 or int8 (q8_0), got {dtype}")
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        self.layers = [
-            {name: torch.zeros(num_blocks, block_size, *shape, dtype=dtype, device=device)
-             for name, shape in entries.items()}
-            for entries in layer_entries
-        ]
+        self.generation = 0  # counts in-place resizes: kernels that kept the entries' addresses rebind
+        self.quantized = dtype == torch.int8  # q8_0: each entry has a float16 scale per 32 values beside it
+        self.layers = []
+        for entries in layer_entries:
+            pools = {}
+            for name, shape in entries.items():
+                pools[name] = torch.zeros(num_blocks, block_size, *shape, dtype=dtype, device=device)
+                if self.quantized:
+                    q8_0.check_row_size(name, shape[-1])
+                    pools[name + q8_0.SCALE_SUFFIX] = torch.zeros(num_blocks, block_size, *shape[:-1],
+                                                                  shape[-1] // q8_0.QK, dtype=torch.float16,
+                                                                  device=device)
+            self.layers.append(pools)
         self.num_slots = 0  # static slots (for_slots); 0: every step brings its own block tables
         self.max_len = 0
         self.states = [
@@ -108,6 +129,7 @@ class KVCache:
                 del t  # the old entry goes before the next one is copied
                 entries[name] = resized
         self.num_blocks = num_blocks
+        self.generation += 1
         return self
 
     def nbytes(self) -> int:
@@ -132,6 +154,10 @@ class KVCache:
     def entry(self, layer: int, name: str) -> torch.Tensor:
         """The whole ``[num_blocks, block_size, ...]`` pool of one entry (kernels that write and read in place)."""
         return self.layers[layer][name]
+
+    def entry_scale(self, layer: int, name: str) -> torch.Tensor | None:
+        """A q8_0 entry's float16 scales ``[num_blocks, block_size, ..., D / 32]`` (None unless quantized)."""
+        return self.layers[layer][name + q8_0.SCALE_SUFFIX] if self.quantized else None
 
     # ---- block tables of a step (host lists in; tensors made once per step and memoised on the batch)
 
@@ -208,8 +234,10 @@ class KVCache:
         only the blocks that hold them."""
         bs = self.block_size
         blocks = self._row_blocks(batch, row)[j0 // bs : -(-j1 // bs)]
-        store = self.layers[layer][name]
-        out = store.index_select(0, blocks).reshape(-1, *store.shape[2:])[j0 % bs : j0 % bs + (j1 - j0)]
+        take = lambda store: store.index_select(0, blocks).reshape(-1, *store.shape[2:])[j0 % bs : j0 % bs + (j1 - j0)]  # noqa: E731
+        out = take(self.layers[layer][name])
+        if self.quantized:  # widened block by block: the read is as large as the keys asked for, no more
+            return q8_0.dequantize(out, take(self.layers[layer][name + q8_0.SCALE_SUFFIX]), dtype or torch.float32)
         return out if dtype is None else out.to(dtype)
 
     def write(self, layer: int, name: str, values: torch.Tensor, batch) -> None:
@@ -217,4 +245,8 @@ class KVCache:
         store = self.layers[layer][name]
         write_rows, places = self._indices(batch)
         flat = values.reshape(-1, *values.shape[2:]).index_select(0, places)
+        if self.quantized:
+            flat, scales = q8_0.quantize(flat)
+            scale_store = self.layers[layer][name + q8_0.SCALE_SUFFIX]
+            scale_store.view(-1, *scale_store.shape[2:]).index_copy_(0, write_rows, scales)
         store.view(-1, *store.shape[2:]).index_copy_(0, write_rows, flat.to(store.dtype))

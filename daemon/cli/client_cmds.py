@@ -44,6 +44,9 @@ def add_client_commands(sub, add_address) -> None:
     load.add_argument("--experts-dtype", default="", choices=("", *EXPERT_DTYPES))
     load.add_argument("--kv-tokens", type=int, default=0,
                       help="KV pool size in tokens, shared by all sequences (default: two whole contexts)")
+    load.add_argument("--kv-type", default="", choices=("", "bf16", "f32", "q8_0"),
+                      help="K/V cache type (llama.cpp's -ctk/-ctv): bf16, f32, or q8_0 (8.5 bits per value, about "
+                           "half of bf16: twice the context in the same RAM; default: the weights' own, bf16 or f32)")
     load.add_argument("--no-prefix-cache", action="store_true",
                       help="prefill every prompt from its first token (default: reuse the K/V of cached prefixes)")
     load.add_argument("--weights-dtype", default="auto", choices=("auto", "fp32"),
@@ -172,7 +175,7 @@ def run_client_command(args: argparse.Namespace, client: MoedClient) -> int:
         options = dict(name=args.name, device=args.device, policy=args.policy, context_length=args.context,
                        experts_dtype=args.experts_dtype, verify=args.verify, max_batch=args.max_batch,
                        weights_dtype=args.weights_dtype, no_prefix_cache=args.no_prefix_cache,
-                       kv_tokens=args.kv_tokens)
+                       kv_tokens=args.kv_tokens, kv_type=args.kv_type or "")
         if args.cache_fraction is not None:
             options["cache_fraction"] = args.cache_fraction
         bar = ProgressBar(f"loading {args.model}", min_seconds=0.0)

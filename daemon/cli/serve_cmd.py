@@ -34,6 +34,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=0,
                         help="context length of --model (default: the longest the model supports whose KV pool "
                              "fits half the RAM the weights leave, at least 4096)")
+    parser.add_argument("--kv-type", default="", choices=("", "bf16", "f32", "q8_0"),
+                        help="K/V cache type of --model (q8_0: about half of bf16's bytes; default: the weights' own)")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--vram-cap", default="auto", help="cap VRAM use: bytes (6G), a percentage (50%%) or auto")
@@ -156,7 +158,8 @@ def _initial_load(ctx, server, args: argparse.Namespace) -> None:
         ctx.manager.load(args.model, LoadOptions(device=args.device, policy=policy, policy_options=options,
                                                  cache_fraction=args.cache_fraction,
                                                  context_length=args.context or None, max_batch=args.max_batch,
-                                                 max_queue=args.max_queue, emulated_b_p=args.emulated_bp * 1e9))
+                                                 max_queue=args.max_queue, emulated_b_p=args.emulated_bp * 1e9,
+                                                 kv_type=args.kv_type or None))
         ctx.manager.apply_cache_budget(ctx.governor.budget() if ctx.governor else None)
     except Exception as exc:  # the daemon stays up; the error is in status and the log
         ctx.last_error = f"loading {args.model}: {exc}"

@@ -8,20 +8,21 @@ smaller batch or context would fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from moed.cache.host_bank import EXPERT_DTYPES
-from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE
+from moed.cache import q8_0
+from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE, KV_TYPES
 from moed.devices.select import DEVICE_NAMES
 from moed.engine.engine_loop import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK
 from moed.engine.kv_manager import kv_pool_tokens
 from moed.engine.runtime import DEFAULT_CONTEXT
 from moed.engine.scheduler import SchedulerConfig
 from moed.errors import InsufficientMemoryError, InvalidRequestError, quoted
-from moed.models.moe_transformer import kv_cache_bytes
+from moed.models.moe_transformer import kv_cache_bytes, kv_cache_entries
 from moed.service.memory_governor import available_host_bytes, format_bytes
 from moed.weights.model_loader import WEIGHT_DTYPES, estimate_load, read_model_config
 
@@ -48,6 +49,7 @@ class LoadPlan:
     checkpoint_bytes: int = 0
     # MLA models with half-precision weights: the float32 copy of kv_b the absorbed decode keeps per layer
     absorbed_bytes: int = 0
+    kv_dtype: torch.dtype = torch.bfloat16  # the K/V pool's (KV_TYPES: int8 is q8_0)
 
     @property
     def total_bytes(self) -> int:
@@ -123,7 +125,18 @@ def plan_load(path: Path, options, *, available_bytes: int | None = None) -> Loa
     if not (MIN_EMULATED_B_P <= b_p <= MAX_EMULATED_B_P):  # NaN fails both comparisons
         raise InvalidRequestError(f"emulated_b_p {b_p!r} bytes/s is out of range: give a value between "
                                   f"{MIN_EMULATED_B_P:.0e} and {MAX_EMULATED_B_P:.0e}")
+    kv_type = getattr(options, "kv_type", None)
+    if kv_type is not None and kv_type not in KV_TYPES:
+        raise InvalidRequestError(f"kv_type {quoted(kv_type)}: choose one of {', '.join(KV_TYPES)}")
     est = estimate_load(path, options.experts_dtype, options.weights_dtype)
+    if kv_type is not None:
+        est = replace(est, kv_dtype=KV_TYPES[kv_type])
+        if kv_type == "q8_0":
+            for name, shape in kv_cache_entries(config).items():
+                try:
+                    q8_0.check_row_size(name, shape[-1])
+                except ValueError as exc:
+                    raise InvalidRequestError(str(exc)) from None
     per_token = kv_cache_bytes(config, 1, 1, est.kv_dtype) // DEFAULT_BLOCK_SIZE
     state_bytes = recurrent_state_bytes(config) * options.max_batch
     checkpoint_bytes = 0
@@ -142,7 +155,7 @@ def plan_load(path: Path, options, *, available_bytes: int | None = None) -> Loa
                     kv_bytes=per_token * kv_tokens, kv_bytes_per_token=per_token, kv_tokens=kv_tokens,
                     bank_dtype=est.bank_dtype, bank_bytes=est.bank_bytes, weight_bytes_by_dtype=others,
                     state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
-                    absorbed_bytes=absorbed_mla_bytes(config, est.kv_dtype))
+                    absorbed_bytes=absorbed_mla_bytes(config, est.kv_dtype), kv_dtype=est.kv_dtype)
 
 
 def check_load_fits(plan: LoadPlan, *, available_bytes: int | None = None, what: str = "the model") -> None:

@@ -41,6 +41,7 @@ class LoadOptions:
     prefix_cache: bool = True  # reuse the K/V of earlier requests' common prefixes
     kv_tokens: int | None = None  # the KV pool's size in tokens (None: engine/kv_manager.kv_pool_tokens)
     checkpoint_bytes: int | None = None  # hybrid models' state checkpoints (None: load_plan.DEFAULT_CHECKPOINT_BYTES)
+    kv_type: str | None = None  # the KV pool's type: "bf16", "f32" or "q8_0" (None: the weights' own, bf16 or f32)
 
 
 @dataclass
@@ -191,6 +192,8 @@ class ModelManager:
 
             runtime = open_runtime(path, experts_dtype=options.experts_dtype, verify=options.verify,
                                    progress=report, engine=engine, weights_dtype=options.weights_dtype)
+            if options.kv_type is not None:
+                runtime.model.kv_dtype = plan.kv_dtype
             runtime = apply_runtime_hook(runtime, name)
             if progress:
                 progress("building", 1, 1)

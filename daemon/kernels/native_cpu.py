@@ -96,10 +96,14 @@ class _AttnDecode(ctypes.Structure):  # moed_attn_decode_args (native/cpu/attn_d
                 ("rot_dim", ctypes.c_int32), ("interleaved", ctypes.c_int32),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("block_size", ctypes.c_int64),
-                ("num_blocks", ctypes.c_int64), ("kv_bf16", ctypes.c_int32), ("max_blocks", ctypes.c_int32),
+                ("num_blocks", ctypes.c_int64), ("kv_type", ctypes.c_int32), ("max_blocks", ctypes.c_int32),
                 ("block_table", ctypes.c_void_p), ("start", ctypes.c_void_p), ("pos", ctypes.c_void_p),
                 ("length", ctypes.c_void_p), ("num_keys", ctypes.c_int64), ("window", ctypes.c_int64),
-                ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p), ("out", ctypes.c_void_p)]
+                ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
+
+
+KV_TYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # MOED_KV_* (attn_decode.h); int8: q8_0
 
 
 class _Linear(ctypes.Structure):  # moed_linear (native/cpu/decode_chain.c)
@@ -348,20 +352,29 @@ class NativeCpu:
                     interleaved: bool, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_tables: torch.Tensor, starts: list[int], positions: list[int],
                     lengths: list[int], num_keys: int, window: int | None, scale: float,
-                    sinks: torch.Tensor | None) -> torch.Tensor:
+                    sinks: torch.Tensor | None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """One new token per row: q [B, H*Dh], k [B, Hk*Dh], v [B, Hk*Dv] float32 -> attention output
         [B, H*Dv] (the input of o_proj), storing the normalised, rotated k and v in the paged pools
-        [num_blocks, block_size, Hk, Dh|Dv] (float32 or bfloat16) through ``block_tables`` [B, max_blocks]
-        int32 at ``starts``. See native/cpu/attn_decode.h."""
+        [num_blocks, block_size, Hk, Dh|Dv] (float32, bfloat16, or int8 q8_0 with ``k_scale`` / ``v_scale``
+        float16 [num_blocks, block_size, Hk, Dh|Dv / 32]: cache/q8_0.py) through ``block_tables``
+        [B, max_blocks] int32 at ``starts``. See native/cpu/attn_decode.h."""
         rows = q.shape[0]
         dh, dv = q.shape[1] // num_heads, v.shape[1] // num_kv_heads
         f32 = [q, k, v, cos, sin] + [t for t in (q_norm, k_norm, sinks) if t is not None]
         if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in f32):
             raise ValueError("attn_decode: tensors must be contiguous float32 in host memory")
-        if (k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
+        if (k_cache.dtype not in KV_TYPE_CODES or v_cache.dtype != k_cache.dtype
                 or not k_cache.is_contiguous() or not v_cache.is_contiguous() or k_cache.device.type != "cpu"
                 or v_cache.device.type != "cpu"):
-            raise ValueError("attn_decode: the KV pools must be contiguous float32 or bfloat16 in host memory")
+            raise ValueError("attn_decode: the KV pools must be contiguous float32, bfloat16 or int8 in host memory")
+        quantized = k_cache.dtype == torch.int8
+        if quantized != (k_scale is not None) or quantized != (v_scale is not None) or (quantized and (
+                k_scale.dtype != torch.float16 or v_scale.dtype != torch.float16 or not k_scale.is_contiguous()
+                or not v_scale.is_contiguous() or k_scale.shape != (*k_cache.shape[:3], dh // 32)
+                or v_scale.shape != (*v_cache.shape[:3], dv // 32) or dh % 32 or dv % 32)):
+            raise ValueError("attn_decode: an int8 (q8_0) pool needs float16 scales [blocks, block_size, Hk, D/32] "
+                             "and head dims of a multiple of 32; other pools take none")
         if (block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != rows
                 or not block_tables.is_contiguous()):
             raise ValueError(f"attn_decode: block_tables must be contiguous int32 [{rows}, max_blocks]")
@@ -378,9 +391,9 @@ class NativeCpu:
         args = _AttnDecode(rows, num_heads, num_kv_heads, dh, dv, q.data_ptr(), k.data_ptr(), v.data_ptr(),
                            _ptr(q_norm), _ptr(k_norm), eps, rot_dim, int(interleaved), cos.data_ptr(),
                            sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
-                           k_cache.shape[0], int(k_cache.dtype == torch.bfloat16), block_tables.shape[1],
+                           k_cache.shape[0], KV_TYPE_CODES[k_cache.dtype], block_tables.shape[1],
                            block_tables.data_ptr(), ints[0].data_ptr(), ints[1].data_ptr(), lens.data_ptr(),
-                           num_keys, window or 0, scale, _ptr(sinks), out.data_ptr())
+                           num_keys, window or 0, scale, _ptr(sinks), out.data_ptr(), _ptr(k_scale), _ptr(v_scale))
         with self._lock:
             rc = self._lib.moed_cpu_attn_decode(self._pool, ctypes.byref(args))
         if rc != 0:

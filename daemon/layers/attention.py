@@ -86,7 +86,7 @@ class MhaAttention:
         if lib is None or q.device.type != "cpu":
             return None
         k_store, v_store = cache.entry(self.layer, "k"), cache.entry(self.layer, "v")
-        if k_store.dtype not in (torch.float32, torch.bfloat16) or k_store.device.type != "cpu":
+        if k_store.dtype not in (torch.float32, torch.bfloat16, torch.int8) or k_store.device.type != "cpu":
             return None
         q_norm, k_norm, sinks = self.native_f32()
         cos, sin = (t[:, 0].float().contiguous() for t in cos_sin)
@@ -99,7 +99,7 @@ class MhaAttention:
             v_cache=v_store, block_tables=cache.table_tensor(batch), starts=batch.starts,
             positions=batch.positions[:, 0].tolist(),
             lengths=batch.lengths, num_keys=batch.num_keys, window=self.window, scale=self.cfg.scaling,
-            sinks=sinks)
+            sinks=sinks, k_scale=cache.entry_scale(self.layer, "k"), v_scale=cache.entry_scale(self.layer, "v"))
 
     def native_f32(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The per-head q/k norm weights (None unless per-head) and the sinks as float32, for the native

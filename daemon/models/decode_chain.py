@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from moed.cache.kv_cache import KVCache
-from moed.kernels.native_cpu import (CHAIN_PARTS, MAX_TOKENS, ChainHead, ChainLayer, NativeCpu, descriptor_of,
-                                     linear_struct, native)
+from moed.kernels.native_cpu import (CHAIN_PARTS, KV_TYPE_CODES, MAX_TOKENS, ChainHead, ChainLayer, NativeCpu,
+                                     descriptor_of, linear_struct, native)
 from moed.layers.attention import MhaAttention
 from moed.layers.dense_mlp import DenseMlp
 from moed.layers.moe import MoeLayer
@@ -92,6 +92,7 @@ class DecodeChain:
         self.timings: torch.Tensor | None = None  # float64 [len(CHAIN_PARTS)] when a profiler asks for it
         self._bank_desc = None
         self._cache_ref: KVCache | None = None
+        self._cache_generation = -1
         self.head: ChainHead | None = None  # the final norm and lm_head, when their weights suit the chain
         self.vocab = 0
 
@@ -190,7 +191,7 @@ class DecodeChain:
         """Whether this step (``x [B, 1, D]``, every row one real token) can run here."""
         return native() is self.lib and x.device.type == "cpu" and x.dtype == torch.float32 \
             and 0 < x.shape[0] <= MAX_TOKENS and x.shape[1] == 1 \
-            and cache.entry(0, "k").dtype in (torch.float32, torch.bfloat16) and cache.entry(0, "k").device.type == "cpu"
+            and cache.entry(0, "k").dtype in KV_TYPE_CODES and cache.entry(0, "k").device.type == "cpu"
 
     def _bind(self, cache: KVCache) -> None:
         """Point the layer structs at this step's KV cache and the bank's current arrays."""
@@ -201,13 +202,16 @@ class DecodeChain:
                 if s.router_w:  # MoE layers; a dense layer's bank stays NULL
                     s.bank = pointer
             self._bank_desc = desc
-        if cache is not self._cache_ref:
+        if cache is not self._cache_ref or cache.generation != self._cache_generation:  # a new or resized pool
             for s, attention in zip(self.layers, self.attentions):
                 k, v = cache.entry(attention.layer, "k"), cache.entry(attention.layer, "v")
                 s.attn.k_cache, s.attn.v_cache = k.data_ptr(), v.data_ptr()
                 s.attn.block_size, s.attn.num_blocks = k.shape[1], k.shape[0]
-                s.attn.kv_bf16 = int(k.dtype == torch.bfloat16)
-            self._cache_ref = cache
+                s.attn.kv_type = KV_TYPE_CODES[k.dtype]
+                ks, vs = cache.entry_scale(attention.layer, "k"), cache.entry_scale(attention.layer, "v")
+                s.attn.k_scale = ks.data_ptr() if ks is not None else None
+                s.attn.v_scale = vs.data_ptr() if vs is not None else None
+            self._cache_ref, self._cache_generation = cache, cache.generation
 
     def run(self, x: torch.Tensor, batch, cache: KVCache, cos_sin: tuple[torch.Tensor, torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -5,12 +5,11 @@ Shapes: B sequences, T new tokens per step, D hidden, V vocabulary.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 
-from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, kv_dtype_for
+from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, kv_bytes_per_token, kv_dtype_for
 from moed.errors import ModelFormatError
 from moed.experts.executor import ExpertExecutor
 from moed.layers.attention import MhaAttention
@@ -206,14 +205,19 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: 
             )
 
 
-def kv_cache_bytes(config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes of K/V ``new_cache(num_slots, max_len)`` allocates with ``dtype`` K/V, from the config alone
-    (checked before a load; whole blocks per slot; a hybrid model's linear layers keep none)."""
+def kv_cache_entries(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The per-token KV entries of one attention layer (name -> shape), from the config alone."""
     attention_cls = MlaAttention if config.attention.kind == "mla" else MhaAttention
-    per_token = sum(math.prod(shape) for shape in attention_cls.cache_entries_for(config.attention).values())
+    return attention_cls.cache_entries_for(config.attention)
+
+
+def kv_cache_bytes(config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of K/V ``new_cache(num_slots, max_len)`` allocates with ``dtype`` K/V (int8: q8_0 with its
+    scales), from the config alone (checked before a load; whole blocks per slot; a hybrid model's linear
+    layers keep none)."""
     tokens = -(-max_len // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
     attention_layers = sum(not config.is_linear(i) for i in range(config.num_layers))
-    return per_token * torch.empty((), dtype=dtype).element_size() * attention_layers * num_slots * tokens
+    return kv_bytes_per_token([kv_cache_entries(config)] * attention_layers, dtype) * num_slots * tokens
 
 
 def _offset_norm(name: str) -> bool:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15moed/v1/control.proto\x12\x07moed.v1\"\xbd\x02\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x1b\n\x0e\x63\x61\x63he_fraction\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x15\n\rexperts_dtype\x18\x07 \x01(\t\x12\x0e\n\x06verify\x18\x08 \x01(\x08\x12\x11\n\tmax_batch\x18\t \x01(\r\x12\x11\n\tmax_queue\x18\n \x01(\r\x12\x14\n\x0c\x65mulated_b_p\x18\x0b \x01(\x01\x12\x15\n\rweights_dtype\x18\x0c \x01(\t\x12\x17\n\x0fno_prefix_cache\x18\r \x01(\x08\x12\x11\n\tkv_tokens\x18\x0e \x01(\rB\x11\n\x0f_cache_fraction\"n\n\x11LoadModelProgress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x12\n\ndone_bytes\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12!\n\x05model\x18\x04 \x01(\x0b\x32\x12.moed.v1.ModelInfo\"#\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\'\n\x13UnloadModelResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"\xfb\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x03 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x04 \x01(\t\x12\x0e\n\x06loaded\x18\x05 \x01(\x08\x12\x15\n\rexperts_dtype\x18\x06 \x01(\t\x12\x12\n\ndisk_bytes\x18\x07 \x01(\x04\x12\x12\n\nhost_bytes\x18\x08 \x01(\x04\x12\x12\n\nvram_bytes\x18\t \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x0c \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\r \x01(\r\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.moed.v1.ModelInfo\"R\n\x11SetVramCapRequest\x12\x11\n\tcap_bytes\x18\x01 \x01(\x04\x12\x19\n\x0c\x63\x61p_fraction\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_cap_fraction\"#\n\x11SetServingRequest\x12\x0e\n\x06paused\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"\x9c\x05\n\rEngineFigures\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x0c\n\x04hits\x18\x03 \x01(\x04\x12\x0e\n\x06misses\x18\x04 \x01(\x04\x12\r\n\x05\x66ills\x18\x05 \x01(\x04\x12\x13\n\x0b\x63pu_experts\x18\x06 \x01(\x04\x12\x0e\n\x06last_q\x18\x07 \x01(\r\x12\x0e\n\x06last_m\x18\x08 \x01(\r\x12\x0b\n\x03\x62_p\x18\t \x01(\x01\x12\x0b\n\x03\x62_h\x18\n \x01(\x01\x12\x13\n\x0b\x63\x61\x63he_slots\x18\x0b \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x0c \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\r \x01(\x04\x12\x16\n\x0epageable_bytes\x18\x0e \x01(\x04\x12\x10\n\x08pin_note\x18\x0f \x01(\t\x12\x17\n\x0ftransient_fills\x18\x10 \x01(\x04\x12\x1a\n\x12model_device_bytes\x18\x11 \x01(\x04\x12\x12\n\nmodel_note\x18\x12 \x01(\t\x12\x17\n\x0fstreamed_layers\x18\x13 \x01(\x04\x12\x11\n\tkv_blocks\x18\x14 \x01(\x04\x12\x15\n\rkv_block_size\x18\x15 \x01(\r\x12\x16\n\x0ekv_used_blocks\x18\x16 \x01(\x04\x12\x18\n\x10kv_cached_blocks\x18\x17 \x01(\x04\x12\x10\n\x08kv_bytes\x18\x18 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x19 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x1a \x01(\x04\x12\x19\n\x11kv_evicted_blocks\x18\x1b \x01(\x04\x12\x14\n\x0cprefix_cache\x18\x1c \x01(\x08\x12\x14\n\x0ckv_preempted\x18\x1d \x01(\x04\x12\x19\n\x11state_checkpoints\x18\x1e \x01(\x04\x12\x1e\n\x16state_checkpoint_bytes\x18\x1f \x01(\x04\"\xd8\x01\n\rMemoryFigures\x12\x0f\n\x07has_gpu\x18\x01 \x01(\x08\x12\x12\n\nvram_total\x18\x02 \x01(\x04\x12\x11\n\tvram_free\x18\x03 \x01(\x04\x12\x17\n\x0fvram_other_apps\x18\x04 \x01(\x04\x12\x11\n\tvram_ours\x18\x05 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x06 \x01(\x04\x12\x11\n\tcap_bytes\x18\x07 \x01(\x04\x12\x12\n\nhost_total\x18\x08 \x01(\x04\x12\x16\n\x0ehost_available\x18\t \x01(\x04\x12\x0e\n\x06source\x18\n \x01(\t\"\xbf\x02\n\x06Status\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\"\n\x06models\x18\x03 \x03(\x0b\x32\x12.moed.v1.ModelInfo\x12&\n\x06\x65ngine\x18\x04 \x01(\x0b\x32\x16.moed.v1.EngineFigures\x12&\n\x06memory\x18\x05 \x01(\x0b\x32\x16.moed.v1.MemoryFigures\x12\x17\n\x0f\x61\x63tive_requests\x18\x06 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x07 \x01(\r\x12\x19\n\x11tokens_per_second\x18\x08 \x01(\x01\x12\x17\n\x0frequests_served\x18\t \x01(\x04\x12\x12\n\nlast_error\x18\n \x01(\t\x12\x15\n\rcache_resizes\x18\x0b \x01(\r\x12\x10\n\x08http_url\x18\x0c \x01(\t\"2\n\x10\x43\x61librateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"~\n\x11\x43\x61librateResponse\x12\x0b\n\x03\x62_p\x18\x01 \x01(\x01\x12\x0b\n\x03\x62_h\x18\x02 \x01(\x01\x12\x16\n\x0e\x62_p_concurrent\x18\x03 \x01(\x01\x12\x16\n\x0e\x62_h_concurrent\x18\x04 \x01(\x01\x12\x0f\n\x07q_ratio\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"*\n\x0fShutdownRequest\x12\x17\n\x0f\x63\x61ncel_inflight\x18\x01 \x01(\x08\"\x12\n\x10ShutdownResponse2\xd3\x04\n\x07\x43ontrol\x12\x44\n\tLoadModel\x12\x19.moed.v1.LoadModelRequest\x1a\x1a.moed.v1.LoadModelProgress0\x01\x12H\n\x0bUnloadModel\x12\x1b.moed.v1.UnloadModelRequest\x1a\x1c.moed.v1.UnloadModelResponse\x12\x45\n\nListModels\x12\x1a.moed.v1.ListModelsRequest\x1a\x1b.moed.v1.ListModelsResponse\x12\x39\n\nSetVramCap\x12\x1a.moed.v1.SetVramCapRequest\x1a\x0f.moed.v1.Status\x12\x39\n\nSetServing\x12\x1a.moed.v1.SetServingRequest\x1a\x0f.moed.v1.Status\x12\x37\n\tGetStatus\x12\x19.moed.v1.GetStatusRequest\x1a\x0f.moed.v1.Status\x12=\n\x0bWatchStatus\x12\x1b.moed.v1.WatchStatusRequest\x1a\x0f.moed.v1.Status0\x01\x12\x42\n\tCalibrate\x12\x19.moed.v1.CalibrateRequest\x1a\x1a.moed.v1.CalibrateResponse\x12?\n\x08Shutdown\x12\x18.moed.v1.ShutdownRequest\x1a\x19.moed.v1.ShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15moed/v1/control.proto\x12\x07moed.v1\"\xce\x02\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x1b\n\x0e\x63\x61\x63he_fraction\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x15\n\rexperts_dtype\x18\x07 \x01(\t\x12\x0e\n\x06verify\x18\x08 \x01(\x08\x12\x11\n\tmax_batch\x18\t \x01(\r\x12\x11\n\tmax_queue\x18\n \x01(\r\x12\x14\n\x0c\x65mulated_b_p\x18\x0b \x01(\x01\x12\x15\n\rweights_dtype\x18\x0c \x01(\t\x12\x17\n\x0fno_prefix_cache\x18\r \x01(\x08\x12\x11\n\tkv_tokens\x18\x0e \x01(\r\x12\x0f\n\x07kv_type\x18\x0f \x01(\tB\x11\n\x0f_cache_fraction\"n\n\x11LoadModelProgress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x12\n\ndone_bytes\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12!\n\x05model\x18\x04 \x01(\x0b\x32\x12.moed.v1.ModelInfo\"#\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\'\n\x13UnloadModelResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"\xfb\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x03 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x04 \x01(\t\x12\x0e\n\x06loaded\x18\x05 \x01(\x08\x12\x15\n\rexperts_dtype\x18\x06 \x01(\t\x12\x12\n\ndisk_bytes\x18\x07 \x01(\x04\x12\x12\n\nhost_bytes\x18\x08 \x01(\x04\x12\x12\n\nvram_bytes\x18\t \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x0c \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\r \x01(\r\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.moed.v1.ModelInfo\"R\n\x11SetVramCapRequest\x12\x11\n\tcap_bytes\x18\x01 \x01(\x04\x12\x19\n\x0c\x63\x61p_fraction\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_cap_fraction\"#\n\x11SetServingRequest\x12\x0e\n\x06paused\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"\x9c\x05\n\rEngineFigures\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x0c\n\x04hits\x18\x03 \x01(\x04\x12\x0e\n\x06misses\x18\x04 \x01(\x04\x12\r\n\x05\x66ills\x18\x05 \x01(\x04\x12\x13\n\x0b\x63pu_experts\x18\x06 \x01(\x04\x12\x0e\n\x06last_q\x18\x07 \x01(\r\x12\x0e\n\x06last_m\x18\x08 \x01(\r\x12\x0b\n\x03\x62_p\x18\t \x01(\x01\x12\x0b\n\x03\x62_h\x18\n \x01(\x01\x12\x13\n\x0b\x63\x61\x63he_slots\x18\x0b \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x0c \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\r \x01(\x04\x12\x16\n\x0epageable_bytes\x18\x0e \x01(\x04\x12\x10\n\x08pin_note\x18\x0f \x01(\t\x12\x17\n\x0ftransient_fills\x18\x10 \x01(\x04\x12\x1a\n\x12model_device_bytes\x18\x11 \x01(\x04\x12\x12\n\nmodel_note\x18\x12 \x01(\t\x12\x17\n\x0fstreamed_layers\x18\x13 \x01(\x04\x12\x11\n\tkv_blocks\x18\x14 \x01(\x04\x12\x15\n\rkv_block_size\x18\x15 \x01(\r\x12\x16\n\x0ekv_used_blocks\x18\x16 \x01(\x04\x12\x18\n\x10kv_cached_blocks\x18\x17 \x01(\x04\x12\x10\n\x08kv_bytes\x18\x18 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x19 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x1a \x01(\x04\x12\x19\n\x11kv_evicted_blocks\x18\x1b \x01(\x04\x12\x14\n\x0cprefix_cache\x18\x1c \x01(\x08\x12\x14\n\x0ckv_preempted\x18\x1d \x01(\x04\x12\x19\n\x11state_checkpoints\x18\x1e \x01(\x04\x12\x1e\n\x16state_checkpoint_bytes\x18\x1f \x01(\x04\"\xd8\x01\n\rMemoryFigures\x12\x0f\n\x07has_gpu\x18\x01 \x01(\x08\x12\x12\n\nvram_total\x18\x02 \x01(\x04\x12\x11\n\tvram_free\x18\x03 \x01(\x04\x12\x17\n\x0fvram_other_apps\x18\x04 \x01(\x04\x12\x11\n\tvram_ours\x18\x05 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x06 \x01(\x04\x12\x11\n\tcap_bytes\x18\x07 \x01(\x04\x12\x12\n\nhost_total\x18\x08 \x01(\x04\x12\x16\n\x0ehost_available\x18\t \x01(\x04\x12\x0e\n\x06source\x18\n \x01(\t\"\xbf\x02\n\x06Status\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\"\n\x06models\x18\x03 \x03(\x0b\x32\x12.moed.v1.ModelInfo\x12&\n\x06\x65ngine\x18\x04 \x01(\x0b\x32\x16.moed.v1.EngineFigures\x12&\n\x06memory\x18\x05 \x01(\x0b\x32\x16.moed.v1.MemoryFigures\x12\x17\n\x0f\x61\x63tive_requests\x18\x06 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x07 \x01(\r\x12\x19\n\x11tokens_per_second\x18\x08 \x01(\x01\x12\x17\n\x0frequests_served\x18\t \x01(\x04\x12\x12\n\nlast_error\x18\n \x01(\t\x12\x15\n\rcache_resizes\x18\x0b \x01(\r\x12\x10\n\x08http_url\x18\x0c \x01(\t\"2\n\x10\x43\x61librateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"~\n\x11\x43\x61librateResponse\x12\x0b\n\x03\x62_p\x18\x01 \x01(\x01\x12\x0b\n\x03\x62_h\x18\x02 \x01(\x01\x12\x16\n\x0e\x62_p_concurrent\x18\x03 \x01(\x01\x12\x16\n\x0e\x62_h_concurrent\x18\x04 \x01(\x01\x12\x0f\n\x07q_ratio\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"*\n\x0fShutdownRequest\x12\x17\n\x0f\x63\x61ncel_inflight\x18\x01 \x01(\x08\"\x12\n\x10ShutdownResponse2\xd3\x04\n\x07\x43ontrol\x12\x44\n\tLoadModel\x12\x19.moed.v1.LoadModelRequest\x1a\x1a.moed.v1.LoadModelProgress0\x01\x12H\n\x0bUnloadModel\x12\x1b.moed.v1.UnloadModelRequest\x1a\x1c.moed.v1.UnloadModelResponse\x12\x45\n\nListModels\x12\x1a.moed.v1.ListModelsRequest\x1a\x1b.moed.v1.ListModelsResponse\x12\x39\n\nSetVramCap\x12\x1a.moed.v1.SetVramCapRequest\x1a\x0f.moed.v1.Status\x12\x39\n\nSetServing\x12\x1a.moed.v1.SetServingRequest\x1a\x0f.moed.v1.Status\x12\x37\n\tGetStatus\x12\x19.moed.v1.GetStatusRequest\x1a\x0f.moed.v1.Status\x12=\n\x0bWatchStatus\x12\x1b.moed.v1.WatchStatusRequest\x1a\x0f.moed.v1.Status0\x01\x12\x42\n\tCalibrate\x12\x19.moed.v1.CalibrateRequest\x1a\x1a.moed.v1.CalibrateResponse\x12?\n\x08Shutdown\x12\x18.moed.v1.ShutdownRequest\x1a\x19.moed.v1.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,41 +32,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moed.v1.control_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOADMODELREQUEST']._serialized_start=35
-  _globals['_LOADMODELREQUEST']._serialized_end=352
-  _globals['_LOADMODELPROGRESS']._serialized_start=354
-  _globals['_LOADMODELPROGRESS']._serialized_end=464
-  _globals['_UNLOADMODELREQUEST']._serialized_start=466
-  _globals['_UNLOADMODELREQUEST']._serialized_end=501
-  _globals['_UNLOADMODELRESPONSE']._serialized_start=503
-  _globals['_UNLOADMODELRESPONSE']._serialized_end=542
-  _globals['_LISTMODELSREQUEST']._serialized_start=544
-  _globals['_LISTMODELSREQUEST']._serialized_end=563
-  _globals['_MODELINFO']._serialized_start=566
-  _globals['_MODELINFO']._serialized_end=817
-  _globals['_LISTMODELSRESPONSE']._serialized_start=819
-  _globals['_LISTMODELSRESPONSE']._serialized_end=875
-  _globals['_SETVRAMCAPREQUEST']._serialized_start=877
-  _globals['_SETVRAMCAPREQUEST']._serialized_end=959
-  _globals['_SETSERVINGREQUEST']._serialized_start=961
-  _globals['_SETSERVINGREQUEST']._serialized_end=996
-  _globals['_GETSTATUSREQUEST']._serialized_start=998
-  _globals['_GETSTATUSREQUEST']._serialized_end=1016
-  _globals['_WATCHSTATUSREQUEST']._serialized_start=1018
-  _globals['_WATCHSTATUSREQUEST']._serialized_end=1064
-  _globals['_ENGINEFIGURES']._serialized_start=1067
-  _globals['_ENGINEFIGURES']._serialized_end=1735
-  _globals['_MEMORYFIGURES']._serialized_start=1738
-  _globals['_MEMORYFIGURES']._serialized_end=1954
-  _globals['_STATUS']._serialized_start=1957
-  _globals['_STATUS']._serialized_end=2276
-  _globals['_CALIBRATEREQUEST']._serialized_start=2278
-  _globals['_CALIBRATEREQUEST']._serialized_end=2328
-  _globals['_CALIBRATERESPONSE']._serialized_start=2330
-  _globals['_CALIBRATERESPONSE']._serialized_end=2456
-  _globals['_SHUTDOWNREQUEST']._serialized_start=2458
-  _globals['_SHUTDOWNREQUEST']._serialized_end=2500
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=2502
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=2520
-  _globals['_CONTROL']._serialized_start=2523
-  _globals['_CONTROL']._serialized_end=3118
+  _globals['_LOADMODELREQUEST']._serialized_end=369
+  _globals['_LOADMODELPROGRESS']._serialized_start=371
+  _globals['_LOADMODELPROGRESS']._serialized_end=481
+  _globals['_UNLOADMODELREQUEST']._serialized_start=483
+  _globals['_UNLOADMODELREQUEST']._serialized_end=518
+  _globals['_UNLOADMODELRESPONSE']._serialized_start=520
+  _globals['_UNLOADMODELRESPONSE']._serialized_end=559
+  _globals['_LISTMODELSREQUEST']._serialized_start=561
+  _globals['_LISTMODELSREQUEST']._serialized_end=580
+  _globals['_MODELINFO']._serialized_start=583
+  _globals['_MODELINFO']._serialized_end=834
+  _globals['_LISTMODELSRESPONSE']._serialized_start=836
+  _globals['_LISTMODELSRESPONSE']._serialized_end=892
+  _globals['_SETVRAMCAPREQUEST']._serialized_start=894
+  _globals['_SETVRAMCAPREQUEST']._serialized_end=976
+  _globals['_SETSERVINGREQUEST']._serialized_start=978
+  _globals['_SETSERVINGREQUEST']._serialized_end=1013
+  _globals['_GETSTATUSREQUEST']._serialized_start=1015
+  _globals['_GETSTATUSREQUEST']._serialized_end=1033
+  _globals['_WATCHSTATUSREQUEST']._serialized_start=1035
+  _globals['_WATCHSTATUSREQUEST']._serialized_end=1081
+  _globals['_ENGINEFIGURES']._serialized_start=1084
+  _globals['_ENGINEFIGURES']._serialized_end=1752
+  _globals['_MEMORYFIGURES']._serialized_start=1755
+  _globals['_MEMORYFIGURES']._serialized_end=1971
+  _globals['_STATUS']._serialized_start=1974
+  _globals['_STATUS']._serialized_end=2293
+  _globals['_CALIBRATEREQUEST']._serialized_start=2295
+  _globals['_CALIBRATEREQUEST']._serialized_end=2345
+  _globals['_CALIBRATERESPONSE']._serialized_start=2347
+  _globals['_CALIBRATERESPONSE']._serialized_end=2473
+  _globals['_SHUTDOWNREQUEST']._serialized_start=2475
+  _globals['_SHUTDOWNREQUEST']._serialized_end=2517
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=2519
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=2537
+  _globals['_CONTROL']._serialized_start=2540
+  _globals['_CONTROL']._serialized_end=3135
 # @@protoc_insertion_point(module_scope)

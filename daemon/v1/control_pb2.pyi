@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("model", "name", "device", "policy", "cache_fraction", "context_length", "experts_dtype", "verify", "max_batch", "max_queue", "emulated_b_p", "weights_dtype", "no_prefix_cache", "kv_tokens")
+    __slots__ = ("model", "name", "device", "policy", "cache_fraction", "context_length", "experts_dtype", "verify", "max_batch", "max_queue", "emulated_b_p", "weights_dtype", "no_prefix_cache", "kv_tokens", "kv_type")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class LoadModelRequest(_message.Message):
     WEIGHTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     NO_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     name: str
     device: str
@@ -36,7 +37,8 @@ class LoadModelRequest(_message.Message):
     weights_dtype: str
     no_prefix_cache: bool
     kv_tokens: int
-    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ..., cache_fraction: _Optional[float] = ..., context_length: _Optional[int] = ..., experts_dtype: _Optional[str] = ..., verify: _Optional[bool] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., emulated_b_p: _Optional[float] = ..., weights_dtype: _Optional[str] = ..., no_prefix_cache: _Optional[bool] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
+    kv_type: str
+    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ..., cache_fraction: _Optional[float] = ..., context_length: _Optional[int] = ..., experts_dtype: _Optional[str] = ..., verify: _Optional[bool] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., emulated_b_p: _Optional[float] = ..., weights_dtype: _Optional[str] = ..., no_prefix_cache: _Optional[bool] = ..., kv_tokens: _Optional[int] = ..., kv_type: _Optional[str] = ...) -> None: ...
 
 class LoadModelProgress(_message.Message):
     __slots__ = ("stage", "done_bytes", "total_bytes", "model")

@@ -25,6 +25,38 @@ static inline __attribute__((always_inline)) float attn_h2f(uint16_t h) {
     return f;
 }
 #define ATTN_SAME(x) (x)
+#define ATTN_MAX_Q8_BLOCKS 64 /* q8_0 head dims up to 2048 */
+
+/* float32 -> float16 bits, round to nearest even, subnormals and overflow as IEEE (torch's .half()) */
+static uint16_t attn_f2h(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u); /* NaN */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: infinity */
+    if (ax < 0x38800000u) { /* below 2^-14: a float16 subnormal (or zero), in units of 2^-24 */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f)); /* 2^24; ties to even */
+    }
+    const uint32_t mant = ax + 0xfffu + ((ax >> 13) & 1u); /* round the 13 dropped bits to nearest even */
+    return (uint16_t)(sign | ((mant - 0x38000000u) >> 13));
+}
+
+/* Store n (a multiple of 32) float32 values as q8_0 at element `at` (scales at `at / 32`): llama.cpp's
+ * quantize_row_q8_0_ref, as cache/q8_0.py. */
+static inline __attribute__((always_inline)) void attn_store_q8(int8_t *pool, uint16_t *scales, int64_t at,
+                                                                const float *x, int n) {
+    for (int b = 0; b < n / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int i = 0; i < 32; i++) pool[at + 32 * b + i] = (int8_t)roundf(xb[i] * id);
+        scales[at / 32 + b] = attn_f2h(d);
+    }
+}
 
 /* Store n float32 values at element `at` of a pool (bf16: round to nearest even, as torch converts). */
 static inline __attribute__((always_inline)) void attn_store_row(void *pool, int bf16, int64_t at, const float *x,
@@ -49,6 +81,8 @@ static inline __attribute__((always_inline)) void attn_store_row(void *pool, int
 #define ATTN_LOADH attn_loadh_scalar
 #define ATTN_HVEC attn_hvec_scalar
 #define ATTN_UVEC attn_uvec_scalar
+#define ATTN_QVEC attn_qvec_scalar
+#define ATTN_LOADQ attn_loadq_scalar
 #define ATTN_PREP attn_prep_scalar
 #define ATTN_TASK moed_attn_task_scalar
 #include "attn_decode_body.h"
@@ -65,6 +99,8 @@ static inline __attribute__((always_inline)) void attn_store_row(void *pool, int
 #define ATTN_LOADH attn_loadh_avx2
 #define ATTN_HVEC attn_hvec_avx2
 #define ATTN_UVEC attn_uvec_avx2
+#define ATTN_QVEC attn_qvec_avx2
+#define ATTN_LOADQ attn_loadq_avx2
 #define ATTN_PREP attn_prep_avx2
 #define ATTN_TASK moed_attn_task_avx2
 #include "attn_decode_body.h"
@@ -79,6 +115,8 @@ static inline __attribute__((always_inline)) void attn_store_row(void *pool, int
 #define ATTN_LOADH attn_loadh_avx512
 #define ATTN_HVEC attn_hvec_avx512
 #define ATTN_UVEC attn_uvec_avx512
+#define ATTN_QVEC attn_qvec_avx512
+#define ATTN_LOADQ attn_loadq_avx512
 #define ATTN_PREP attn_prep_avx512
 #define ATTN_TASK moed_attn_task_avx512
 #include "attn_decode_body.h"
@@ -114,7 +152,9 @@ int moed_cpu_attn_decode(void *h, const moed_attn_decode_args *a) {
         (a->block_size & (a->block_size - 1)) || a->num_blocks < 1 || a->max_blocks < 1 || a->num_keys < 0 ||
         a->num_keys > (int64_t)a->max_blocks * a->block_size || !a->q || !a->k || !a->v || !a->k_cache ||
         !a->v_cache || !a->out || !a->block_table || !a->start || !a->pos || !a->length ||
-        (a->rot_dim && (!a->cos || !a->sin)))
+        (a->rot_dim && (!a->cos || !a->sin)) || a->kv_type < MOED_KV_F32 || a->kv_type > MOED_KV_Q8_0 ||
+        (a->kv_type == MOED_KV_Q8_0 && (!a->k_scale || !a->v_scale || a->Dh % 32 || a->Dv % 32 ||
+                                        a->Dh > 32 * ATTN_MAX_Q8_BLOCKS || a->Dv > 32 * ATTN_MAX_Q8_BLOCKS)))
         return -1;
     for (int b = 0; b < a->B; b++) {
         if (!a->length[b]) continue;

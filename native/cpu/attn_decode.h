@@ -16,10 +16,10 @@ typedef struct {
     int32_t interleaved;           /* 0: pairs (i, R/2 + i); 1: pairs (2i, 2i + 1) */
     const float *cos, *sin;        /* [B][R/2] (the rotary attention factor already applied) */
     void *k_cache, *v_cache;       /* paged pools [num_blocks][block_size][Hk][Dh] / [..][Dv]: float32,
-                                    * or bfloat16 bits when kv_bf16 (written round-to-nearest-even) */
+                                    * bfloat16 bits (written round-to-nearest-even) or int8 (q8_0), by kv_type */
     int64_t block_size;            /* tokens per block, a power of two */
     int64_t num_blocks;            /* blocks in each pool */
-    int32_t kv_bf16;
+    int32_t kv_type;               /* MOED_KV_F32, MOED_KV_BF16 or MOED_KV_Q8_0 */
     int32_t max_blocks;            /* entries per row of block_table */
     const int32_t *block_table;    /* [B][max_blocks]: the pool block of tokens [i*bs, (i+1)*bs) of row b */
     const int64_t *start;          /* [B] token index the new token is written at */
@@ -30,7 +30,11 @@ typedef struct {
     float scale;                   /* on the scores */
     const float *sinks;            /* [H] gpt-oss: a per-head logit in the softmax, or NULL */
     float *out;                    /* [B][H*Dv] */
+    uint16_t *k_scale, *v_scale;   /* q8_0: fp16 bits [num_blocks][block_size][Hk][Dh/32] / [..][Dv/32], the
+                                    * d of each 32 values (value = int8 * d, llama.cpp's Q8_0); else NULL */
 } moed_attn_decode_args;
+
+enum { MOED_KV_F32 = 0, MOED_KV_BF16 = 1, MOED_KV_Q8_0 = 2 };
 
 /* per ISA (attn_decode_body.h): rows b, key/value head g, with `work` of moed_attn_work_floats */
 typedef void (*moed_attn_task_fn)(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work);

@@ -25,6 +25,14 @@ static inline __attribute__((always_inline)) ATTN_VEC ATTN_LOADH(const uint16_t 
     return v;
 }
 
+/* VW int8 values (a q8_0 pool's) widened to floats */
+typedef int8_t ATTN_QVEC __attribute__((vector_size(VW)));
+static inline __attribute__((always_inline)) ATTN_VEC ATTN_LOADQ(const int8_t *p) {
+    ATTN_QVEC q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(q, ATTN_VEC);
+}
+
 /* x[0..n) *= rsqrt(mean(x^2) + eps) * w, then rotate the first R dims (cos/sin of R/2) */
 static inline __attribute__((always_inline)) void ATTN_PREP(float *x, const float *src, int n, const float *w,
                                                             float eps, int R, int inter, const float *cs,
@@ -65,8 +73,15 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     /* the new key and value into the cache */
     ATTN_PREP(kx, a->k + b * kstride + g * (int64_t)Dh, Dh, a->k_norm, a->eps, R, a->interleaved, cs, sn, tmp);
     const int64_t at = ATTN_TOKEN(a->start[b]);
-    attn_store_row(a->k_cache, a->kv_bf16, at * kstride + g * (int64_t)Dh, kx, Dh);
-    attn_store_row(a->v_cache, a->kv_bf16, at * vstride + g * (int64_t)Dv, a->v + b * vstride + g * (int64_t)Dv, Dv);
+    if (a->kv_type == MOED_KV_Q8_0) {
+        attn_store_q8((int8_t *)a->k_cache, a->k_scale, at * kstride + g * (int64_t)Dh, kx, Dh);
+        attn_store_q8((int8_t *)a->v_cache, a->v_scale, at * vstride + g * (int64_t)Dv,
+                      a->v + b * vstride + g * (int64_t)Dv, Dv);
+    } else {
+        const int bf16 = a->kv_type == MOED_KV_BF16;
+        attn_store_row(a->k_cache, bf16, at * kstride + g * (int64_t)Dh, kx, Dh);
+        attn_store_row(a->v_cache, bf16, at * vstride + g * (int64_t)Dv, a->v + b * vstride + g * (int64_t)Dv, Dv);
+    }
     for (int i = 0; i < G; i++)
         ATTN_PREP(qs + (int64_t)i * Dh, a->q + b * (int64_t)a->H * Dh + (g * (int64_t)G + i) * Dh, Dh, a->q_norm,
                   a->eps, R, a->interleaved, cs, sn, tmp);
@@ -76,10 +91,15 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     if (a->window > 0 && p - a->window + 1 > 0) j0 = p - a->window + 1;
     const int64_t n = j1 > j0 ? j1 - j0 : 0;
     /* scores [G][n]: four query heads at a time share each load of k_j (four independent sums); a bf16
-     * pool's rows are widened as they are loaded (T: the pool's element, LD: VW of them as floats, SC: one) */
+     * pool's rows are widened as they are loaded (T: the pool's element, LD: VW of them as floats, SC: one;
+     * a q8_0 pool's also scaled: ks holds the key's 32-value scales, indexed by the d of the loop) */
+    float ks[ATTN_MAX_Q8_BLOCKS];
 #define ATTN_SCORES(T, LD, SC)                                                                           \
     for (int64_t j = 0; j < n; j++) {                                                                  \
-        const T *kj = (const T *)a->k_cache + ATTN_TOKEN(j0 + j) * kstride + g * (int64_t)Dh;           \
+        const int64_t kat = ATTN_TOKEN(j0 + j) * kstride + g * (int64_t)Dh;                             \
+        const T *kj = (const T *)a->k_cache + kat;                                                      \
+        if (a->kv_type == MOED_KV_Q8_0)                                                                  \
+            for (int u = 0; u < Dh / 32; u++) ks[u] = moed_f16_to_f32(a->k_scale[kat / 32 + u]);        \
         int i = 0;                                                                                       \
         for (; i + 4 <= G; i += 4) {                                                                     \
             const float *q0 = qs + (int64_t)i * Dh;                                                      \
@@ -107,12 +127,18 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
             sc[(int64_t)i * n + j] = t * a->scale;                                                       \
         }                                                                                                \
     }
-    if (a->kv_bf16) {
+#define ATTN_LOADQK(p) (ATTN_LOADQ(p) * ks[d >> 5])
+#define ATTN_Q8K(x) ((float)(x) * ks[d >> 5])
+    if (a->kv_type == MOED_KV_Q8_0) {
+        ATTN_SCORES(int8_t, ATTN_LOADQK, ATTN_Q8K)
+    } else if (a->kv_type == MOED_KV_BF16) {
         ATTN_SCORES(uint16_t, ATTN_LOADH, attn_h2f)
     } else {
         ATTN_SCORES(float, ATTN_LOAD, ATTN_SAME)
     }
 #undef ATTN_SCORES
+#undef ATTN_LOADQK
+#undef ATTN_Q8K
     /* softmax per query head (the sink joins the normaliser only) */
     for (int i = 0; i < G; i++) {
         float *si = sc + (int64_t)i * n;
@@ -131,7 +157,10 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     memset(acc, 0, sizeof(float) * (size_t)G * (size_t)Dv);
 #define ATTN_VALUES(T, LD, SC)                                                                           \
     for (int64_t j = 0; j < n; j++) {                                                                  \
-        const T *vj = (const T *)a->v_cache + ATTN_TOKEN(j0 + j) * vstride + g * (int64_t)Dv;           \
+        const int64_t vat = ATTN_TOKEN(j0 + j) * vstride + g * (int64_t)Dv;                             \
+        const T *vj = (const T *)a->v_cache + vat;                                                      \
+        if (a->kv_type == MOED_KV_Q8_0)                                                                  \
+            for (int u = 0; u < Dv / 32; u++) ks[u] = moed_f16_to_f32(a->v_scale[vat / 32 + u]);        \
         for (int i = 0; i < G; i++) {                                                                    \
             float *oi = acc + (int64_t)i * Dv;                                                           \
             const float w = sc[(int64_t)i * n + j];                                                      \
@@ -143,12 +172,18 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
             for (; d < Dv; d++) oi[d] += w * SC(vj[d]);                                                  \
         }                                                                                                \
     }
-    if (a->kv_bf16) {
+#define ATTN_LOADQV(p) (ATTN_LOADQ(p) * ks[d >> 5])
+#define ATTN_Q8V(x) ((float)(x) * ks[d >> 5])
+    if (a->kv_type == MOED_KV_Q8_0) {
+        ATTN_VALUES(int8_t, ATTN_LOADQV, ATTN_Q8V)
+    } else if (a->kv_type == MOED_KV_BF16) {
         ATTN_VALUES(uint16_t, ATTN_LOADH, attn_h2f)
     } else {
         ATTN_VALUES(float, ATTN_LOAD, ATTN_SAME)
     }
 #undef ATTN_VALUES
+#undef ATTN_LOADQV
+#undef ATTN_Q8V
     memcpy(out, acc, sizeof(float) * (size_t)G * (size_t)Dv);
 }
 
@@ -160,5 +195,7 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
 #undef ATTN_LOADH
 #undef ATTN_HVEC
 #undef ATTN_UVEC
+#undef ATTN_QVEC
+#undef ATTN_LOADQ
 #undef ATTN_PREP
 #undef ATTN_TASK

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import moed.layers.attention as attention_module
+from moed.cache import q8_0
 from moed.cache.kv_cache import KVCache
 from moed.kernels.native_cpu import native
 from moed.layers.attention import MhaAttention
@@ -57,16 +58,32 @@ def _run(layer: MhaAttention, rotary: RotaryEmbedding, cache: KVCache, x: torch.
 TABLES = [[3], [7, 2, 9], [5, 6], [7, 2, 0, 14, 10]]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def _fill(caches: list[KVCache], layer: MhaAttention, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The same random history in every cache (q8_0: quantised, scales included); the pool values returned."""
+    history = {}
+    for name, shape in layer.cache_entries().items():
+        values = torch.randn(caches[0].num_blocks, caches[0].block_size, *shape, generator=gen)
+        if caches[0].quantized:
+            q, d = q8_0.quantize(values)
+            history[name] = q
+            for cache in caches:
+                cache.entry_scale(0, name).copy_(d)
+        else:
+            history[name] = values.to(caches[0].dtype)
+        for cache in caches:
+            cache.entry(0, name).copy_(history[name])
+    return history
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "q8_0"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_native_decode_attention_matches_torch(case, dtype, isa, monkeypatch):
+    if dtype == torch.int8 and CASES[case][2] % 32:
+        pytest.skip("q8_0 K/V needs head dims of a multiple of 32")
     gen = torch.Generator().manual_seed(7)
     layer, cfg, rotary, _ = _layer(case, gen)
     caches = [KVCache([layer.cache_entries()], num_blocks=16, block_size=4, dtype=dtype) for _ in range(2)]
-    history = {name: torch.randn(16, 4, *shape, generator=gen).to(dtype) for name, shape in layer.cache_entries().items()}
-    for cache in caches:
-        for name, t in history.items():
-            cache.entry(0, name).copy_(t)
+    history = _fill(caches, layer, gen)
     batch = ForwardBatch(torch.zeros(4, 1, dtype=torch.int64), starts=[0, 11, 5, 16], lengths=[1, 1, 0, 1],
                          slots=[0, 1, 2, 3], block_tables=TABLES)
     batch_ref = ForwardBatch(batch.input_ids, batch.starts, batch.lengths, batch.slots, TABLES)
@@ -77,11 +94,13 @@ def test_native_decode_attention_matches_torch(case, dtype, isa, monkeypatch):
         want = _run(layer, rotary, caches[1], x, batch_ref)
     valid = [0, 1, 3]
     torch.testing.assert_close(got[valid], want[valid], rtol=1e-4, atol=1e-5)
-    # the new keys and values landed in the same pool rows (bf16: both round to nearest even; the
-    # float32 values before rounding may differ in their last bit)
+    # the new keys and values landed in the same pool rows (bf16: both round to nearest even; q8_0: both
+    # quantise as llama.cpp; the float32 values before rounding may differ in their last bit)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for name in ("k", "v"):
-        torch.testing.assert_close(caches[0].entry(0, name).float(), caches[1].entry(0, name).float(), **tol)
+        stored = [c.entry(0, name).float() if dtype != torch.int8
+                  else q8_0.dequantize(c.entry(0, name), c.entry_scale(0, name)) for c in caches]
+        torch.testing.assert_close(stored[0], stored[1], **tol)
         changed = (caches[0].entry(0, name) != history[name]).flatten(2).any(-1).nonzero().tolist()
         assert changed == [[3, 0], [9, 3], [10, 0]], f"{name}: rows written {changed}"
 

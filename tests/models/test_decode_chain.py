@@ -183,3 +183,44 @@ def test_the_decode_swiglu_and_sigmoid_gate_match_torch():
         lib.swiglu(g, u[..., :69])
     with pytest.raises(ValueError, match="sigmoid_scale"):
         lib.sigmoid_scale(torch.zeros(3, 2), y)
+
+
+def test_the_chain_gives_the_python_paths_bits_on_a_q8_0_kv_pool(runtime):
+    """--kv-type q8_0: the chain's attention writes and reads the int8 blocks and their scales as the per-layer
+    native kernel does."""
+    model = runtime.model
+    if any(shape[-1] % 32 for shape in model.cache_entries()[0].values()):
+        pytest.skip("q8_0 K/V needs head dims of a multiple of 32")
+    kv_dtype, model.kv_dtype = model.kv_dtype, torch.int8
+    try:
+        ours, our_cache, _ = _decode(model, True, PROMPTS, [2, 0, 3])
+        ref, ref_cache, _ = _decode(model, False, PROMPTS, [2, 0, 3])
+    finally:
+        model.kv_dtype = kv_dtype
+    assert our_cache.quantized
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max().item()}"
+    for x, y in zip(our_cache.layers, ref_cache.layers):
+        for name in x:
+            assert torch.equal(x[name], y[name]), f"{name} differs"
+
+
+def test_the_chain_follows_a_pool_resized_in_place(runtime):
+    """KVCache.resized keeps the object and replaces its tensors: the chain must bind the new ones (it kept
+    the freed pool's addresses before)."""
+    model = runtime.model
+    cache = model.new_pool(64, 16)
+    table = list(range(40, 48))
+    prompt = PROMPTS[0]
+    model.forward(ForwardBatch.from_token_lists([prompt], [0], [0], [table]), cache)
+    step = lambda c, t: model.forward(ForwardBatch.from_token_lists([[5]], [len(prompt)], [0], [t]), c)  # noqa: E731
+    step(cache, table)  # the chain binds this pool
+    model.resize_pool(cache, 32, [(b, b - 40) for b in table])  # the shrink moves the blocks down
+    moved = [b - 40 for b in table]
+    got = step(cache, moved)
+    model._chain, chain = Unsupported("test: the Python path"), model.decode_chain()
+    try:
+        want = step(cache, moved)
+    finally:
+        model._chain = chain
+    assert torch.equal(got, want)
