@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_long_context.py --llama-python /tmp/llvenv/bin/python \
         --llama-cpp-dir /tmp/llamacpp-gguf/llama_cpp_python-0.3.36/vendor/llama.cpp \
         [--layers 2] [--type q8_0] [--prompts 8192,16384,32768] [--decode-tokens 16] [--threads 2] \
+        [--kv-type default|q8_0] \
         [--workdir /tmp/bench-vs-llamacpp] [--json OUT]
 
 The model is bench_vs_llamacpp.py's: a random Qwen3-30B-A3B-shaped checkpoint (hidden 2048, 128 experts
@@ -30,8 +31,9 @@ LLAMA_RUN = r"""
 import json, resource, sys, time
 from llama_cpp import Llama
 path, threads, prompt_n, decode_n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+kv = {} if sys.argv[5] == "default" else {"type_k": 8, "type_v": 8, "flash_attn": True}  # GGML_TYPE_Q8_0
 llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=prompt_n + 64, n_batch=512,
-            verbose=False, seed=0)
+            verbose=False, seed=0, **kv)
 vocab = llm.n_vocab()
 prompt = [(7 * i + 11) % (vocab - 100) + 50 for i in range(prompt_n)]
 t0 = time.perf_counter(); llm.eval(prompt); ttft = time.perf_counter() - t0
@@ -53,6 +55,9 @@ from moed.engine.sampling import SamplingParams
 path, threads, prompt_n, decode_n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 configure_threads(threads)
 rt = open_runtime(path)
+if sys.argv[5] != "default":  # what moed load --kv-type sets
+    from moed.cache.kv_cache import KV_TYPES
+    rt.model.kv_dtype = KV_TYPES[sys.argv[5]]
 vocab = rt.model.config.vocab_size
 prompt = [(7 * i + 11) % (vocab - 100) + 50 for i in range(prompt_n)]
 run_offline(rt, [prompt[:16]], [SamplingParams(max_tokens=2, ignore_eos=True)], context_length=64)  # warm-up
@@ -73,6 +78,9 @@ def main() -> int:
     ap.add_argument("--type", default="q8_0")
     ap.add_argument("--prompts", default="8192,16384,32768")
     ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--kv-type", default="default", choices=("default", "q8_0"),
+                    help="K/V type of both engines: their defaults (moed bf16, llama.cpp f16), or q8_0 for both "
+                         "(llama.cpp with flash attention, which its quantised V cache needs)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", default="/tmp/bench-vs-llamacpp")
     ap.add_argument("--json")
@@ -92,11 +100,11 @@ def main() -> int:
         row = {"prompt": n}
         for engine, python, code in (("llama.cpp", args.llama_python, LLAMA_RUN), ("moed", str(MOED_PY), MOED_RUN)):
             env = {"MOED_CPU_THREADS": str(args.threads)} if engine == "moed" else None
-            row[engine] = run_json(python, code, gguf, args.threads, n, args.decode_tokens, env=env)
+            row[engine] = run_json(python, code, gguf, args.threads, n, args.decode_tokens, args.kv_type, env=env)
             print(f"{n} {engine}: {json.dumps(row[engine])}", file=sys.stderr, flush=True)
         rows.append(row)
     print(f"\n{args.layers} layers of Qwen3-30B-A3B's shape, {args.type} GGUF ({gguf.stat().st_size / 1e9:.2f} GB), "
-          f"{args.threads} threads, {args.decode_tokens} decode tokens at depth\n")
+          f"{args.threads} threads, {args.decode_tokens} decode tokens at depth, K/V {args.kv_type}\n")
     print("| prompt | TTFT llama.cpp | moed | prefill ratio | decode tok/s llama.cpp | moed | ratio "
           "| peak RSS GiB llama.cpp | moed |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -1,7 +1,9 @@
 """KVCache: a paged pool of per-layer key/value (or MLA latent) storage, addressed through block tables.
 
 Each entry of each layer is one tensor ``[num_blocks, block_size, ...]`` in the cache's dtype (the
-model's: bfloat16 for bf16/fp16 checkpoints, float32 for fp32 ones or ``--weights-dtype fp32``).
+model's: bfloat16 for bf16/fp16 checkpoints, float32 for fp32 ones or ``--weights-dtype fp32``; or
+``--kv-type``'s). With int8 the pool holds q8_0 blocks (cache/q8_0.py): each entry has a float16
+scale per 32 values beside it (``name + "_scale"``); writes quantise, reads widen.
 Token ``j`` of a sequence lives in row ``j % block_size`` of pool block ``table[j // block_size]``;
 sequences share the pool, and blocks can be shared between sequences (a common prefix).
 

@@ -28,6 +28,7 @@ from moed.engine.request import GenerationRequest, RequestHandle
 from moed.engine.runtime import DEFAULT_CONTEXT, ModelRuntime
 from moed.engine.sampling import SamplingParams
 from moed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from moed.engine.step_workspace import step_workspace_bytes
 from moed.errors import InvalidRequestError, quoted
 from moed.runner.forward_batch import ForwardBatch
 
@@ -223,6 +224,17 @@ class EngineLoop:
         cache = self._cache
         states = cache.state_nbytes() if cache is not None and hasattr(cache, "state_nbytes") else 0
         return states + (self._kv.checkpoint_budget if self._kv.checkpoints else 0)
+
+    def workspace_bytes(self) -> int:
+        """The activations of this loop's largest step on the model's device (engine/step_workspace.py): they
+        come out of the device share before the KV pool and the expert cache; 0 with the model on the host
+        (the load plan booked the host's)."""
+        device = getattr(self.runtime.model, "device", None)
+        if device is None:
+            return 0
+        device_type = device.to_device(torch.zeros(1)).device.type  # "cpu" for the emulated device
+        return step_workspace_bytes(self.runtime.model.config, self._scheduler.max_step_tokens,
+                                    sequences=self.max_batch, device_type=device_type)
 
     def kv_floor_blocks(self) -> int:
         """The fewest blocks the pool may shrink to: those running sequences hold, and one whole context."""

@@ -21,6 +21,7 @@ from moed.engine.engine_loop import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHU
 from moed.engine.kv_manager import kv_pool_tokens
 from moed.engine.runtime import DEFAULT_CONTEXT
 from moed.engine.scheduler import SchedulerConfig
+from moed.engine.step_workspace import step_workspace_bytes
 from moed.errors import InsufficientMemoryError, InvalidRequestError, quoted
 from moed.models.moe_transformer import kv_cache_bytes, kv_cache_entries
 from moed.service.memory_governor import available_host_bytes, format_bytes
@@ -50,10 +51,12 @@ class LoadPlan:
     # MLA models with half-precision weights: the float32 copy of kv_b the absorbed decode keeps per layer
     absorbed_bytes: int = 0
     kv_dtype: torch.dtype = torch.bfloat16  # the K/V pool's (KV_TYPES: int8 is q8_0)
+    workspace_bytes: int = 0  # the activations of the largest CPU step (engine/step_workspace.py)
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes + self.state_bytes + self.checkpoint_bytes + self.absorbed_bytes
+        return (self.weight_bytes + self.kv_bytes + self.state_bytes + self.checkpoint_bytes + self.absorbed_bytes
+                + self.workspace_bytes)
 
 
 def absorbed_mla_bytes(config, kv_dtype) -> int:
@@ -144,10 +147,12 @@ def plan_load(path: Path, options, *, available_bytes: int | None = None) -> Loa
         checkpoint_bytes = DEFAULT_CHECKPOINT_BYTES if options.checkpoint_bytes is None else options.checkpoint_bytes
         if isinstance(checkpoint_bytes, bool) or not isinstance(checkpoint_bytes, int) or checkpoint_bytes < 0:
             raise InvalidRequestError(f"checkpoint_bytes must be a number of bytes >= 0, got {quoted(checkpoint_bytes)}")
+    workspace = step_workspace_bytes(config, DEFAULT_MAX_STEP_TOKENS, sequences=options.max_batch)  # a CPU step
     if context is None:
         available = available_host_bytes() if available_bytes is None else int(available_bytes)
         context = auto_context(max_pos, per_token, est.total, available, options.max_batch, options.kv_tokens,
-                               other_bytes=state_bytes + checkpoint_bytes + absorbed_mla_bytes(config, est.kv_dtype))
+                               other_bytes=state_bytes + checkpoint_bytes + absorbed_mla_bytes(config, est.kv_dtype)
+                               + workspace)
     kv_tokens = kv_pool_tokens(context, options.max_batch, options.kv_tokens)
     others = tuple((dtype, est.total - est.bank_bytes + nbytes) for dtype, nbytes in est.bank_bytes_by_dtype.items()
                    if dtype != est.bank_dtype)
@@ -155,7 +160,8 @@ def plan_load(path: Path, options, *, available_bytes: int | None = None) -> Loa
                     kv_bytes=per_token * kv_tokens, kv_bytes_per_token=per_token, kv_tokens=kv_tokens,
                     bank_dtype=est.bank_dtype, bank_bytes=est.bank_bytes, weight_bytes_by_dtype=others,
                     state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
-                    absorbed_bytes=absorbed_mla_bytes(config, est.kv_dtype), kv_dtype=est.kv_dtype)
+                    absorbed_bytes=absorbed_mla_bytes(config, est.kv_dtype), kv_dtype=est.kv_dtype,
+                    workspace_bytes=workspace)
 
 
 def check_load_fits(plan: LoadPlan, *, available_bytes: int | None = None, what: str = "the model") -> None:
@@ -168,8 +174,10 @@ def check_load_fits(plan: LoadPlan, *, available_bytes: int | None = None, what:
               f"checkpoints" if plan.state_bytes else "")
     need = (f"{what} needs {format_bytes(plan.total_bytes)} of host RAM ({format_bytes(plan.weight_bytes)} of weights "
             f"+ {format_bytes(plan.kv_bytes)} of KV pool for {plan.kv_tokens} tokens, context "
-            f"{plan.context_length}{states}) but {format_bytes(available)} are available")
-    room = available - plan.weight_bytes - plan.state_bytes - plan.checkpoint_bytes - plan.absorbed_bytes
+            f"{plan.context_length}{states} + {format_bytes(plan.workspace_bytes)} of step activations) but "
+            f"{format_bytes(available)} are available")
+    room = (available - plan.weight_bytes - plan.state_bytes - plan.checkpoint_bytes - plan.absorbed_bytes
+            - plan.workspace_bytes)
     tokens = room // plan.kv_bytes_per_token if room > 0 and plan.kv_bytes_per_token > 0 else 0
     hints = []
     pool = tokens // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE  # whole blocks

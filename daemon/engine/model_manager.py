@@ -282,7 +282,7 @@ class ModelManager:
         """The KV/expert split of a device-resident model's share of VRAM (None: no limit); returns the
         expert cache's bytes and resizes the KV pool at the loop's next safe point.
 
-        The policy: the weights are fixed; the KV blocks running sequences hold (at least one whole
+        The policy: the weights and the largest step's activations are fixed; the KV blocks running sequences hold (at least one whole
         context) come next, since a session's KV demand only grows; then the expert cache (its working
         set does not grow); the pool's remaining blocks, which hold cached prefixes (speed only), last."""
         loop, model = entry.loop, entry.runtime.model
@@ -290,13 +290,14 @@ class ModelManager:
         if share is None or not per_block:
             target = loop.kv_full_blocks
         else:
-            room = share - model.weight_device_bytes - loop.state_bytes() - experts_wanted
+            room = share - model.weight_device_bytes - loop.state_bytes() - loop.workspace_bytes() - experts_wanted
             target = max(loop.kv_floor_blocks(), min(loop.kv_full_blocks, room // per_block))
         if target != loop.kv_num_blocks:
             loop.resize_kv(target)
         if share is None:
             return experts_wanted
-        fixed = model.weight_device_bytes + loop.state_bytes()  # states and their checkpoints live with the pool
+        # states and their checkpoints live with the pool; a step's activations need room beside both
+        fixed = model.weight_device_bytes + loop.state_bytes() + loop.workspace_bytes()
         return min(experts_wanted, max(share - fixed - target * per_block, 0))
 
     def apply_cache_budget(self, cache_bytes: int | None) -> int:

@@ -92,14 +92,15 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     const int64_t n = j1 > j0 ? j1 - j0 : 0;
     /* scores [G][n]: four query heads at a time share each load of k_j (four independent sums); a bf16
      * pool's rows are widened as they are loaded (T: the pool's element, LD: VW of them as floats, SC: one;
-     * a q8_0 pool's also scaled: ks holds the key's 32-value scales, indexed by the d of the loop) */
-    float ks[ATTN_MAX_Q8_BLOCKS];
+     * a q8_0 pool's row is widened once per key into kw, scaled, and read from there by every head) */
+    float kw[32 * ATTN_MAX_Q8_BLOCKS];
 #define ATTN_SCORES(T, LD, SC)                                                                           \
     for (int64_t j = 0; j < n; j++) {                                                                  \
         const int64_t kat = ATTN_TOKEN(j0 + j) * kstride + g * (int64_t)Dh;                             \
         const T *kj = (const T *)a->k_cache + kat;                                                      \
+        (void)kj; /* q8_0 reads kw */                                                                    \
         if (a->kv_type == MOED_KV_Q8_0)                                                                  \
-            for (int u = 0; u < Dh / 32; u++) ks[u] = moed_f16_to_f32(a->k_scale[kat / 32 + u]);        \
+            ATTN_WIDEN_Q8((const int8_t *)a->k_cache + kat, a->k_scale + kat / 32, Dh);                  \
         int i = 0;                                                                                       \
         for (; i + 4 <= G; i += 4) {                                                                     \
             const float *q0 = qs + (int64_t)i * Dh;                                                      \
@@ -127,8 +128,16 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
             sc[(int64_t)i * n + j] = t * a->scale;                                                       \
         }                                                                                                \
     }
-#define ATTN_LOADQK(p) (ATTN_LOADQ(p) * ks[d >> 5])
-#define ATTN_Q8K(x) ((float)(x) * ks[d >> 5])
+#define ATTN_WIDEN_Q8(src, sc, dim)                                                                      \
+    for (int u = 0; u < (dim) / 32; u++) {                                                               \
+        const float s = moed_f16_to_f32((sc)[u]);                                                        \
+        for (int e = 0; e < 32; e += VW) {                                                               \
+            const ATTN_VEC w = ATTN_LOADQ((src) + 32 * u + e) * s;                                       \
+            memcpy(kw + 32 * u + e, &w, sizeof w);                                                       \
+        }                                                                                                \
+    }
+#define ATTN_LOADQK(p) ATTN_LOAD(kw + d)
+#define ATTN_Q8K(x) (kw[d])
     if (a->kv_type == MOED_KV_Q8_0) {
         ATTN_SCORES(int8_t, ATTN_LOADQK, ATTN_Q8K)
     } else if (a->kv_type == MOED_KV_BF16) {
@@ -159,8 +168,9 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     for (int64_t j = 0; j < n; j++) {                                                                  \
         const int64_t vat = ATTN_TOKEN(j0 + j) * vstride + g * (int64_t)Dv;                             \
         const T *vj = (const T *)a->v_cache + vat;                                                      \
+        (void)vj;                                                                                        \
         if (a->kv_type == MOED_KV_Q8_0)                                                                  \
-            for (int u = 0; u < Dv / 32; u++) ks[u] = moed_f16_to_f32(a->v_scale[vat / 32 + u]);        \
+            ATTN_WIDEN_Q8((const int8_t *)a->v_cache + vat, a->v_scale + vat / 32, Dv);                  \
         for (int i = 0; i < G; i++) {                                                                    \
             float *oi = acc + (int64_t)i * Dv;                                                           \
             const float w = sc[(int64_t)i * n + j];                                                      \
@@ -172,8 +182,8 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
             for (; d < Dv; d++) oi[d] += w * SC(vj[d]);                                                  \
         }                                                                                                \
     }
-#define ATTN_LOADQV(p) (ATTN_LOADQ(p) * ks[d >> 5])
-#define ATTN_Q8V(x) ((float)(x) * ks[d >> 5])
+#define ATTN_LOADQV(p) ATTN_LOAD(kw + d)
+#define ATTN_Q8V(x) (kw[d])
     if (a->kv_type == MOED_KV_Q8_0) {
         ATTN_VALUES(int8_t, ATTN_LOADQV, ATTN_Q8V)
     } else if (a->kv_type == MOED_KV_BF16) {
@@ -184,6 +194,7 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
 #undef ATTN_VALUES
 #undef ATTN_LOADQV
 #undef ATTN_Q8V
+#undef ATTN_WIDEN_Q8
     memcpy(out, acc, sizeof(float) * (size_t)G * (size_t)Dv);
 }
 

@@ -41,7 +41,7 @@ def test_the_plan_books_q8_0s_bytes_and_stretches_the_automatic_context(models):
     assert q8.kv_dtype == torch.int8 and bf16.kv_dtype == torch.bfloat16 and f32.kv_dtype == torch.float32
     assert q8.kv_bytes_per_token * 32 == bf16.kv_bytes_per_token * 17 and f32.kv_bytes_per_token == 2 * bf16.kv_bytes_per_token
     # the same RAM holds about twice the automatic context
-    room = bf16.weight_bytes + 2 * 8192 * bf16.kv_bytes_per_token
+    room = bf16.weight_bytes + bf16.workspace_bytes + 2 * 8192 * bf16.kv_bytes_per_token
     auto = {t: plan_load(models / "long", LoadOptions(max_batch=1, kv_type=t), available_bytes=room).context_length
             for t in ("bf16", "q8_0")}
     assert auto["bf16"] >= 4096 and auto["q8_0"] > 1.8 * auto["bf16"], auto

@@ -56,14 +56,14 @@ def test_a_kv_pool_that_does_not_fit_is_refused_before_reading_and_says_what_wou
     plan = plan_load(models / "tiny", LoadOptions(max_batch=8, context_length=256, kv_tokens=4096))
     assert plan.kv_tokens == 4096 and plan.kv_bytes == 4096 * plan.kv_bytes_per_token
     # room for the weights and a pool of 1000 tokens: a 992-token pool (whole blocks) would fit
-    available = plan.weight_bytes + 1000 * plan.kv_bytes_per_token
+    available = plan.weight_bytes + plan.workspace_bytes + 1000 * plan.kv_bytes_per_token
     manager = ModelManager([models], host_ram_available=lambda: available)
     with pytest.raises(InsufficientMemoryError) as info:
         manager.load("tiny", LoadOptions(device="cpu", max_batch=8, context_length=256, kv_tokens=4096))
     message = str(info.value)
     assert "KV pool for 4096 tokens, context 256" in message and "kv_tokens 992" in message, message
     # a pool smaller than one context: a shorter context is the way
-    tiny_room = plan.weight_bytes + 100 * plan.kv_bytes_per_token
+    tiny_room = plan.weight_bytes + plan.workspace_bytes + 100 * plan.kv_bytes_per_token
     manager = ModelManager([models], host_ram_available=lambda: tiny_room)
     with pytest.raises(InsufficientMemoryError, match="context 96 with kv_tokens 96"):
         manager.load("tiny", LoadOptions(device="cpu", max_batch=8, context_length=256))
@@ -272,7 +272,9 @@ def test_a_hybrid_models_states_and_checkpoints_are_in_the_load_plan(tmp_path):
     root = build_tiny_model_dir(tmp_path / "models", "qwen3_next", "hybrid")
     plan = plan_load(root / "hybrid", LoadOptions(max_batch=3, context_length=64))
     assert plan.checkpoint_bytes == 1 << 30 and plan.state_bytes > 0
-    assert plan.total_bytes == plan.weight_bytes + plan.kv_bytes + plan.state_bytes + plan.checkpoint_bytes
+    assert plan.workspace_bytes > 0
+    assert plan.total_bytes == (plan.weight_bytes + plan.kv_bytes + plan.state_bytes + plan.checkpoint_bytes
+                                + plan.workspace_bytes)
     manager = ModelManager([root])
     entry = manager.load("hybrid", LoadOptions(device="cpu", max_batch=3, context_length=64, checkpoint_bytes=12345))
     try:
@@ -283,7 +285,8 @@ def test_a_hybrid_models_states_and_checkpoints_are_in_the_load_plan(tmp_path):
         manager.close()
     no_cache = plan_load(root / "hybrid", LoadOptions(max_batch=3, context_length=64, prefix_cache=False))
     assert no_cache.checkpoint_bytes == 0 and no_cache.state_bytes == plan.state_bytes
-    short = ModelManager([root], host_ram_available=lambda: plan.weight_bytes + plan.kv_bytes + plan.state_bytes)
+    short = ModelManager([root], host_ram_available=lambda: plan.weight_bytes + plan.kv_bytes + plan.state_bytes
+                         + plan.workspace_bytes)
     with pytest.raises(InsufficientMemoryError, match="recurrent states and state checkpoints"):
         short.load("hybrid", LoadOptions(device="cpu", max_batch=3, context_length=64))
     with pytest.raises(InvalidRequestError, match="checkpoint_bytes"):
@@ -294,21 +297,29 @@ def test_a_hybrid_models_states_and_checkpoints_are_in_the_load_plan(tmp_path):
 
 
 def test_the_device_split_leaves_room_for_a_hybrid_models_states_and_checkpoints():
-    """With the model on a device its states and checkpoints sit next to the KV pool: the KV blocks and the
-    expert cache share what is left of the model's VRAM share after the weights and them."""
+    """With the model on a device its states and checkpoints sit next to the KV pool, and a step's activations
+    need room beside them: the KV blocks and the expert cache share what is left of the model's VRAM share
+    after the weights, the states and the step workspace."""
     from types import SimpleNamespace
 
     resized = []
     loop = SimpleNamespace(kv_block_bytes=lambda: 1000, kv_full_blocks=100, kv_floor_blocks=lambda: 10,
-                           kv_num_blocks=100, resize_kv=resized.append, state_bytes=lambda: 30_000)
+                           kv_num_blocks=100, resize_kv=resized.append, state_bytes=lambda: 30_000,
+                           workspace_bytes=lambda: 0)
     entry = SimpleNamespace(loop=loop, runtime=SimpleNamespace(model=SimpleNamespace(weight_device_bytes=50_000)))
     experts = ModelManager._split_device_share(entry, 200_000, 40_000)  # noqa: SLF001
     assert resized == [80]  # 200k - 50k weights - 30k states - 40k experts = 80 blocks of 1000
     assert experts == 40_000
-    loop.state_bytes = lambda: 0
+    loop.state_bytes, loop.kv_num_blocks = (lambda: 0), 80
     resized.clear()
     ModelManager._split_device_share(entry, 200_000, 40_000)  # noqa: SLF001
-    assert resized == []  # without states the whole pool (100 blocks) fits
+    assert resized == [100]  # without states the whole pool (100 blocks) fits
+    loop.workspace_bytes, loop.kv_num_blocks = (lambda: 45_000), 100
+    resized.clear()
+    experts = ModelManager._split_device_share(entry, 200_000, 40_000)  # noqa: SLF001
+    assert resized == [65] and experts == 40_000  # 200k - 50k - 45k step activations - 40k = 65 blocks
+    experts = ModelManager._split_device_share(entry, 120_000, 40_000)  # noqa: SLF001
+    assert resized[-1] == 10 and experts == 15_000  # 120k - 50k - 45k: the KV in use (10 blocks), then experts
 
 
 def test_the_absorbed_mla_copy_of_kv_b_is_planned_for_half_precision_weights(tmp_path):

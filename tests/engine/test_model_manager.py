@@ -95,7 +95,9 @@ def test_a_device_resident_model_splits_its_vram_weights_kv_in_use_experts_then_
         stats, bank, loop, model = entry.stats, entry.runtime.loaded.bank, entry.loop, entry.runtime.model
         assert stats.model_device_bytes > 0 and model.device is entry.runtime.executor.device
         assert entry.vram_bytes() == stats.cache_bytes + stats.model_device_bytes
-        per_block, per_expert, weights = loop.kv_block_bytes(), bank.bytes_per_expert(), model.weight_device_bytes
+        per_block, per_expert = loop.kv_block_bytes(), bank.bytes_per_expert()
+        weights = model.weight_device_bytes + loop.workspace_bytes()  # what the device share sets aside first
+        assert loop.workspace_bytes() > 0
         full, floor = loop.kv_full_blocks, loop.kv_floor_blocks()
         assert (full, floor) == (8, 4)  # two contexts of 64 tokens; one context when idle
 
@@ -110,9 +112,9 @@ def test_a_device_resident_model_splits_its_vram_weights_kv_in_use_experts_then_
         assert apply(weights + floor * per_block + bank.nbytes()) == (floor, bank.num_slots)
         assert apply(weights + floor * per_block + 3 * per_expert + per_expert // 2) == (floor, 3)
         assert apply(weights) == (floor, 0)  # the KV in use is never given up
-        assert stats.model_device_bytes == weights + floor * per_block
+        assert stats.model_device_bytes == model.weight_device_bytes + floor * per_block
         assert apply(None) == (full, bank.num_slots)
-        assert stats.model_device_bytes == weights + full * per_block
+        assert stats.model_device_bytes == model.weight_device_bytes + full * per_block
     finally:
         manager.unload("tiny")
 
