@@ -12,9 +12,12 @@
 #include "moed_cpu.h"
 #include "moed_pool.h"
 
+#define ATTN_KEY_TILE 16 /* value rows widened together, then summed for every head of the group */
+
 int64_t moed_attn_work_floats(const moed_attn_decode_args *a) {
     const int64_t G = a->H / a->Hk;
-    return G * a->Dh + 2 * (int64_t)a->Dh + G * a->Dv + G * (a->num_keys > 0 ? a->num_keys : 1) + 16;
+    return G * a->Dh + 2 * (int64_t)a->Dh + G * a->Dv + ATTN_KEY_TILE * (int64_t)a->Dv +
+           G * (a->num_keys > 0 ? a->num_keys : 1) + 16;
 }
 
 /* one bf16 value as a float (bf16 is float32's high half) */
@@ -24,8 +27,17 @@ static inline __attribute__((always_inline)) float attn_h2f(uint16_t h) {
     memcpy(&f, &u, sizeof f);
     return f;
 }
-#define ATTN_SAME(x) (x)
-#define ATTN_MAX_Q8_BLOCKS 64 /* q8_0 head dims up to 2048 */
+
+/* one float16 as a float: normal numbers inline, the rest (zero, subnormal, inf, NaN) through the exact one */
+static inline __attribute__((always_inline)) float attn_f16(uint16_t h) {
+    const uint32_t e = h & 0x7c00u;
+    if (e == 0 || e == 0x7c00u) return moed_f16_to_f32(h);
+    const uint32_t u = ((uint32_t)(h & 0x8000u) << 16) | (((uint32_t)(h & 0x7fffu) << 13) + 0x38000000u);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+#define ATTN_MAX_ROW 4096 /* head dims up to this (a key row is widened into a buffer of this many floats) */
 
 /* float32 -> float16 bits, round to nearest even, subnormals and overflow as IEEE (torch's .half()) */
 static uint16_t attn_f2h(float f) {
@@ -83,6 +95,11 @@ static inline __attribute__((always_inline)) void attn_store_row(void *pool, int
 #define ATTN_UVEC attn_uvec_scalar
 #define ATTN_QVEC attn_qvec_scalar
 #define ATTN_LOADQ attn_loadq_scalar
+#define ATTN_IVEC attn_ivec_scalar
+#define ATTN_VMAX attn_vmax_scalar
+#define ATTN_LOAD1 attn_load1_scalar
+#define ATTN_EXPV attn_expv_scalar
+#define ATTN_WIDEN attn_widen_scalar
 #define ATTN_PREP attn_prep_scalar
 #define ATTN_TASK moed_attn_task_scalar
 #include "attn_decode_body.h"
@@ -101,6 +118,12 @@ static inline __attribute__((always_inline)) void attn_store_row(void *pool, int
 #define ATTN_UVEC attn_uvec_avx2
 #define ATTN_QVEC attn_qvec_avx2
 #define ATTN_LOADQ attn_loadq_avx2
+#define ATTN_IVEC attn_ivec_avx2
+#define ATTN_VMAX attn_vmax_avx2
+#define ATTN_LOAD1 attn_load1_avx2
+#define ATTN_EXPV attn_expv_avx2
+#define ATTN_WIDEN attn_widen_avx2
+#define ATTN_LOADQ_ISA(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define ATTN_PREP attn_prep_avx2
 #define ATTN_TASK moed_attn_task_avx2
 #include "attn_decode_body.h"
@@ -117,6 +140,12 @@ static inline __attribute__((always_inline)) void attn_store_row(void *pool, int
 #define ATTN_UVEC attn_uvec_avx512
 #define ATTN_QVEC attn_qvec_avx512
 #define ATTN_LOADQ attn_loadq_avx512
+#define ATTN_IVEC attn_ivec_avx512
+#define ATTN_VMAX attn_vmax_avx512
+#define ATTN_LOAD1 attn_load1_avx512
+#define ATTN_EXPV attn_expv_avx512
+#define ATTN_WIDEN attn_widen_avx512
+#define ATTN_LOADQ_ISA(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define ATTN_PREP attn_prep_avx512
 #define ATTN_TASK moed_attn_task_avx512
 #include "attn_decode_body.h"
@@ -153,8 +182,8 @@ int moed_cpu_attn_decode(void *h, const moed_attn_decode_args *a) {
         a->num_keys > (int64_t)a->max_blocks * a->block_size || !a->q || !a->k || !a->v || !a->k_cache ||
         !a->v_cache || !a->out || !a->block_table || !a->start || !a->pos || !a->length ||
         (a->rot_dim && (!a->cos || !a->sin)) || a->kv_type < MOED_KV_F32 || a->kv_type > MOED_KV_Q8_0 ||
-        (a->kv_type == MOED_KV_Q8_0 && (!a->k_scale || !a->v_scale || a->Dh % 32 || a->Dv % 32 ||
-                                        a->Dh > 32 * ATTN_MAX_Q8_BLOCKS || a->Dv > 32 * ATTN_MAX_Q8_BLOCKS)))
+        a->Dh > ATTN_MAX_ROW || a->Dv > ATTN_MAX_ROW ||
+        (a->kv_type == MOED_KV_Q8_0 && (!a->k_scale || !a->v_scale || a->Dh % 32 || a->Dv % 32)))
         return -1;
     for (int b = 0; b < a->B; b++) {
         if (!a->length[b]) continue;

@@ -6,6 +6,7 @@
  * the sink), the weighted sum of the values. Each key and value row is read once for all the
  * query heads of its group. */
 typedef float ATTN_VEC __attribute__((vector_size(VW * 4)));
+typedef int32_t ATTN_IVEC __attribute__((vector_size(VW * 4)));
 
 static inline __attribute__((always_inline)) ATTN_VEC ATTN_LOAD(const float *p) {
     ATTN_VEC v;
@@ -25,12 +26,72 @@ static inline __attribute__((always_inline)) ATTN_VEC ATTN_LOADH(const uint16_t 
     return v;
 }
 
-/* VW int8 values (a q8_0 pool's) widened to floats */
+/* lane-wise max, a broadcast, and exp (Cephes' expf: range reduction by ln 2, degree-6 polynomial; within
+ * 2 ulp of expf over the softmax's range, inputs <= 0 here) */
+static inline __attribute__((always_inline)) ATTN_VEC ATTN_VMAX(ATTN_VEC x, ATTN_VEC y) {
+    const ATTN_IVEC gt = x > y;
+    return (ATTN_VEC)((gt & (ATTN_IVEC)x) | (~gt & (ATTN_IVEC)y));
+}
+static inline __attribute__((always_inline)) ATTN_VEC ATTN_LOAD1(float v) {
+    ATTN_VEC r;
+    for (int u = 0; u < VW; u++) r[u] = v;
+    return r;
+}
+static inline __attribute__((always_inline)) ATTN_VEC ATTN_EXPV(ATTN_VEC x) {
+    x = ATTN_VMAX(x, ATTN_LOAD1(-87.33654f)); /* below: 0 (or the smallest normal), as expf underflows */
+    ATTN_VEC fx = x * 1.44269504088896341f + 0.5f;
+    ATTN_VEC tf = __builtin_convertvector(__builtin_convertvector(fx, ATTN_IVEC), ATTN_VEC); /* toward 0 */
+    tf += __builtin_convertvector(tf > fx, ATTN_VEC); /* floor: -1 where truncation went up */
+    x = x - tf * 0.693359375f - tf * -2.12194440e-4f;
+    const ATTN_VEC z = x * x;
+    ATTN_VEC y = ATTN_LOAD1(1.9875691500e-4f);
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * z + x + 1.0f;
+    const ATTN_IVEC pow2n = (__builtin_convertvector(tf, ATTN_IVEC) + 127) << 23;
+    return y * (ATTN_VEC)pow2n;
+}
+
+/* VW int8 values (a q8_0 pool's) widened to floats: the ISA's sign-extending load where attn_decode.c names
+ * one (GCC turns the generic conversion into one insert per lane) */
 typedef int8_t ATTN_QVEC __attribute__((vector_size(VW)));
 static inline __attribute__((always_inline)) ATTN_VEC ATTN_LOADQ(const int8_t *p) {
+#ifdef ATTN_LOADQ_ISA
+    return (ATTN_VEC)ATTN_LOADQ_ISA(p);
+#else
     ATTN_QVEC q;
     memcpy(&q, p, sizeof q);
     return __builtin_convertvector(q, ATTN_VEC);
+#endif
+}
+
+/* ``dim`` values of a bf16 or q8_0 pool from element ``at`` as floats into ``dst`` (q8_0: scaled by the
+ * float16 scale of each 32, at ``at / 32``); returns dst */
+static inline __attribute__((always_inline)) const float *ATTN_WIDEN(int kind, const void *pool,
+                                                                    const uint16_t *scales, int64_t at, int dim,
+                                                                    float *dst) {
+    int d = 0;
+    if (kind == MOED_KV_Q8_0) {
+        const int8_t *src = (const int8_t *)pool + at;
+        for (int u = 0; u < dim / 32; u++) {
+            const float s = attn_f16(scales[at / 32 + u]);
+            for (int e = 0; e < 32; e += VW) {
+                const ATTN_VEC w = ATTN_LOADQ(src + 32 * u + e) * s;
+                memcpy(dst + 32 * u + e, &w, sizeof w);
+            }
+        }
+        return dst;
+    }
+    const uint16_t *src = (const uint16_t *)pool + at;
+    for (; d + VW <= dim; d += VW) {
+        const ATTN_VEC w = ATTN_LOADH(src + d);
+        memcpy(dst + d, &w, sizeof w);
+    }
+    for (; d < dim; d++) dst[d] = attn_h2f(src[d]);
+    return dst;
 }
 
 /* x[0..n) *= rsqrt(mean(x^2) + eps) * w, then rotate the first R dims (cos/sin of R/2) */
@@ -63,7 +124,8 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
         return;
     }
     const int64_t L = a->num_keys;
-    float *qs = work, *kx = qs + (int64_t)G * Dh, *tmp = kx + Dh, *acc = tmp + Dh, *sc = acc + (int64_t)G * Dv;
+    float *qs = work, *kx = qs + (int64_t)G * Dh, *tmp = kx + Dh, *acc = tmp + Dh, *vt = acc + (int64_t)G * Dv;
+    float *sc = vt + (int64_t)ATTN_KEY_TILE * Dv;
     const float *cs = a->cos + b * (int64_t)(R / 2), *sn = a->sin + b * (int64_t)(R / 2);
     const int64_t kstride = (int64_t)a->Hk * Dh, vstride = (int64_t)a->Hk * Dv;
     const int32_t *tab = a->block_table + b * (int64_t)a->max_blocks;
@@ -90,111 +152,99 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     int64_t j0 = 0, j1 = p + 1 < L ? p + 1 : L;
     if (a->window > 0 && p - a->window + 1 > 0) j0 = p - a->window + 1;
     const int64_t n = j1 > j0 ? j1 - j0 : 0;
-    /* scores [G][n]: four query heads at a time share each load of k_j (four independent sums); a bf16
-     * pool's rows are widened as they are loaded (T: the pool's element, LD: VW of them as floats, SC: one;
-     * a q8_0 pool's row is widened once per key into kw, scaled, and read from there by every head) */
-    float kw[32 * ATTN_MAX_Q8_BLOCKS];
-#define ATTN_SCORES(T, LD, SC)                                                                           \
-    for (int64_t j = 0; j < n; j++) {                                                                  \
-        const int64_t kat = ATTN_TOKEN(j0 + j) * kstride + g * (int64_t)Dh;                             \
-        const T *kj = (const T *)a->k_cache + kat;                                                      \
-        (void)kj; /* q8_0 reads kw */                                                                    \
-        if (a->kv_type == MOED_KV_Q8_0)                                                                  \
-            ATTN_WIDEN_Q8((const int8_t *)a->k_cache + kat, a->k_scale + kat / 32, Dh);                  \
-        int i = 0;                                                                                       \
-        for (; i + 4 <= G; i += 4) {                                                                     \
-            const float *q0 = qs + (int64_t)i * Dh;                                                      \
-            ATTN_VEC s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                             \
-            int d = 0;                                                                                   \
-            for (; d + VW <= Dh; d += VW) {                                                              \
-                const ATTN_VEC kv = LD(kj + d);                                                          \
-                s0 += ATTN_LOAD(q0 + d) * kv;                                                            \
-                s1 += ATTN_LOAD(q0 + Dh + d) * kv;                                                       \
-                s2 += ATTN_LOAD(q0 + 2 * Dh + d) * kv;                                                   \
-                s3 += ATTN_LOAD(q0 + 3 * Dh + d) * kv;                                                   \
-            }                                                                                            \
-            float t[4] = {ATTN_HSUM(s0), ATTN_HSUM(s1), ATTN_HSUM(s2), ATTN_HSUM(s3)};                   \
-            for (; d < Dh; d++)                                                                          \
-                for (int u = 0; u < 4; u++) t[u] += q0[u * Dh + d] * SC(kj[d]);                          \
-            for (int u = 0; u < 4; u++) sc[(int64_t)(i + u) * n + j] = t[u] * a->scale;                  \
-        }                                                                                                \
-        for (; i < G; i++) {                                                                             \
-            const float *qi = qs + (int64_t)i * Dh;                                                      \
-            ATTN_VEC s0 = {0};                                                                           \
-            int d = 0;                                                                                   \
-            for (; d + VW <= Dh; d += VW) s0 += ATTN_LOAD(qi + d) * LD(kj + d);                          \
-            float t = ATTN_HSUM(s0);                                                                     \
-            for (; d < Dh; d++) t += qi[d] * SC(kj[d]);                                                  \
-            sc[(int64_t)i * n + j] = t * a->scale;                                                       \
-        }                                                                                                \
+    /* scores [G][n]: each key row is widened once into kw (bf16; q8_0 with its scales; float32 rows are read
+     * where they are), then four query heads at a time take their dot products with it */
+    float kw[ATTN_MAX_ROW];
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t kat = ATTN_TOKEN(j0 + j) * kstride + g * (int64_t)Dh;
+        const float *kr = a->kv_type == MOED_KV_F32 ? (const float *)a->k_cache + kat
+                                                     : ATTN_WIDEN(a->kv_type, a->k_cache, a->k_scale, kat, Dh, kw);
+        int i = 0;
+        for (; i + 4 <= G; i += 4) {
+            const float *q0 = qs + (int64_t)i * Dh;
+            ATTN_VEC s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+            int d = 0;
+            for (; d + VW <= Dh; d += VW) {
+                const ATTN_VEC kv = ATTN_LOAD(kr + d);
+                s0 += ATTN_LOAD(q0 + d) * kv;
+                s1 += ATTN_LOAD(q0 + Dh + d) * kv;
+                s2 += ATTN_LOAD(q0 + 2 * Dh + d) * kv;
+                s3 += ATTN_LOAD(q0 + 3 * Dh + d) * kv;
+            }
+            float t[4] = {ATTN_HSUM(s0), ATTN_HSUM(s1), ATTN_HSUM(s2), ATTN_HSUM(s3)};
+            for (; d < Dh; d++)
+                for (int u = 0; u < 4; u++) t[u] += q0[u * Dh + d] * kr[d];
+            for (int u = 0; u < 4; u++) sc[(int64_t)(i + u) * n + j] = t[u] * a->scale;
+        }
+        for (; i < G; i++) {
+            const float *qi = qs + (int64_t)i * Dh;
+            ATTN_VEC s0 = {0};
+            int d = 0;
+            for (; d + VW <= Dh; d += VW) s0 += ATTN_LOAD(qi + d) * ATTN_LOAD(kr + d);
+            float t = ATTN_HSUM(s0);
+            for (; d < Dh; d++) t += qi[d] * kr[d];
+            sc[(int64_t)i * n + j] = t * a->scale;
+        }
     }
-#define ATTN_WIDEN_Q8(src, sc, dim)                                                                      \
-    for (int u = 0; u < (dim) / 32; u++) {                                                               \
-        const float s = moed_f16_to_f32((sc)[u]);                                                        \
-        for (int e = 0; e < 32; e += VW) {                                                               \
-            const ATTN_VEC w = ATTN_LOADQ((src) + 32 * u + e) * s;                                       \
-            memcpy(kw + 32 * u + e, &w, sizeof w);                                                       \
-        }                                                                                                \
-    }
-#define ATTN_LOADQK(p) ATTN_LOAD(kw + d)
-#define ATTN_Q8K(x) (kw[d])
-    if (a->kv_type == MOED_KV_Q8_0) {
-        ATTN_SCORES(int8_t, ATTN_LOADQK, ATTN_Q8K)
-    } else if (a->kv_type == MOED_KV_BF16) {
-        ATTN_SCORES(uint16_t, ATTN_LOADH, attn_h2f)
-    } else {
-        ATTN_SCORES(float, ATTN_LOAD, ATTN_SAME)
-    }
-#undef ATTN_SCORES
-#undef ATTN_LOADQK
-#undef ATTN_Q8K
-    /* softmax per query head (the sink joins the normaliser only) */
+    /* softmax per query head (the sink joins the normaliser only), VW scores at a time */
     for (int i = 0; i < G; i++) {
         float *si = sc + (int64_t)i * n;
         const float sink = a->sinks ? a->sinks[g * G + i] : -INFINITY;
         float m = sink;
-        for (int64_t j = 0; j < n; j++) m = si[j] > m ? si[j] : m;
+        int64_t j = 0;
+        if (n >= VW) {
+            ATTN_VEC mv = ATTN_LOAD(si);
+            for (j = VW; j + VW <= n; j += VW) mv = ATTN_VMAX(mv, ATTN_LOAD(si + j));
+            float lanes[VW];
+            memcpy(lanes, &mv, sizeof mv);
+            for (int u = 0; u < VW; u++) m = lanes[u] > m ? lanes[u] : m;
+        }
+        for (; j < n; j++) m = si[j] > m ? si[j] : m;
         float z = a->sinks ? expf(sink - m) : 0.0f;
-        for (int64_t j = 0; j < n; j++) {
+        ATTN_VEC zv = {0};
+        const ATTN_VEC mb = ATTN_LOAD1(m);
+        for (j = 0; j + VW <= n; j += VW) {
+            const ATTN_VEC e = ATTN_EXPV(ATTN_LOAD(si + j) - mb);
+            memcpy(si + j, &e, sizeof e);
+            zv += e;
+        }
+        z += ATTN_HSUM(zv);
+        for (; j < n; j++) {
             si[j] = expf(si[j] - m);
             z += si[j];
         }
         const float inv = z > 0.0f ? 1.0f / z : 0.0f;
-        for (int64_t j = 0; j < n; j++) si[j] *= inv;
+        const ATTN_VEC iv = ATTN_LOAD1(inv);
+        for (j = 0; j + VW <= n; j += VW) {
+            const ATTN_VEC p = ATTN_LOAD(si + j) * iv;
+            memcpy(si + j, &p, sizeof p);
+        }
+        for (; j < n; j++) si[j] *= inv;
     }
-    /* out[i] = sum_j p[i][j] v[j] */
+    /* out[i] = sum_j p[i][j] v[j]: the value rows of ATTN_KEY_TILE keys are widened into vt once, then every
+     * head of the group sums them with its weights, its output vector kept in registers over the tile */
     memset(acc, 0, sizeof(float) * (size_t)G * (size_t)Dv);
-#define ATTN_VALUES(T, LD, SC)                                                                           \
-    for (int64_t j = 0; j < n; j++) {                                                                  \
-        const int64_t vat = ATTN_TOKEN(j0 + j) * vstride + g * (int64_t)Dv;                             \
-        const T *vj = (const T *)a->v_cache + vat;                                                      \
-        (void)vj;                                                                                        \
-        if (a->kv_type == MOED_KV_Q8_0)                                                                  \
-            ATTN_WIDEN_Q8((const int8_t *)a->v_cache + vat, a->v_scale + vat / 32, Dv);                  \
-        for (int i = 0; i < G; i++) {                                                                    \
-            float *oi = acc + (int64_t)i * Dv;                                                           \
-            const float w = sc[(int64_t)i * n + j];                                                      \
-            int d = 0;                                                                                   \
-            for (; d + VW <= Dv; d += VW) {                                                              \
-                ATTN_VEC o = ATTN_LOAD(oi + d) + w * LD(vj + d);                                         \
-                memcpy(oi + d, &o, sizeof o);                                                            \
-            }                                                                                            \
-            for (; d < Dv; d++) oi[d] += w * SC(vj[d]);                                                  \
-        }                                                                                                \
+    for (int64_t t0 = 0; t0 < n; t0 += ATTN_KEY_TILE) {
+        const int kt = n - t0 < ATTN_KEY_TILE ? (int)(n - t0) : ATTN_KEY_TILE;
+        for (int t = 0; t < kt; t++) {
+            const int64_t vat = ATTN_TOKEN(j0 + t0 + t) * vstride + g * (int64_t)Dv;
+            float *row = vt + (int64_t)t * Dv;
+            if (a->kv_type == MOED_KV_F32) memcpy(row, (const float *)a->v_cache + vat, sizeof(float) * (size_t)Dv);
+            else ATTN_WIDEN(a->kv_type, a->v_cache, a->v_scale, vat, Dv, row);
+        }
+        for (int i = 0; i < G; i++) {
+            float *oi = acc + (int64_t)i * Dv;
+            const float *wi = sc + (int64_t)i * n + t0;
+            int d = 0;
+            for (; d + VW <= Dv; d += VW) {
+                ATTN_VEC o = ATTN_LOAD(oi + d);
+                for (int t = 0; t < kt; t++) o += wi[t] * ATTN_LOAD(vt + (int64_t)t * Dv + d);
+                memcpy(oi + d, &o, sizeof o);
+            }
+            for (; d < Dv; d++)
+                for (int t = 0; t < kt; t++) oi[d] += wi[t] * vt[(int64_t)t * Dv + d];
+        }
     }
-#define ATTN_LOADQV(p) ATTN_LOAD(kw + d)
-#define ATTN_Q8V(x) (kw[d])
-    if (a->kv_type == MOED_KV_Q8_0) {
-        ATTN_VALUES(int8_t, ATTN_LOADQV, ATTN_Q8V)
-    } else if (a->kv_type == MOED_KV_BF16) {
-        ATTN_VALUES(uint16_t, ATTN_LOADH, attn_h2f)
-    } else {
-        ATTN_VALUES(float, ATTN_LOAD, ATTN_SAME)
-    }
-#undef ATTN_VALUES
-#undef ATTN_LOADQV
-#undef ATTN_Q8V
-#undef ATTN_WIDEN_Q8
     memcpy(out, acc, sizeof(float) * (size_t)G * (size_t)Dv);
 }
 
@@ -208,5 +258,11 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
 #undef ATTN_UVEC
 #undef ATTN_QVEC
 #undef ATTN_LOADQ
+#undef ATTN_LOADQ_ISA
+#undef ATTN_IVEC
+#undef ATTN_VMAX
+#undef ATTN_LOAD1
+#undef ATTN_EXPV
+#undef ATTN_WIDEN
 #undef ATTN_PREP
 #undef ATTN_TASK

@@ -159,3 +159,23 @@ def test_bad_arguments_are_refused():
         LIB.attn_decode(q.double(), k, v, block_tables=table(0), **common)
     with pytest.raises(ValueError, match="pools"):
         LIB.attn_decode(q, k, v, block_tables=table(0), **{**common, "k_cache": pool.half(), "v_cache": pool.half()})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "q8_0"])
+def test_a_long_context_matches_torch(dtype, isa, monkeypatch):
+    """Hundreds of keys: the vectorised softmax (max, exp, sum in VW lanes) and the key tiles of the value sums
+    run whole, with ragged tails (333 and 1000 keys)."""
+    gen = torch.Generator().manual_seed(11)
+    layer, _, rotary, _ = _layer("qwen3", gen)
+    caches = [KVCache([layer.cache_entries()], num_blocks=128, block_size=16, dtype=dtype) for _ in range(2)]
+    _fill(caches, layer, gen)
+    tables = [list(range(0, 64))[::-1], list(range(64, 128))]
+    batch = ForwardBatch(torch.zeros(2, 1, dtype=torch.int64), starts=[333, 1000], lengths=[1, 1], slots=[0, 1],
+                         block_tables=tables)
+    x = torch.randn(2, 1, 24, generator=gen) * 3
+    got = _run(layer, rotary, caches[0], x, batch)
+    with monkeypatch.context() as m:
+        m.setattr(attention_module, "native", lambda: None)
+        want = _run(layer, rotary, caches[1], x, ForwardBatch(batch.input_ids, batch.starts, batch.lengths,
+                                                               batch.slots, tables))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
