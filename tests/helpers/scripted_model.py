@@ -78,13 +78,13 @@ class ScriptedModel:
         self.num_forwards += 1
         logits = torch.zeros(len(batch.slots), self.config.vocab_size)  # [B, V]
         bs = cache.block_size
-        for row, seq in enumerate(batch.slots):
-            start, length = batch.starts[row], batch.lengths[row]
+        for row, seq in enumerate(batch.slots):  # row: the sequence's index in the step (packed or padded)
+            tensor_row, offset, start, length = batch.segment(row)
             table = cache.table(batch, row)
             assert start + length <= len(table) * bs, "the loop fed a token past the blocks of its sequence"
             for i in range(length):
                 p = start + i
-                cache.rows[table[p // bs] * bs + p % bs] = int(batch.input_ids[row, i])
+                cache.rows[table[p // bs] * bs + p % bs] = int(batch.input_ids[tensor_row, offset + i])
             is_new = seq not in cache.fed or start == 0  # (a for-slots cache reuses its slots from 0)
             cache.fed[seq] = {p: cache.rows[table[p // bs] * bs + p % bs] for p in range(start + length)}
             nxt = self.next_token(seq, cache.fed[seq], start + length, is_new=is_new)
