@@ -22,15 +22,16 @@ import torch
 
 from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE
 from moed.engine.hybrid_checkpoints import HybridCheckpoints, boundary_ids
-from moed.engine.kv_manager import KVFigures, KVManager, OutOfBlocks, kv_pool_tokens
+from moed.engine.kv_manager import KVFigures, KVManager, kv_pool_tokens
 from moed.engine.live_request import LiveRequest
 from moed.engine.request import GenerationRequest, RequestHandle
 from moed.engine.runtime import DEFAULT_CONTEXT, ModelRuntime
 from moed.engine.sampling import SamplingParams
 from moed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from moed.engine.step_execution import grant_blocks, run_forward
+from moed.engine.step_outcome import record_outcomes, sample_outcomes
 from moed.engine.step_workspace import step_workspace_bytes
 from moed.errors import InvalidRequestError, quoted
-from moed.runner.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
@@ -297,9 +298,8 @@ class EngineLoop:
             except Exception as exc:  # a bug outside the model call: fail what is running, keep serving
                 log.exception("engine %s: step failed", self.name)
                 with self._lock:
-                    self.last_error = f"{type(exc).__name__}: {exc}"
-                    for seq_id in self._scheduler.running_ids():
-                        self._finish_locked(seq_id, "error", f"engine step failed: {self.last_error}")
+                    running = self._scheduler.running_ids()
+                self._fail(running, f"engine step failed: {type(exc).__name__}: {exc}")
         with self._lock:
             self._cache = None  # the KV memory goes with the loop
             for fn, future in self._safe_points:  # queued while we were exiting
@@ -307,6 +307,39 @@ class EngineLoop:
             self._safe_points = []
 
     def _step(self) -> None:
+        """One step: plan (under the lock), blocks and forward (engine/step_execution.py), outcome
+        (engine/step_outcome.py). A failed forward fails the step's own sequences and nothing else."""
+        chunks = self._plan()
+        if not chunks:
+            return
+        # blocks first: a sequence preempted here goes back to the queue and is not part of this step,
+        # so a failure of the forward below is not its failure
+        ready = grant_blocks(chunks, self._kv, self._scheduler, self._lock, self._preempted)
+        if not ready:
+            return
+        chunks = [c for c, _ in ready]
+        try:
+            logits = run_forward(self.runtime.model, self._cache, self._checkpoints, ready)  # [B, V]
+        except Exception as exc:
+            log.exception("engine %s: model step failed", self.name)
+            self._fail([c.seq_id for c in chunks], f"model step failed: {type(exc).__name__}: {exc}")
+            return
+        self.num_steps += 1
+        self.max_batch_seen = max(self.max_batch_seen, len(chunks))
+        outcomes = sample_outcomes(chunks, logits, self._live, self._eos_ids, self.context_length, name=self.name)
+        del logits
+        with self._lock:
+            for o in record_outcomes(outcomes, self._scheduler, self._kv, self._checkpoints, self._cache):
+                if o.error:
+                    self.last_error = o.error
+                self._finish_locked(o.chunk.seq_id, o.reason, o.error)
+            now = time.monotonic()
+            self._rate.append((now, sum(1 for o in outcomes if o.token is not None)))
+            while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
+                self._rate.popleft()
+
+    def _plan(self) -> list[ScheduledChunk]:
+        """Finish expired and cancelled sequences, then the scheduler's chunks for this step."""
         now = time.monotonic()
         with self._lock:
             expired = [seq_id for seq_id, live in self._live.items()
@@ -316,26 +349,14 @@ class EngineLoop:
             plan = self._scheduler.schedule()
             for seq_id in plan.cancelled:
                 self._finish_locked(seq_id, "cancelled")
-            chunks = [c for c in plan.chunks if c.seq_id in self._live]
-        if not chunks:
-            return
-        # blocks first: a sequence preempted here goes back to the queue and is not part of this step,
-        # so a failure of the forward below is not its failure
-        ready = self._with_blocks(chunks)
-        if not ready:
-            return
-        chunks = [c for c, _ in ready]
-        try:
-            logits = self._forward(ready)  # [B, V]
-        except Exception as exc:
-            log.exception("engine %s: model step failed", self.name)
-            message = f"model step failed: {type(exc).__name__}: {exc}"
-            with self._lock:
-                self.last_error = message
-                for chunk in chunks:
-                    self._finish_locked(chunk.seq_id, "error", message)
-            return
-        self._after_forward(chunks, logits)
+            return [c for c in plan.chunks if c.seq_id in self._live]
+
+    def _fail(self, seq_ids: list[int], message: str) -> None:
+        """End these sequences with an error (a failed step: its K/V blocks are not cached)."""
+        with self._lock:
+            self.last_error = message
+            for seq_id in seq_ids:
+                self._finish_locked(seq_id, "error", message)
 
     def _on_admit(self, seq_id: int, token_ids: list[int]) -> int | None:
         """The scheduler's admission hook (under the lock): KV room and the cached prefix of a sequence."""
@@ -347,76 +368,6 @@ class EngineLoop:
             if live is not None and not resumed:
                 live.cached_tokens = cached
         return cached
-
-    def _with_blocks(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, list[int]]]:
-        """Each chunk with its sequence's block table, grown for the tokens it writes. When the pool runs dry
-        the newest running sequence without blocks for this step yet is preempted (possibly the chunk's
-        own); its chunk is dropped from the step."""
-        ready: list[tuple[ScheduledChunk, list[int]]] = []
-        dropped: set[int] = set()
-        for c in chunks:
-            while c.seq_id not in dropped:
-                try:
-                    ready.append((c, list(self._kv.ensure(c.seq_id, c.start + len(c.token_ids)))))
-                    break
-                except OutOfBlocks:
-                    with self._lock:
-                        victim = self._scheduler.newest_running({r.seq_id for r, _ in ready})
-                        if victim is None:
-                            raise
-                        self._kv.release(victim, self._scheduler.cached_token_ids(victim))
-                        self._scheduler.preempt(victim)
-                        self._preempted.add(victim)
-                    dropped.add(victim)
-        return ready
-
-    def _forward(self, ready: list[tuple[ScheduledChunk, list[int]]]) -> torch.Tensor:
-        chunks, tables = [c for c, _ in ready], [t for _, t in ready]
-        if self._checkpoints.enabled:
-            self._checkpoints.restore(self._cache, chunks)
-        # with block tables the batch's "slots" are the sequences' ids (the routing trace keys on them); chunks
-        # of different lengths are packed into one row (no padding: a decode row costs one token)
-        batch = ForwardBatch.from_token_lists([c.token_ids for c in chunks], [c.start for c in chunks],
-                                              [c.seq_id for c in chunks], tables, [c.slot for c in chunks],
-                                              packed=True)
-        logits = self.runtime.model.forward(batch, self._cache)
-        self.num_steps += 1
-        self.max_batch_seen = max(self.max_batch_seen, len(chunks))
-        return logits
-
-    def _after_forward(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
-        results: list[tuple[ScheduledChunk, int | None, str, str]] = []  # chunk, token, finish reason, error
-        for row, chunk in enumerate(chunks):
-            if not chunk.samples:
-                results.append((chunk, None, "", ""))
-                continue
-            try:
-                token, reason = self._live[chunk.seq_id].accept(logits[row], chunk.start + len(chunk.token_ids),
-                                                                self._eos_ids, self.context_length)
-                results.append((chunk, token, reason, ""))
-            except Exception as exc:
-                log.exception("engine %s: sampling failed", self.name)
-                results.append((chunk, None, "error", f"sampling failed: {type(exc).__name__}: {exc}"))
-        del logits
-        num_sampled = sum(1 for _, token, _, _ in results if token is not None)
-        with self._lock:
-            for chunk, token, reason, error in results:
-                self._scheduler.record(chunk.seq_id, len(chunk.token_ids), token)
-            if self._checkpoints.enabled:
-                self._checkpoints.take(self._cache, [chunk for chunk, _, reason, _ in results if not reason])
-            elif self._kv.prefix_cache:  # prefilled prompt blocks are shared at once, not when the request ends
-                for chunk, _, reason, _ in results:
-                    if not reason and len(chunk.token_ids) > 1:
-                        self._kv.publish(chunk.seq_id, self._scheduler.cached_token_ids(chunk.seq_id))
-            for chunk, token, reason, error in results:
-                if reason:
-                    if error:
-                        self.last_error = error
-                    self._finish_locked(chunk.seq_id, reason, error)
-            now = time.monotonic()
-            self._rate.append((now, num_sampled))
-            while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
-                self._rate.popleft()
 
     # ---- shared (caller holds the lock) ----
 
