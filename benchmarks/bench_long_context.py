@@ -120,7 +120,7 @@ run_offline(rt, [prompt[:16]], [SamplingParams(max_tokens=2, ignore_eos=True)], 
                       context_length=prompt_n + decode_n + 16)
 def held(t):  # bytes of a weight as the model holds it (PackedLinear: its arrays)
     return sum(a.nbytes for a in t.arrays) if hasattr(t, "arrays") else t.nbytes
-weights = rt.loaded.bank.nbytes + sum(held(t) for t in rt.loaded.weights.values())
+weights = rt.loaded.bank.nbytes() + sum(held(t) for t in rt.loaded.weights.values())
 print(json.dumps({"ttft_s": done.usage.ttft_s, "prefill_tok_s": prompt_n / done.usage.ttft_s,
                   "decode_tok_s": done.usage.decode_tok_s, "weights_gib": weights / 2**30,
                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))

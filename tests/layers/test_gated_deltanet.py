@@ -79,7 +79,7 @@ def test_a_long_prefill_through_the_chunked_rule_matches_transformers(heads):
 
 
 @pytest.mark.parametrize("length", [1, 17, 128, 129, 300])
-@pytest.mark.parametrize("decay", [0.05, 3.0], ids=["weak-decay", "strong-decay"])
+@pytest.mark.parametrize("decay", [0.05, 3.0, 12.0], ids=["weak-decay", "strong-decay", "forgetful"])
 @pytest.mark.parametrize("chunk", [4, 128])
 def test_the_chunked_rule_is_the_token_by_token_rule(length, decay, chunk):
     g = torch.Generator().manual_seed(length)
