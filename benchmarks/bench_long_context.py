@@ -103,6 +103,8 @@ print(json.dumps({"ttft_s": ttft, "prefill_tok_s": prompt_n / ttft, "decode_tok_
 
 MOED_RUN = r"""
 import json, os, resource, sys, time
+from moed.engine.memory_release import limit_malloc_arenas
+limit_malloc_arenas()  # what `moed serve` and `moed generate` do before their threads start
 from moed.kernels.numba_runtime import configure_threads
 from moed.engine.offline_run import run_offline
 from moed.engine.runtime import open_runtime
@@ -121,8 +123,10 @@ run_offline(rt, [prompt[:16]], [SamplingParams(max_tokens=2, ignore_eos=True)], 
 def held(t):  # bytes of a weight as the model holds it (PackedLinear: its arrays)
     return sum(a.nbytes for a in t.arrays) if hasattr(t, "arrays") else t.nbytes
 weights = rt.loaded.bank.nbytes() + sum(held(t) for t in rt.loaded.weights.values())
+from moed.models.moe_transformer import kv_cache_bytes
+kv = kv_cache_bytes(rt.model.config, 1, prompt_n + decode_n + 16, rt.model.kv_dtype)
 print(json.dumps({"ttft_s": done.usage.ttft_s, "prefill_tok_s": prompt_n / done.usage.ttft_s,
-                  "decode_tok_s": done.usage.decode_tok_s, "weights_gib": weights / 2**30,
+                  "decode_tok_s": done.usage.decode_tok_s, "weights_gib": weights / 2**30, "kv_gib": kv / 2**30,
                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 rt.close()
 """
@@ -186,6 +190,7 @@ def main() -> int:
             for e in engines:
                 print(f"| {r['prompt']:,} | {e} | TTFT {r[e]['ttft_s']:.1f} s | prefill {r[e]['prefill_tok_s']:.1f} tok/s "
                       f"| decode {r[e]['decode_tok_s']:.2f} tok/s | peak RSS {r[e]['peak_rss_gib']:.2f} GiB |")
+        _print_memory(rows)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return 0
@@ -197,9 +202,20 @@ def main() -> int:
         print(f"| {r['prompt']:,} | {ll['ttft_s']:.1f} s | {mo['ttft_s']:.1f} s | {ll['ttft_s'] / mo['ttft_s']:.2f}x "
               f"| {ll['decode_tok_s']:.1f} | {mo['decode_tok_s']:.1f} | {mo['decode_tok_s'] / ll['decode_tok_s']:.2f}x "
               f"| {ll['peak_rss_gib']:.2f} | {mo['peak_rss_gib']:.2f} |")
+    _print_memory(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def _print_memory(rows: list[dict]) -> None:
+    """moed's peak RSS against what it must hold: its weights as loaded plus the K/V pool for the context."""
+    for r in rows:
+        mo = r.get("moed")
+        if mo and "kv_gib" in mo:
+            held = mo["weights_gib"] + mo["kv_gib"]
+            print(f"moed at {r['prompt']:,}: weights {mo['weights_gib']:.2f} GiB + K/V {mo['kv_gib']:.2f} GiB = "
+                  f"{held:.2f} GiB; peak RSS {mo['peak_rss_gib']:.2f} GiB = held + {mo['peak_rss_gib'] - held:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import time
 
 from moed.cli.engine_args import engine_config_from_args
 from moed.cli.progress import ProgressBar
+from moed.engine.memory_release import limit_malloc_arenas
 from moed.engine.offline_run import run_offline
 from moed.engine.request import StreamEvent
 from moed.engine.runtime import open_runtime
@@ -20,6 +21,8 @@ from moed.errors import InvalidRequestError
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    limit_malloc_arenas()  # before the engine's threads, as `moed serve` does: a long prompt's step temporaries
+    # otherwise leave their freed chunks in one arena per thread (measured: +0.4 GiB peak at a 16k prompt)
     # validate request parameters before spending time on a load
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
