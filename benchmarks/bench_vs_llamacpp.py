@@ -118,7 +118,10 @@ def to_gguf(args, hf: Path, work: Path, qtype: str) -> Path:
     bf16 = work / f"model-{hf.name}-bf16.gguf"
     if not bf16.is_file():
         llama = Path(args.llama_cpp_dir)
-        subprocess.run([str(MOED_PY), str(llama / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16",
+        # Qwen3-Next's config names no multi-token-prediction layers and the checkpoint has none: the
+        # converter asserts unless told to leave them out
+        no_mtp = ["--no-mtp"] if json.loads((hf / "config.json").read_text()).get("model_type") == "qwen3_next" else []
+        subprocess.run([str(MOED_PY), str(llama / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16", *no_mtp,
                         "--outfile", str(bf16)], check=True, capture_output=True,
                        env={**os.environ, "PYTHONPATH": str(llama / "gguf-py")})
     if qtype == "bf16":
