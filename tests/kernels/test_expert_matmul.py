@@ -268,3 +268,35 @@ def test_bench_kernels_smoke() -> None:
     assert [r["dtype"] for r in rows] == ["bf16", "int4"]
     assert all(r["weight_gbps"] > 0 and r["ratio"] > 0 and r["experts"] >= 4 for r in rows)
     assert "| int4 | 64 | 32 |" in format_table(rows)
+
+
+def test_prefill_gemm_shapes_are_bucketed(monkeypatch) -> None:
+    """Each expert's token count reaches the bf16 GEMM rounded up to PREFILL_ROW_BUCKET rows (oneDNN caches
+    a primitive per shape: one shape per count thrashed its capped caches), and the padding rows never
+    show in the result."""
+    from moed.kernels import expert_matmul as em
+    from moed.kernels.prefill_gemm import prefill_gemm_dtype
+
+    if prefill_gemm_dtype(torch.bfloat16, torch.device("cpu")) != torch.bfloat16:
+        pytest.skip("this CPU multiplies prefill in float32 (MKL): no per-shape primitives to bound")
+    gen = torch.Generator().manual_seed(5)
+    bank = _bank("q8", torch.randn(1, 64, 48, generator=gen))
+    seen = set()
+    real = torch.matmul
+
+    def spy(a, b):
+        seen.add(a.shape[0])
+        return real(a, b)
+
+    monkeypatch.setattr(torch, "matmul", spy)
+    counts = range(DIRECT_MAX_TOKENS + 1, DIRECT_MAX_TOKENS + 49)  # 48 token counts
+    for tokens in counts:
+        x = torch.randn(tokens, 64, generator=gen)
+        y = expert_matmul(bank, "down", 0, x)
+        assert y.shape == (tokens, 48)
+        monkeypatch.setattr(torch, "matmul", real)
+        ref = expert_matmul_reference(bank, "down", 0, x)
+        monkeypatch.setattr(torch, "matmul", spy)
+        assert float(((y - ref).abs() - _bound(bank, 0, x)).max()) <= 0.0
+    assert seen and all(m % em.PREFILL_ROW_BUCKET == 0 for m in seen)
+    assert len(seen) <= 4, f"{len(counts)} token counts reached the GEMM as {len(seen)} shapes"
