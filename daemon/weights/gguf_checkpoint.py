@@ -337,8 +337,8 @@ class _Metadata:
     def config(self) -> dict[str, Any]:
         family, hf_class, _ = ARCHITECTURES[self.arch]
         file = self.file
-        hidden, heads = self.int("embedding_length"), self.int("attention.head_count")
-        head_dim = self.int("attention.key_length", default=hidden // heads)
+        hidden, heads = self.int("embedding_length", minimum=1), self.int("attention.head_count", minimum=1)
+        head_dim = self.int("attention.key_length", default=hidden // heads, minimum=1)
         if self.int("attention.value_length", default=head_dim) != head_dim:
             raise UnsupportedModelError(f"{file.path}: attention.key_length and value_length differ; moed's attention "
                                         "needs one head size")
@@ -346,11 +346,11 @@ class _Metadata:
             "model_type": family, "architectures": [hf_class],
             "vocab_size": self._rows("token_embd.weight"),
             "hidden_size": hidden,
-            "num_hidden_layers": self.int("block_count"),
+            "num_hidden_layers": self.int("block_count", minimum=1),
             "num_attention_heads": heads,
-            "num_key_value_heads": self.int("attention.head_count_kv", default=heads),
+            "num_key_value_heads": self.int("attention.head_count_kv", default=heads, minimum=1),
             "head_dim": head_dim,
-            "max_position_embeddings": self.int("context_length"),
+            "max_position_embeddings": self.int("context_length", minimum=1),
             "rms_norm_eps": self.float("attention.layer_norm_rms_epsilon"),
             "rope_parameters": self.rope(head_dim),
             "tie_word_embeddings": "output.weight" not in file,
@@ -362,18 +362,18 @@ class _Metadata:
             cfg["pad_token_id"] = pad
         if (dense := self.int("feed_forward_length", default=0)):
             cfg["intermediate_size"] = dense
-        num_experts, top_k = self.int("expert_count"), self.int("expert_used_count")
+        num_experts, top_k = self.int("expert_count", minimum=1), self.int("expert_used_count", minimum=1)
         has_q_bias = "blk.0.attn_q.bias" in file
         if self.arch == "gpt-oss":
             cfg.update(num_local_experts=num_experts, num_experts_per_tok=top_k,
-                       intermediate_size=self.int("expert_feed_forward_length"), attention_bias=True,
+                       intermediate_size=self.int("expert_feed_forward_length", minimum=1), attention_bias=True,
                        sliding_window=self.int("attention.sliding_window"),
                        layer_types=self.layer_types(cfg["num_hidden_layers"]), swiglu_alpha=1.702, swiglu_limit=7.0)
             return cfg
         self.require_moe_layers(cfg["num_hidden_layers"])
         cfg.update(num_experts=num_experts, num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
                    use_sliding_window=False,
-                   moe_intermediate_size=self.int("expert_feed_forward_length",
+                   moe_intermediate_size=self.int("expert_feed_forward_length", minimum=1,
                                                   default=self._rows("blk.0.ffn_gate_exps.weight", dim=1)))
         if self.arch == "qwen3moe":
             cfg.update(norm_topk_prob=True, attention_bias=has_q_bias)
@@ -384,7 +384,7 @@ class _Metadata:
 
     def rope(self, head_dim: int) -> dict[str, Any]:
         params: dict[str, Any] = {"rope_theta": self.float("rope.freq_base", default=10000.0)}
-        dims = self.int("rope.dimension_count", default=head_dim)
+        dims = self.int("rope.dimension_count", default=head_dim, minimum=1)
         if dims != head_dim:
             params["partial_rotary_factor"] = dims / head_dim
         kind = self.meta.get(f"{self.arch}.rope.scaling.type", "none")
@@ -394,7 +394,7 @@ class _Metadata:
             params.update(rope_type="linear", factor=self.float("rope.scaling.factor"))
         elif kind == "yarn":
             params.update(rope_type="yarn", factor=self.float("rope.scaling.factor"),
-                          original_max_position_embeddings=self.int("rope.scaling.original_context_length"))
+                          original_max_position_embeddings=self.int("rope.scaling.original_context_length", minimum=1))
             for key, hf_key in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow"),
                                 ("rope.scaling.yarn_attn_factor", "attention_factor")):
                 if f"{self.arch}.{key}" in self.meta:
@@ -429,16 +429,18 @@ class _Metadata:
                     f"{self.file.path}: layer {layer} has no router (blk.{layer}.ffn_gate_inp.weight); llama.cpp's "
                     f"{self.arch} has an MoE in every layer, and moed reads only what llama.cpp does")
 
-    def int(self, key: str, *, default: int | None = None) -> int:
+    def int(self, key: str, *, default: int | None = None, minimum: int = 0) -> int:
         value = self.meta.get(f"{self.arch}.{key}", default)
         if isinstance(value, list) and value and all(v == value[0] for v in value):
             value = value[0]  # a per-layer array with one value
         if value is None:
             raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} is missing; the file is incomplete "
                                    "or was not written by llama.cpp's convert_hf_to_gguf.py")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} should be one non-negative integer, "
-                                   f"got {quoted(value)} (per-layer values are not supported)")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            least = "positive" if minimum == 1 else f"at least {minimum}" if minimum else "non-negative"
+            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} should be one {least} integer, "
+                                   f"got {quoted(value)} (per-layer values are not supported); the file is corrupt "
+                                   "or was not written by llama.cpp's convert_hf_to_gguf.py")
         return value
 
     def float(self, key: str, *, default: float | None = None) -> float:

@@ -136,7 +136,7 @@ class GgufFile:
             lead = info.shape[0] if info.shape else 1
             if not 0 <= r0 <= r1 <= lead:
                 raise ValueError(f"{self.path}: rows {rows} out of range for tensor {name!r} of shape {info.shape}")
-            per_row = info.nbytes // lead
+            per_row = info.nbytes // lead if lead else 0
             offset, size = info.offset + r0 * per_row, (r1 - r0) * per_row
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
@@ -191,10 +191,80 @@ def _check_head(path: Path, head: bytes) -> int:
     return version
 
 
+# Bounds on what a header may ask the reader to build. gguf's reader makes one numpy view per array
+# item and loops over counts read from the file, so a hostile count would cost memory and time
+# without bound; real files stay far below these (a 262k-token vocabulary, ~1,100 tensors for
+# DeepSeek-V3, a few dozen metadata keys).
+MAX_METADATA_KEYS = 1 << 16
+MAX_TENSORS = 1 << 20
+MAX_ARRAY_ITEMS = 1 << 22  # items in one metadata array
+MAX_STRING_ITEMS = 1 << 23  # string items in all arrays together (each becomes two numpy views)
+MAX_STRING_BYTES = 1 << 24  # one string (the longest real ones are chat templates of ~100 KB)
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, one byte of value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, dims count, type, offset
+
+
+class HeaderLimitError(ValueError):
+    """A GGUF header asks for more items than any real file holds (or than the file has bytes for)."""
+
+
 class _HeaderReader(gguf.GGUFReader):
-    """GGUFReader stopped at the tensor infos: the stock reader also builds a numpy view of every
-    tensor's data, and fails with a bare reshape error when a truncated file cuts one short; here
-    the infos are kept and the extents checked by ``_check_extents``, which names the tensor."""
+    """GGUFReader stopped at the tensor infos, with every count bounded before it is looped over.
+
+    The stock reader also builds a numpy view of every tensor's data, and fails with a bare reshape
+    error when a truncated file cuts one short; here the infos are kept and the extents checked by
+    ``_check_extents``, which names the tensor. Numeric metadata arrays are read as one view instead
+    of a view per item (a 150k-entry score array is one slice, not 150k objects)."""
+
+    _string_items = 0
+
+    def _bounded(self, what: str, count: int, limit: int, offs: int, min_bytes: int) -> int:
+        count, left = int(count), len(self.data) - offs
+        if count > limit:
+            raise HeaderLimitError(f"the header claims {count} {what}, more than moed reads (at most {limit})")
+        if count * min_bytes > left:  # a truncated file, most likely: the generic "cut short" message
+            raise ValueError(f"the header claims {count} {what}, more than the {left} bytes left can hold")
+        return count
+
+    def _get_str(self, offset: int):
+        slen = self._get(offset, np.uint64)
+        if len(slen) != 1:
+            raise ValueError("a string is cut short")
+        # the stock reader slices past the end without noticing: a hostile length would hand back the
+        # rest of a many-GB file as one string
+        self._bounded("bytes in a string", slen[0], MAX_STRING_BYTES, offset + 8, 1)
+        return super()._get_str(offset)
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        return super()._build_fields(offs, self._bounded("metadata keys", count, MAX_METADATA_KEYS, offs,
+                                                         _MIN_KV_BYTES))
+
+    def _build_tensor_info(self, offs: int, count: int):
+        return super()._build_tensor_info(offs, self._bounded("tensors", count, MAX_TENSORS, offs,
+                                                              _MIN_TENSOR_INFO_BYTES))
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        if len(raw_itype) != 1 or len(alen) != 1:
+            raise ValueError("a metadata array is cut short")
+        itype = gguf.GGUFValueType(int(raw_itype[0]))
+        offs = orig_offs + 12
+        if itype == gguf.GGUFValueType.ARRAY:
+            raise HeaderLimitError("a metadata array holds arrays (no llama.cpp model writes nested arrays)")
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is not None:  # numbers: one view of all items
+            count = self._bounded("items in a metadata array", alen[0], MAX_ARRAY_ITEMS, offs,
+                                  np.dtype(nptype).itemsize)
+            items = self._get(offs, nptype, count)
+            return 12 + int(items.nbytes), [raw_itype, alen, items], [2], [gguf.GGUFValueType.ARRAY, itype]
+        count = self._bounded("items in a metadata array", alen[0], MAX_ARRAY_ITEMS, offs, 8)
+        self._string_items += count
+        if self._string_items > MAX_STRING_ITEMS:
+            raise HeaderLimitError(f"the header's arrays hold more than {MAX_STRING_ITEMS} strings in all")
+        return super()._get_field_parts(orig_offs, raw_type)
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         self.tensor_data_start = start_offs
@@ -204,6 +274,9 @@ class _HeaderReader(gguf.GGUFReader):
 def _parse_header(path: Path) -> _HeaderReader:
     try:
         return _HeaderReader(path, "r")
+    except HeaderLimitError as exc:
+        raise ModelFormatError(f"{path}: not a model file moed will read: {exc}; the file is corrupt or was not "
+                               "written by llama.cpp") from None
     except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError, OSError) as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelFormatError(f"{path}: the GGUF header (metadata and tensor list) is cut short or corrupt; "
@@ -215,9 +288,11 @@ def _field_value(path: Path, name: str, field: Any) -> Any:
     types = [gguf.GGUFValueType(t) for t in field.types]
     try:
         if types[0] == gguf.GGUFValueType.ARRAY:
-            if len(types) > 2:
-                return None  # nested arrays: no key moed reads uses them
-            return [_scalar(types[1], field.parts[i]) for i in field.data]
+            if len(types) < 2:
+                return []  # an empty array of strings: the reader records no item type
+            if types[1] == gguf.GGUFValueType.STRING:
+                return [_scalar(types[1], field.parts[i]) for i in field.data]
+            return [_scalar(types[1], item) for item in field.parts[field.data[0]].reshape(-1, 1)]
         return _scalar(types[0], field.parts[field.data[0]])
     except UnicodeDecodeError:
         raise ModelFormatError(f"{path}: metadata {quoted(name)} holds a string that is not UTF-8; "

@@ -14,35 +14,21 @@ from __future__ import annotations
 import math
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QK_K = 256  # weights per K-quant super-block
 BANK_GROUP = 32  # weights per scale along K in every bank layout (q8, mxfp4, int4)
 E8M0_NAN = 255  # the OCP MX NaN exponent (ggml: 2**127)
 DEQUANT_SLICE = 1 << 18  # weights decoded per step by `dequantize` (1 MB of float32)
 
-# GGMLQuantizationType ids (ggml.h `enum ggml_type`); a file format constant, so kept here
-# rather than imported from the `gguf` package (a test-only dependency).
-_TYPE_NAMES: dict[int, str] = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
-    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K",
-    16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
-    23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16",
-    34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
-}
-_IDS = {name: type_id for type_id, name in _TYPE_NAMES.items()}
-F32, F16, BF16 = _IDS["F32"], _IDS["F16"], _IDS["BF16"]
-Q8_0, Q4_0, Q4_1 = _IDS["Q8_0"], _IDS["Q4_0"], _IDS["Q4_1"]
-Q4_K, Q5_K, Q6_K, MXFP4 = _IDS["Q4_K"], _IDS["Q5_K"], _IDS["Q6_K"], _IDS["MXFP4"]
-
-# (weights per block, bytes per block) of every type ggml defines, read or not: a reader needs
-# the byte size of tensors it skips.
-_BLOCK_SIZES: dict[int, tuple[int, int]] = {
-    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
-    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
-    16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110),
-    22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8),
-    29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18),
-}
+# The type ids and (weights per block, bytes per block) of every type ggml defines, read or not (a
+# reader needs the byte size of tensors it skips): the `gguf` package's tables, llama.cpp's own.
+_TYPE_NAMES: dict[int, str] = {int(t): t.name for t in GGMLQuantizationType}
+_BLOCK_SIZES: dict[int, tuple[int, int]] = {int(t): size for t, size in GGML_QUANT_SIZES.items()}
+F32, F16, BF16 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)
+Q8_0, Q4_0, Q4_1 = int(GGMLQuantizationType.Q8_0), int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1)
+Q4_K, Q5_K, Q6_K = int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K), int(GGMLQuantizationType.Q6_K)
+MXFP4 = int(GGMLQuantizationType.MXFP4)
 
 SUPPORTED_TYPES: tuple[int, ...] = (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4)
 
