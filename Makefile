@@ -15,7 +15,12 @@ PYTEST_ARGS ?=
 AGENTS_DIR := .cache/agents
 AGENT_PACKAGES := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 opencode-ai@1.18.33
 
-.PHONY: venv demo demo-model test test-fast proto clean agents
+# llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py, its conversion/ package and gguf-py), from
+# llama-cpp-python's source distribution on PyPI: the GGUF tests convert the tiny parity models with it
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_DIR := .cache/llamacpp-convert
+
+.PHONY: venv demo demo-model test test-fast proto clean agents llamacpp-convert
 
 NATIVE_SRC := $(wildcard native/cpu/*.c native/cpu/*.h)
 
@@ -55,8 +60,21 @@ $(AGENTS_DIR)/.installed: Makefile
 			$(AGENT_PACKAGES) && touch $@; \
 	else echo "note: node/npm not found: the real-agent tests will skip"; fi
 
-test: venv agents
-	MOED_REQUIRE_AGENTS=$$(command -v npm >/dev/null 2>&1 && echo 1 || echo 0) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+llamacpp-convert: $(LLAMACPP_DIR)/.installed
+
+$(LLAMACPP_DIR)/.installed: Makefile $(VENV)/.installed
+	@rm -rf $(LLAMACPP_DIR) && mkdir -p $(LLAMACPP_DIR)/src
+	@if $(BIN)/pip download -q --no-deps --no-binary :all: "llama-cpp-python==$(LLAMACPP_VERSION)" -d $(LLAMACPP_DIR)/src; then \
+		tar -xzf $(LLAMACPP_DIR)/src/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_DIR) --strip-components=3 \
+			llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp/convert_hf_to_gguf.py \
+			llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp/conversion \
+			llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp/gguf-py && rm -rf $(LLAMACPP_DIR)/src && touch $@; \
+	else echo "warning: llama.cpp's converter could not be downloaded; its GGUF tests will skip"; fi
+
+test: venv agents llamacpp-convert
+	MOED_REQUIRE_AGENTS=$$(command -v npm >/dev/null 2>&1 && echo 1 || echo 0) \
+	MOED_REQUIRE_LLAMACPP_CONVERTER=$$(test -f $(LLAMACPP_DIR)/.installed && echo 1 || echo 0) \
+		$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -2,11 +2,10 @@
 
 The config is synthesised from the GGUF metadata into the config.json a Hugging Face checkpoint
 of the same model has (``raw_config``: what ``parse_model_config`` takes and an FTW conversion
-stores), for the llama.cpp architectures below. Tensor names are llama.cpp's
-(convert_hf_to_gguf.py + gguf-py's tensor_mapping.py): ``blk.{i}.attn_q`` ... map onto moed's
-canonical names (models/weight_spec.py). llama.cpp permutes Q/K rows only for its "llama"
-architecture; qwen2moe, qwen3moe and gpt-oss use NEOX rotary and are stored unpermuted, exactly
-as the Hugging Face weights.
+stores), one builder per llama.cpp architecture (weights/gguf_metadata.py, which lists what each
+reads). Tensor names are llama.cpp's and map onto moed's canonical names (weights/gguf_names.py,
+with the two tensors llama.cpp stores differently: Mixtral's permuted Q/K rows and DeepSeek's
+split kv_b_proj).
 
 Non-expert weights are read one at a time. ``read_weight`` dequantises them (F32/F16/BF16 stay as
 stored, quantised types become bf16: what ``moed convert`` writes and an explicit weights dtype
@@ -19,21 +18,6 @@ are. Routed experts (``ffn_{gate,up,down}_exps``: numpy ``[E, I, D]``, ``[E, I, 
 dequantising into the bank layout the stored type matches (Q8_0 -> q8, MXFP4 -> mxfp4,
 Q4_0/Q4_1/Q4_K -> int4) or dequantised to float32 k-major rows; one chunk is all that is ever
 held, whatever the file's size.
-
-Per architecture (beyond the common keys: block_count, embedding_length, attention.head_count(_kv),
-attention.key_length, context_length, attention.layer_norm_rms_epsilon, rope.freq_base and
-rope.scaling.*, expert_count, expert_used_count):
-
-- qwen3moe -> qwen3_moe: expert_feed_forward_length; q/k norms; ``norm_topk_prob`` is always true
-  (llama.cpp's qwen3moe graph normalises the top-k weights and stores no key for it).
-- qwen2moe -> qwen2_moe: the shared expert (``*_shexp``, expert_shared_feed_forward_length) and its
-  sigmoid gate ``ffn_gate_inp_shexp``; ``norm_topk_prob`` is always false (llama.cpp never
-  normalises here). llama.cpp's qwen2moe has an MoE in every layer: a model with dense layers
-  (``mlp_only_layers``) cannot be written to GGUF and is refused.
-- gpt-oss -> gpt_oss: router and expert biases, attention sinks, ``post_attention_norm``; sliding
-  window from attention.sliding_window and the layer pattern attention.sliding_window_pattern
-  (llama.cpp's default 2: even layers slide); yarn rope with gpt-oss's ``truncate: false``; the
-  clamped SwiGLU's alpha 1.702 and limit 7.0 (llama.cpp hard-codes them too).
 """
 
 from __future__ import annotations
@@ -57,14 +41,11 @@ from moed.text.gguf_vocab import gguf_tokenizer_files
 from moed.weights import gguf_quants as q
 from moed.weights.expert_chunk import ExpertChunk
 from moed.weights.gguf_file import GgufFile, GgufTensor
+from moed.weights.gguf_metadata import ARCHITECTURES, read_config
+from moed.weights.gguf_names import (GLOBAL_TENSORS, KV_B_PARTS, LAYER_TENSORS, PERMUTED_QK, join_kv_b, layer_of,
+                                     unpermute_rows)
 from moed.weights.hf_checkpoint import CHUNK_EXPERTS
 
-# llama.cpp architecture -> (moed family, Hugging Face class, what it is)
-ARCHITECTURES = {
-    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE"),
-    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen1.5/Qwen2-MoE"),
-    "gpt-oss": ("gpt_oss", "GptOssForCausalLM", "gpt-oss"),
-}
 NATIVE_DTYPES = {q.F32: torch.float32, q.F16: torch.float16, q.BF16: torch.bfloat16}
 # stored expert type -> the bank dtype its blocks repack into without dequantising
 REPACKED_BANK = {q.Q8_0: "q8", q.MXFP4: "mxfp4", q.Q4_0: "int4", q.Q4_1: "int4", q.Q4_K: "int4"}
@@ -85,23 +66,6 @@ _LINEAR_WEIGHTS = frozenset({
 _REQUANTISE_COLUMNS = 1 << 22  # weights re-quantised per step (Q5_K/Q6_K -> q8): bounds the temporaries
 REQUANTISE = "re-quantise the model with llama.cpp's llama-quantize to one moed reads (e.g. Q4_K_M or Q8_0)"
 
-# canonical name (after "model.layers.{i}.") -> llama.cpp name (after "blk.{i}.")
-_LAYER_TENSORS = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "self_attn.sinks": "attn_sinks.weight",
-    "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
-    "mlp.shared.gate_proj.weight": "ffn_gate_shexp.weight", "mlp.shared.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared.down_proj.weight": "ffn_down_shexp.weight", "mlp.shared_gate.weight": "ffn_gate_inp_shexp.weight",
-}
-_GLOBAL_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                   "lm_head.weight": "output.weight"}
-
-
 class GgufCheckpoint:
     """One GGUF file: config synthesised, tensor names mapped; data read on demand."""
 
@@ -112,14 +76,15 @@ class GgufCheckpoint:
         if arch not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{self.path}: GGUF architecture {quoted(arch)} is not supported; moed reads "
-                + ", ".join(f"{a} ({what})" for a, (_, _, what) in ARCHITECTURES.items())
+                + ", ".join(f"{a} ({spec.what})" for a, spec in ARCHITECTURES.items())
                 + " GGUF files (or a Hugging Face directory of a supported family)")
-        self.arch = arch
-        self.raw_config = _Metadata(self.file, arch).config()
+        self.arch, self.spec = arch, ARCHITECTURES[arch]
+        self.raw_config = read_config(self.file, arch)
         where = str(self.path)
         self.family: Family = family_of(self.raw_config, where=where)
         self.config: ModelConfig = parse_model_config(self.raw_config, where=where)
         self._shapes = expected_weight_shapes(self.config)
+        self._kv_b_parts: dict[str, tuple[str, str]] = {}  # deepseek2's kv_b_proj, stored as two tensors
         self.weight_keys = {name: self._gguf_name(name) for name in self._shapes}  # canonical -> GGUF
         self._experts = {layer: self._expert_tensors(layer) for layer in range(self.config.num_layers)}
         self._check_weights()
@@ -149,8 +114,11 @@ class GgufCheckpoint:
 
     def read_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One non-expert weight in its canonical shape, in ``dtype`` (default: ``weight_dtype(name)``)."""
+        if name in self._kv_b_parts:
+            k_b, v_b = (self._dequantized(part) for part in self._kv_b_parts[name])
+            return join_kv_b(k_b, v_b).reshape(self._shapes[name]).to(dtype or self.weight_dtype(name)).contiguous()
         info = self.file.tensor(self.weight_keys[name])
-        raw = self.file.read(info.name)
+        raw = self._raw(name)
         native = NATIVE_DTYPES.get(info.ggml_type)
         tensor = raw.view(native) if native is not None else q.dequantize(raw, info.ggml_type, info.shape)
         return tensor.reshape(self._shapes[name]).to(dtype or self.weight_dtype(name)).contiguous()
@@ -174,7 +142,7 @@ class GgufCheckpoint:
             raise ValueError(f"weight {quoted(name)} does not load packed; read it with read_weight")
         info = self.file.tensor(self.weight_keys[name])
         n, k = self._shapes[name]
-        raw = self.file.read(info.name)
+        raw = self._raw(name)
         if REPACKED_BANK.get(info.ggml_type) == target:  # a 2-D weight is one expert
             arrays = tuple(t[0] for t in _REPACKERS[target](raw, info.ggml_type, (1, n, k)))
             return PackedLinear.from_kn(target, arrays, k, n)
@@ -265,17 +233,35 @@ class GgufCheckpoint:
         shape = info.shape if rows is None else (rows[1] - rows[0], *info.shape[1:])
         return q.dequantize(self.file.read(name, rows), info.ggml_type, shape)
 
+    def _raw(self, name: str) -> torch.Tensor:
+        """The stored bytes of the canonical weight ``name``, rows in Hugging Face's order (llama.cpp's
+        "llama" architecture permuted Q/K rows: reordered here, whole rows of blocks, before decoding)."""
+        info = self.file.tensor(self.weight_keys[name])
+        raw = self.file.read(info.name)
+        where = layer_of(name)
+        if not self.spec.permuted_qk or where is None or where[1] not in PERMUTED_QK:
+            return raw
+        rows = info.shape[0]
+        heads = getattr(self.config.attention, PERMUTED_QK[where[1]])
+        return raw.view(rows, -1)[unpermute_rows(rows, heads)].reshape(-1)
+
     def _gguf_name(self, name: str) -> str:
-        if name in _GLOBAL_TENSORS:
-            return _GLOBAL_TENSORS[name]
-        prefix, _, rest = name.partition(".layers.")
-        layer, _, rel = rest.partition(".")
-        if rel == "post_attention_layernorm.weight":
-            return f"blk.{layer}." + ("post_attention_norm.weight" if self.arch == "gpt-oss" else "ffn_norm.weight")
-        if prefix != "model" or rel not in _LAYER_TENSORS:
+        if name in GLOBAL_TENSORS:
+            return GLOBAL_TENSORS[name]
+        where = layer_of(name)
+        if where is not None and where[1] == "post_attention_layernorm.weight":
+            return f"blk.{where[0]}.{self.spec.post_attention_norm}.weight"
+        if where is None or where[1] not in LAYER_TENSORS:
             raise ModelFormatError(f"{self.path}: moed has no GGUF name for weight {quoted(name)} of a {self.arch} "
                                    "model (this architecture's mapping is incomplete)")
-        return f"blk.{layer}.{_LAYER_TENSORS[rel]}"
+        layer, rel = where
+        gguf_name = f"blk.{layer}.{LAYER_TENSORS[rel]}"
+        if rel == "self_attn.kv_b_proj.weight" and gguf_name not in self.file:
+            parts = tuple(f"blk.{layer}.{part}" for part in KV_B_PARTS)
+            if all(part in self.file for part in parts):
+                self._kv_b_parts[name] = parts  # llama.cpp's MLA layout: k_b and v_b
+                return parts[0]
+        return gguf_name
 
     def _expert_tensors(self, layer: int) -> tuple[str, ...] | None:
         """GGUF names of one MoE layer's routed experts: gate, up, down (+ their biases), or None."""
@@ -290,6 +276,9 @@ class GgufCheckpoint:
         """Every tensor moed will read exists, has the shape the config implies and a type moed
         reads: a bad file fails here, before gigabytes are read."""
         for name, shape in self._shapes.items():
+            if name in self._kv_b_parts:
+                self._check_kv_b(name, shape)
+                continue
             info = self._require(self.weight_keys[name])
             if math.prod(info.shape) != math.prod(shape) or (len(info.shape) == len(shape) and info.shape != shape):
                 raise ModelFormatError(f"{self.path}: tensor {quoted(info.name)} has shape {list(info.shape)} but the "
@@ -309,6 +298,17 @@ class GgufCheckpoint:
                                            f"the metadata implies {list(shape)}; the file is corrupt or not a "
                                            f"{self.arch} model")
 
+    def _check_kv_b(self, name: str, shape: tuple[int, ...]) -> None:
+        att = self.config.attention
+        k_b, v_b = self._kv_b_parts[name]
+        for part, expected in ((k_b, (att.num_heads, att.kv_lora_rank, att.qk_nope_head_dim)),
+                               (v_b, (att.num_heads, att.v_head_dim, att.kv_lora_rank))):
+            info = self._require(part)
+            if info.shape != expected:
+                raise ModelFormatError(f"{self.path}: tensor {quoted(part)} has shape {list(info.shape)} but the "
+                                       f"metadata implies {list(expected)}; the file is corrupt or not a {self.arch} "
+                                       "model")
+
     def _require(self, name: str) -> GgufTensor:
         if name not in self.file:
             raise ModelFormatError(f"{self.path}: tensor {quoted(name)} is missing; the file is incomplete or was not "
@@ -326,134 +326,3 @@ def _packed(rows: torch.Tensor | dict[str, torch.Tensor], kind: str, target: str
     if isinstance(rows, dict):
         return rows
     return {f"{kind}.{suffix}": t for suffix, t in zip(_PACKED_PARTS[target], _QUANTISERS[target](rows))}
-
-
-class _Metadata:
-    """The GGUF metadata of one architecture, read into a Hugging Face config.json dict."""
-
-    def __init__(self, file: GgufFile, arch: str) -> None:
-        self.file, self.arch, self.meta = file, arch, file.metadata
-
-    def config(self) -> dict[str, Any]:
-        family, hf_class, _ = ARCHITECTURES[self.arch]
-        file = self.file
-        hidden, heads = self.int("embedding_length", minimum=1), self.int("attention.head_count", minimum=1)
-        head_dim = self.int("attention.key_length", default=hidden // heads, minimum=1)
-        if self.int("attention.value_length", default=head_dim) != head_dim:
-            raise UnsupportedModelError(f"{file.path}: attention.key_length and value_length differ; moed's attention "
-                                        "needs one head size")
-        cfg: dict[str, Any] = {
-            "model_type": family, "architectures": [hf_class],
-            "vocab_size": self._rows("token_embd.weight"),
-            "hidden_size": hidden,
-            "num_hidden_layers": self.int("block_count", minimum=1),
-            "num_attention_heads": heads,
-            "num_key_value_heads": self.int("attention.head_count_kv", default=heads, minimum=1),
-            "head_dim": head_dim,
-            "max_position_embeddings": self.int("context_length", minimum=1),
-            "rms_norm_eps": self.float("attention.layer_norm_rms_epsilon"),
-            "rope_parameters": self.rope(head_dim),
-            "tie_word_embeddings": "output.weight" not in file,
-            "hidden_act": "silu",
-            "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": self.meta.get("tokenizer.ggml.eos_token_id"),
-        }
-        if (pad := self.meta.get("tokenizer.ggml.padding_token_id")) is not None:
-            cfg["pad_token_id"] = pad
-        if (dense := self.int("feed_forward_length", default=0)):
-            cfg["intermediate_size"] = dense
-        num_experts, top_k = self.int("expert_count", minimum=1), self.int("expert_used_count", minimum=1)
-        has_q_bias = "blk.0.attn_q.bias" in file
-        if self.arch == "gpt-oss":
-            cfg.update(num_local_experts=num_experts, num_experts_per_tok=top_k,
-                       intermediate_size=self.int("expert_feed_forward_length", minimum=1), attention_bias=True,
-                       sliding_window=self.int("attention.sliding_window"),
-                       layer_types=self.layer_types(cfg["num_hidden_layers"]), swiglu_alpha=1.702, swiglu_limit=7.0)
-            return cfg
-        self.require_moe_layers(cfg["num_hidden_layers"])
-        cfg.update(num_experts=num_experts, num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
-                   use_sliding_window=False,
-                   moe_intermediate_size=self.int("expert_feed_forward_length", minimum=1,
-                                                  default=self._rows("blk.0.ffn_gate_exps.weight", dim=1)))
-        if self.arch == "qwen3moe":
-            cfg.update(norm_topk_prob=True, attention_bias=has_q_bias)
-        else:
-            cfg.update(norm_topk_prob=False, qkv_bias=has_q_bias, shared_expert_intermediate_size=self.int(
-                "expert_shared_feed_forward_length", default=self._rows("blk.0.ffn_gate_shexp.weight")))
-        return cfg
-
-    def rope(self, head_dim: int) -> dict[str, Any]:
-        params: dict[str, Any] = {"rope_theta": self.float("rope.freq_base", default=10000.0)}
-        dims = self.int("rope.dimension_count", default=head_dim, minimum=1)
-        if dims != head_dim:
-            params["partial_rotary_factor"] = dims / head_dim
-        kind = self.meta.get(f"{self.arch}.rope.scaling.type", "none")
-        if kind == "none":
-            params["rope_type"] = "default"
-        elif kind == "linear":
-            params.update(rope_type="linear", factor=self.float("rope.scaling.factor"))
-        elif kind == "yarn":
-            params.update(rope_type="yarn", factor=self.float("rope.scaling.factor"),
-                          original_max_position_embeddings=self.int("rope.scaling.original_context_length", minimum=1))
-            for key, hf_key in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow"),
-                                ("rope.scaling.yarn_attn_factor", "attention_factor")):
-                if f"{self.arch}.{key}" in self.meta:
-                    params[hf_key] = self.float(key)
-            if self.arch == "gpt-oss":
-                params["truncate"] = False  # gpt-oss's reference yarn keeps the correction range unrounded
-        else:
-            raise UnsupportedModelError(f"{self.file.path}: rope scaling {quoted(kind)} is not supported "
-                                        "(moed runs none, linear and yarn)")
-        return params
-
-    def layer_types(self, num_layers: int) -> list[str]:
-        """gpt-oss's sliding/full layers from attention.sliding_window_pattern (llama.cpp's default 2:
-        layer i slides when i % n < n - 1), or a per-layer list of booleans."""
-        pattern = self.meta.get(f"{self.arch}.attention.sliding_window_pattern", 2)
-        if isinstance(pattern, list):
-            if len(pattern) != num_layers or not all(isinstance(p, bool) for p in pattern):
-                raise ModelFormatError(f"{self.file.path}: attention.sliding_window_pattern should hold one boolean per "
-                                       f"layer ({num_layers}), got {quoted(pattern)}")
-            sliding = pattern
-        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
-            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
-        else:
-            raise ModelFormatError(f"{self.file.path}: attention.sliding_window_pattern {quoted(pattern)} is not a "
-                                   "layer count or a list of booleans")
-        return ["sliding_attention" if s else "full_attention" for s in sliding]
-
-    def require_moe_layers(self, num_layers: int) -> None:
-        for layer in range(num_layers):
-            if f"blk.{layer}.ffn_gate_inp.weight" not in self.file:
-                raise UnsupportedModelError(
-                    f"{self.file.path}: layer {layer} has no router (blk.{layer}.ffn_gate_inp.weight); llama.cpp's "
-                    f"{self.arch} has an MoE in every layer, and moed reads only what llama.cpp does")
-
-    def int(self, key: str, *, default: int | None = None, minimum: int = 0) -> int:
-        value = self.meta.get(f"{self.arch}.{key}", default)
-        if isinstance(value, list) and value and all(v == value[0] for v in value):
-            value = value[0]  # a per-layer array with one value
-        if value is None:
-            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} is missing; the file is incomplete "
-                                   "or was not written by llama.cpp's convert_hf_to_gguf.py")
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            least = "positive" if minimum == 1 else f"at least {minimum}" if minimum else "non-negative"
-            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} should be one {least} integer, "
-                                   f"got {quoted(value)} (per-layer values are not supported); the file is corrupt "
-                                   "or was not written by llama.cpp's convert_hf_to_gguf.py")
-        return value
-
-    def float(self, key: str, *, default: float | None = None) -> float:
-        value = self.meta.get(f"{self.arch}.{key}", default)
-        if value is None:
-            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} is missing; the file is incomplete "
-                                   "or was not written by llama.cpp's convert_hf_to_gguf.py")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} should be a number, got {quoted(value)}")
-        return float(value)
-
-    def _rows(self, name: str, dim: int = 0) -> int:
-        if name not in self.file:
-            raise ModelFormatError(f"{self.file.path}: tensor {quoted(name)} is missing; the file is incomplete or was "
-                                   f"not written by llama.cpp's converter for {self.arch}")
-        return self.file.tensor(name).shape[dim]

@@ -262,14 +262,20 @@ def test_a_file_without_the_gguf_magic_is_refused(tmp_path):
         GgufFile(path)
 
 
-@pytest.mark.parametrize("arch", ["bert", "llama"])
+@pytest.mark.parametrize("arch", ["bert", "qwen3"])
 def test_an_unsupported_architecture_is_refused(tmp_path, arch):
     path = write_bare_gguf(tmp_path / f"{arch}.gguf", arch, metadata={f"{arch}.block_count": 2})
     with pytest.raises(UnsupportedModelError) as info:
         GgufCheckpoint(path)
     message = str(info.value)
     assert "\n" not in message and str(path) in message and f"architecture '{arch}' is not supported" in message
-    assert "qwen3moe" in message and "qwen2moe" in message and "gpt-oss" in message
+    assert "qwen3moe" in message and "qwen2moe" in message and "gpt-oss" in message and "deepseek2" in message
+
+
+def test_a_dense_llama_file_is_refused_as_not_moe(tmp_path):
+    path = write_bare_gguf(tmp_path / "llama.gguf", "llama", metadata={"llama.block_count": 2})
+    with pytest.raises(UnsupportedModelError, match=r"a dense Llama model \(no experts\); moed runs Mixture-of-Experts"):
+        GgufCheckpoint(path)
 
 
 def test_an_unsupported_tensor_type_is_refused(tmp_path):

@@ -1,0 +1,305 @@
+"""A GGUF file's metadata read into the config.json a Hugging Face checkpoint of the same model has.
+
+One builder per llama.cpp architecture (``ARCHITECTURES``); each reads the keys llama.cpp's
+``convert_hf_to_gguf.py`` writes for it (checked by converting the tiny HF parity models with that
+script: tests/weights/test_llamacpp_converter.py) and gives the dict ``parse_model_config`` takes.
+What every architecture shares: block_count, embedding_length, attention.head_count(_kv),
+attention.key_length, context_length, attention.layer_norm_rms_epsilon, rope.freq_base and
+rope.scaling.*, expert_count, expert_used_count.
+
+- qwen3moe -> qwen3_moe: expert_feed_forward_length; q/k norms; ``norm_topk_prob`` is always true
+  (llama.cpp's qwen3moe graph normalises the top-k weights and stores no key for it).
+- qwen2moe -> qwen2_moe: the shared expert and its sigmoid gate; ``norm_topk_prob`` always false.
+  Its graph has an MoE in every layer: a model with dense layers cannot be written and is refused.
+- gpt-oss -> gpt_oss: biases, sinks, sliding window (attention.sliding_window_pattern, default 2:
+  even layers slide), yarn with ``truncate: false``, the clamped SwiGLU's 1.702 / 7.0.
+- olmoe -> olmoe: full-width q/k norms; no clip_qkv (llama.cpp stores none: OLMoE-1B-7B has none).
+- llama with experts -> mixtral: Q/K rows permuted by the converter (undone when read, see
+  gguf_names.py); a llama file without experts is a dense model and refused.
+- deepseek2 -> deepseek_v3 (DeepSeek-V3/R1, Kimi-K2 and the other MLA models llama.cpp writes as
+  deepseek2): MLA ranks and the ``*_mla`` head sizes (key_length there is the absorbed
+  kv_lora + rope); sigmoid routing (expert_gating_func 2) with group limits, scale and norm; the
+  yarn log multiplier is 0.1 * mscale_all_dim. Softmax-routed DeepSeek-V2 files are refused.
+- glm4moe -> glm4_moe: the converter appends the multi-token-prediction layers to block_count
+  (``nextn_predict_layers``); they are left out. Partial rotary from rope.dimension_count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from moed.errors import ModelFormatError, UnsupportedModelError, quoted
+from moed.weights.gguf_file import GgufFile
+
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # llama.cpp's llama_expert_gating_func_type
+RECONVERT = "the file is incomplete or was not written by llama.cpp's convert_hf_to_gguf.py"
+
+
+class GgufMetadata:
+    """Typed reads of one architecture's keys (``{arch}.{key}``), with errors that name the key."""
+
+    def __init__(self, file: GgufFile, arch: str) -> None:
+        self.file, self.arch, self.meta = file, arch, file.metadata
+
+    def has(self, key: str) -> bool:
+        return f"{self.arch}.{key}" in self.meta
+
+    def int(self, key: str, *, default: int | None = None, minimum: int = 0) -> int:
+        value = self.meta.get(f"{self.arch}.{key}", default)
+        if isinstance(value, list) and value and all(v == value[0] for v in value):
+            value = value[0]  # a per-layer array with one value
+        if value is None:
+            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} is missing; {RECONVERT}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            least = "positive" if minimum == 1 else f"at least {minimum}" if minimum else "non-negative"
+            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} should be one {least} integer, "
+                                   f"got {quoted(value)} (per-layer values are not supported); the file is corrupt "
+                                   "or was not written by llama.cpp's convert_hf_to_gguf.py")
+        return value
+
+    def float(self, key: str, *, default: float | None = None) -> float:
+        value = self.meta.get(f"{self.arch}.{key}", default)
+        if value is None:
+            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} is missing; {RECONVERT}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} should be a number, got {quoted(value)}")
+        return float(value)
+
+    def bool(self, key: str, *, default: bool) -> bool:
+        value = self.meta.get(f"{self.arch}.{key}", default)
+        if not isinstance(value, bool):
+            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.{key} should be a boolean, got {quoted(value)}")
+        return value
+
+    def rows(self, name: str, dim: int = 0) -> int:
+        if name not in self.file:
+            raise ModelFormatError(f"{self.file.path}: tensor {quoted(name)} is missing; {RECONVERT} for {self.arch}")
+        return self.file.tensor(name).shape[dim]
+
+    def common(self, *, head_dim: int | None = None) -> dict[str, Any]:
+        """The fields every architecture shares (``head_dim``: the attention head size, when it is not
+        attention.key_length)."""
+        hidden, heads = self.int("embedding_length", minimum=1), self.int("attention.head_count", minimum=1)
+        if head_dim is None:
+            head_dim = self.int("attention.key_length", default=hidden // heads, minimum=1)
+            if self.int("attention.value_length", default=head_dim) != head_dim:
+                raise UnsupportedModelError(f"{self.file.path}: attention.key_length and value_length differ; moed's "
+                                            "attention needs one head size")
+        cfg: dict[str, Any] = {
+            "vocab_size": self.rows("token_embd.weight"),
+            "hidden_size": hidden,
+            "num_hidden_layers": self.int("block_count", minimum=1),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.int("attention.head_count_kv", default=heads, minimum=1),
+            "head_dim": head_dim,
+            "max_position_embeddings": self.int("context_length", minimum=1),
+            "rms_norm_eps": self.float("attention.layer_norm_rms_epsilon"),
+            "rope_parameters": self.rope(head_dim),
+            "tie_word_embeddings": "output.weight" not in self.file,
+            "hidden_act": "silu",
+            "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.meta.get("tokenizer.ggml.eos_token_id"),
+        }
+        if (pad := self.meta.get("tokenizer.ggml.padding_token_id")) is not None:
+            cfg["pad_token_id"] = pad
+        if (dense := self.int("feed_forward_length", default=0)):
+            cfg["intermediate_size"] = dense
+        return cfg
+
+    def rope(self, head_dim: int) -> dict[str, Any]:
+        params: dict[str, Any] = {"rope_theta": self.float("rope.freq_base", default=10000.0)}
+        dims = self.int("rope.dimension_count", default=head_dim, minimum=1)
+        if dims != head_dim:
+            params["partial_rotary_factor"] = dims / head_dim
+        kind = self.meta.get(f"{self.arch}.rope.scaling.type", "none")
+        if kind == "none":
+            params["rope_type"] = "default"
+        elif kind == "linear":
+            params.update(rope_type="linear", factor=self.float("rope.scaling.factor"))
+        elif kind == "yarn":
+            params.update(rope_type="yarn", factor=self.float("rope.scaling.factor"),
+                          original_max_position_embeddings=self.int("rope.scaling.original_context_length", minimum=1))
+            for key, hf_key in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow"),
+                                ("rope.scaling.yarn_attn_factor", "attention_factor")):
+                if self.has(key):
+                    params[hf_key] = self.float(key)
+        else:
+            raise UnsupportedModelError(f"{self.file.path}: rope scaling {quoted(kind)} is not supported "
+                                        "(moed runs none, linear and yarn)")
+        return params
+
+    def layer_types(self, num_layers: int) -> list[str]:
+        """gpt-oss's sliding/full layers from attention.sliding_window_pattern (llama.cpp's default 2:
+        layer i slides when i % n < n - 1), or a per-layer list of booleans."""
+        pattern = self.meta.get(f"{self.arch}.attention.sliding_window_pattern", 2)
+        if isinstance(pattern, list):
+            if len(pattern) != num_layers or not all(isinstance(p, bool) for p in pattern):
+                raise ModelFormatError(f"{self.file.path}: attention.sliding_window_pattern should hold one boolean per "
+                                       f"layer ({num_layers}), got {quoted(pattern, 200)}")
+            sliding = pattern
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
+        else:
+            raise ModelFormatError(f"{self.file.path}: attention.sliding_window_pattern {quoted(pattern)} is not a "
+                                   "layer count or a list of booleans")
+        return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+    def require_moe_layers(self, first: int, num_layers: int) -> None:
+        """Layers ``first ..`` all have a router (llama.cpp's graphs for these architectures put an MoE in each)."""
+        for layer in range(first, num_layers):
+            if f"blk.{layer}.ffn_gate_inp.weight" not in self.file:
+                raise UnsupportedModelError(
+                    f"{self.file.path}: layer {layer} has no router (blk.{layer}.ffn_gate_inp.weight); llama.cpp's "
+                    f"{self.arch} has an MoE in every layer there, and moed reads only what llama.cpp does")
+
+    def experts(self) -> tuple[int, int]:
+        num_experts = self.int("expert_count", minimum=1)
+        top_k = self.int("expert_used_count", minimum=1)
+        if top_k > num_experts:
+            raise ModelFormatError(f"{self.file.path}: metadata {self.arch}.expert_used_count {top_k} is more than "
+                                   f"expert_count {num_experts}; the file is corrupt")
+        return num_experts, top_k
+
+    def expert_rows(self) -> int:
+        """The routed experts' intermediate size (the key, or the first MoE layer's tensor)."""
+        first = next((i for i in range(self.int("block_count", minimum=1))
+                      if f"blk.{i}.ffn_gate_exps.weight" in self.file), 0)
+        return self.int("expert_feed_forward_length", minimum=1,
+                        default=self.rows(f"blk.{first}.ffn_gate_exps.weight", dim=1))
+
+
+def _qwen3moe(m: GgufMetadata) -> dict[str, Any]:
+    cfg = m.common()
+    num_experts, top_k = m.experts()
+    m.require_moe_layers(0, cfg["num_hidden_layers"])
+    return dict(cfg, num_experts=num_experts, num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
+                use_sliding_window=False, moe_intermediate_size=m.expert_rows(), norm_topk_prob=True,
+                attention_bias="blk.0.attn_q.bias" in m.file)
+
+
+def _qwen2moe(m: GgufMetadata) -> dict[str, Any]:
+    cfg = m.common()
+    num_experts, top_k = m.experts()
+    m.require_moe_layers(0, cfg["num_hidden_layers"])
+    return dict(cfg, num_experts=num_experts, num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
+                use_sliding_window=False, moe_intermediate_size=m.expert_rows(), norm_topk_prob=False,
+                qkv_bias="blk.0.attn_q.bias" in m.file,
+                shared_expert_intermediate_size=m.int("expert_shared_feed_forward_length", minimum=1,
+                                                      default=m.rows("blk.0.ffn_gate_shexp.weight", dim=0)))
+
+
+def _gpt_oss(m: GgufMetadata) -> dict[str, Any]:
+    cfg = m.common()
+    cfg["rope_parameters"]["truncate"] = False  # gpt-oss's reference yarn keeps the correction range unrounded
+    num_experts, top_k = m.experts()
+    return dict(cfg, num_local_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=m.expert_rows(),
+                attention_bias=True, sliding_window=m.int("attention.sliding_window"),
+                layer_types=m.layer_types(cfg["num_hidden_layers"]), swiglu_alpha=1.702, swiglu_limit=7.0)
+
+
+def _olmoe(m: GgufMetadata) -> dict[str, Any]:
+    cfg = m.common()
+    num_experts, top_k = m.experts()
+    m.require_moe_layers(0, cfg["num_hidden_layers"])
+    return dict(cfg, num_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=m.expert_rows(),
+                norm_topk_prob=False, clip_qkv=None, attention_bias="blk.0.attn_q.bias" in m.file)
+
+
+def _mixtral(m: GgufMetadata) -> dict[str, Any]:
+    if not m.has("expert_count") or "blk.0.ffn_gate_exps.weight" not in m.file:
+        raise UnsupportedModelError(f"{m.file.path}: a dense Llama model (no experts); moed runs Mixture-of-Experts "
+                                    "models (Mixtral is the llama architecture with experts)")
+    cfg = m.common()
+    num_experts, top_k = m.experts()
+    m.require_moe_layers(0, cfg["num_hidden_layers"])
+    return dict(cfg, num_local_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=m.expert_rows(),
+                sliding_window=None)
+
+
+def _sigmoid_group_experts(m: GgufMetadata, num_layers: int) -> dict[str, Any]:
+    """DeepSeek-V3 / GLM-4-MoE routing: sigmoid scores with a correction bias, group-limited top-k."""
+    gating = m.int("expert_gating_func", default=GATING_SOFTMAX)
+    if gating != GATING_SIGMOID:
+        raise UnsupportedModelError(
+            f"{m.file.path}: routed by {'softmax' if gating == GATING_SOFTMAX else f'gating function {gating}'} "
+            f"({m.arch}.expert_gating_func; llama.cpp's default for files without it is softmax, DeepSeek-V2's); "
+            "moed runs the sigmoid-routed models of this architecture (DeepSeek-V3/R1, Kimi-K2, GLM-4.5+)")
+    num_experts, top_k = m.experts()
+    first_dense = m.int("leading_dense_block_count", default=0)
+    m.require_moe_layers(first_dense, num_layers)
+    return dict(n_routed_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=m.expert_rows(),
+                n_shared_experts=m.int("expert_shared_count", default=0),
+                routed_scaling_factor=m.float("expert_weights_scale", default=1.0),
+                norm_topk_prob=m.bool("expert_weights_norm", default=False),
+                n_group=m.int("expert_group_count", default=1, minimum=1),
+                topk_group=m.int("expert_group_used_count", default=1, minimum=1),
+                first_k_dense_replace=first_dense, scoring_func="sigmoid")
+
+
+def _deepseek2(m: GgufMetadata) -> dict[str, Any]:
+    rope_dim = m.int("rope.dimension_count", minimum=1)
+    if m.has("attention.key_length_mla"):  # llama.cpp's MLA layout: key_length is the absorbed kv_lora + rope
+        qk_head, v_head = m.int("attention.key_length_mla", minimum=1), m.int("attention.value_length_mla", minimum=1)
+    else:  # files written before it: the plain head sizes
+        qk_head, v_head = m.int("attention.key_length", minimum=1), m.int("attention.value_length", minimum=1)
+    if qk_head <= rope_dim:
+        raise ModelFormatError(f"{m.file.path}: the key head size {qk_head} is not larger than the rotary part "
+                               f"{rope_dim}; the file is corrupt")
+    cfg = m.common(head_dim=rope_dim)
+    heads = cfg["num_attention_heads"]
+    rope = cfg["rope_parameters"]
+    rope.pop("partial_rotary_factor", None)  # MLA's rotary part has its own head size (qk_rope_head_dim)
+    if rope["rope_type"] == "yarn" and m.has("rope.scaling.yarn_log_multiplier"):
+        # llama.cpp writes 0.1 * mscale_all_dim (its [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]); the released
+        # configs give mscale the same value, which makes yarn's own attention factor 1
+        rope["mscale_all_dim"] = rope["mscale"] = m.float("rope.scaling.yarn_log_multiplier") / 0.1
+    q_lora = m.int("attention.q_lora_rank", default=0)
+    cfg.update(num_key_value_heads=heads, head_dim=qk_head, qk_nope_head_dim=qk_head - rope_dim,
+               qk_rope_head_dim=rope_dim, v_head_dim=v_head, kv_lora_rank=m.int("attention.kv_lora_rank", minimum=1),
+               q_lora_rank=q_lora or None, attention_bias=False, rope_interleave=True,
+               **_sigmoid_group_experts(m, cfg["num_hidden_layers"]))
+    return cfg
+
+
+def _glm4moe(m: GgufMetadata) -> dict[str, Any]:
+    cfg = m.common()
+    extra = m.int("nextn_predict_layers", default=0)
+    layers = cfg["num_hidden_layers"] - extra
+    if layers < 1:
+        raise ModelFormatError(f"{m.file.path}: block_count {cfg['num_hidden_layers']} leaves no layer besides the "
+                               f"{extra} multi-token-prediction ones; the file is corrupt")
+    cfg.update(num_hidden_layers=layers, attention_bias="blk.0.attn_q.bias" in m.file,
+               use_qk_norm="blk.0.attn_q_norm.weight" in m.file, **_sigmoid_group_experts(m, layers))
+    return cfg
+
+
+@dataclass(frozen=True)
+class GgufArchitecture:
+    """How one llama.cpp architecture reads: the moed family and HF class it is, its config builder."""
+
+    family: str
+    hf_class: str
+    what: str
+    build: Callable[[GgufMetadata], dict[str, Any]]
+    post_attention_norm: str = "ffn_norm"  # llama.cpp's name for the norm before the MLP
+    permuted_qk: bool = False  # the converter permuted Q/K rows (its "llama" architecture only)
+
+
+ARCHITECTURES: dict[str, GgufArchitecture] = {
+    "qwen3moe": GgufArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", _qwen3moe),
+    "qwen2moe": GgufArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen1.5/Qwen2-MoE", _qwen2moe),
+    "gpt-oss": GgufArchitecture("gpt_oss", "GptOssForCausalLM", "gpt-oss", _gpt_oss, "post_attention_norm"),
+    "olmoe": GgufArchitecture("olmoe", "OlmoeForCausalLM", "OLMoE", _olmoe),
+    "llama": GgufArchitecture("mixtral", "MixtralForCausalLM", "Mixtral", _mixtral, permuted_qk=True),
+    "deepseek2": GgufArchitecture("deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-V3/R1, Kimi-K2", _deepseek2),
+    "glm4moe": GgufArchitecture("glm4_moe", "Glm4MoeForCausalLM", "GLM-4.5/4.6/4.7", _glm4moe,
+                                "post_attention_norm"),
+}
+
+
+def read_config(file: GgufFile, arch: str) -> dict[str, Any]:
+    """The config.json of ``file`` (an architecture of ``ARCHITECTURES``)."""
+    spec = ARCHITECTURES[arch]
+    cfg = spec.build(GgufMetadata(file, arch))
+    return {"model_type": spec.family, "architectures": [spec.hf_class], **cfg}

