@@ -42,8 +42,8 @@ from moed.weights import gguf_quants as q
 from moed.weights.expert_chunk import ExpertChunk
 from moed.weights.gguf_file import GgufFile, GgufTensor
 from moed.weights.gguf_metadata import ARCHITECTURES, read_config
-from moed.weights.gguf_names import (GLOBAL_TENSORS, KV_B_PARTS, LAYER_TENSORS, PERMUTED_QK, join_kv_b, layer_of,
-                                     unpermute_rows)
+from moed.weights.gguf_names import (GLOBAL_TENSORS, KV_B_PARTS, LAYER_TENSORS, PERMUTED_QK, PLUS_ONE_NORMS,
+                                     QKVZ_PARTS, join_kv_b, join_qkvz, layer_of, unpermute_rows, untile_v_heads)
 from moed.weights.hf_checkpoint import CHUNK_EXPERTS
 
 NATIVE_DTYPES = {q.F32: torch.float32, q.F16: torch.float16, q.BF16: torch.bfloat16}
@@ -84,7 +84,8 @@ class GgufCheckpoint:
         self.family: Family = family_of(self.raw_config, where=where)
         self.config: ModelConfig = parse_model_config(self.raw_config, where=where)
         self._shapes = expected_weight_shapes(self.config)
-        self._kv_b_parts: dict[str, tuple[str, str]] = {}  # deepseek2's kv_b_proj, stored as two tensors
+        # weights stored as two tensors (deepseek2's kv_b_proj, qwen3next's in_proj_qkvz): their GGUF names
+        self._parts: dict[str, tuple[str, str]] = {}
         self.weight_keys = {name: self._gguf_name(name) for name in self._shapes}  # canonical -> GGUF
         self._experts = {layer: self._expert_tensors(layer) for layer in range(self.config.num_layers)}
         self._check_weights()
@@ -114,13 +115,14 @@ class GgufCheckpoint:
 
     def read_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One non-expert weight in its canonical shape, in ``dtype`` (default: ``weight_dtype(name)``)."""
-        if name in self._kv_b_parts:
-            k_b, v_b = (self._dequantized(part) for part in self._kv_b_parts[name])
-            return join_kv_b(k_b, v_b).reshape(self._shapes[name]).to(dtype or self.weight_dtype(name)).contiguous()
-        info = self.file.tensor(self.weight_keys[name])
-        raw = self._raw(name)
-        native = NATIVE_DTYPES.get(info.ggml_type)
-        tensor = raw.view(native) if native is not None else q.dequantize(raw, info.ggml_type, info.shape)
+        if name in self._parts:
+            tensor = self._joined(name)
+        else:
+            info = self.file.tensor(self.weight_keys[name])
+            raw = self._raw(name)
+            native = NATIVE_DTYPES.get(info.ggml_type)
+            tensor = raw.view(native) if native is not None else q.dequantize(raw, info.ggml_type, info.shape)
+        tensor = self._as_canonical(name, tensor.reshape(self._shapes[name]))
         return tensor.reshape(self._shapes[name]).to(dtype or self.weight_dtype(name)).contiguous()
 
     def packed_weight_dtype(self, name: str) -> str | None:
@@ -233,6 +235,40 @@ class GgufCheckpoint:
         shape = info.shape if rows is None else (rows[1] - rows[0], *info.shape[1:])
         return q.dequantize(self.file.read(name, rows), info.ggml_type, shape)
 
+    def _joined(self, name: str) -> torch.Tensor:
+        first, second = (self._dequantized(part) for part in self._parts[name])
+        if name.endswith("kv_b_proj.weight"):
+            return join_kv_b(first, second)
+        la = self.config.linear_attention
+        return join_qkvz(first, second, la.num_k_heads, la.k_head_dim)
+
+    def _as_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Undo what llama.cpp changed in a stored value: Qwen3-Next's and Qwen3.5's 1 + w norms and
+        -exp(A_log), and Qwen3.5's tiled value heads (gguf_names.py)."""
+        if self.arch not in ("qwen3next", "qwen35moe"):
+            return tensor
+        rel = layer_of(name)[1] if layer_of(name) else name
+        if rel in PLUS_ONE_NORMS:
+            return tensor.float() - 1.0
+        if rel == "linear_attn.A_log":
+            tensor = torch.log(-tensor.float())
+        la = self.config.linear_attention
+        per_key = la.num_v_heads // la.num_k_heads
+        if self.arch != "qwen35moe" or per_key == 1 or not rel.startswith("linear_attn."):
+            return tensor
+        v_rows = untile_v_heads(la.num_k_heads, per_key, la.v_head_dim)
+        if rel in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):  # q and k rows, then v
+            keep = torch.arange(2 * la.key_dim)
+            return tensor[torch.cat([keep, v_rows + 2 * la.key_dim])]
+        if rel == "linear_attn.in_proj_z.weight":
+            return tensor[v_rows]
+        if rel in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.A_log",
+                   "linear_attn.dt_bias"):
+            return tensor[untile_v_heads(la.num_k_heads, per_key, 1)]
+        if rel == "linear_attn.out_proj.weight":
+            return tensor[:, v_rows]
+        return tensor
+
     def _raw(self, name: str) -> torch.Tensor:
         """The stored bytes of the canonical weight ``name``, rows in Hugging Face's order (llama.cpp's
         "llama" architecture permuted Q/K rows: reordered here, whole rows of blocks, before decoding)."""
@@ -256,10 +292,11 @@ class GgufCheckpoint:
                                    "model (this architecture's mapping is incomplete)")
         layer, rel = where
         gguf_name = f"blk.{layer}.{LAYER_TENSORS[rel]}"
-        if rel == "self_attn.kv_b_proj.weight" and gguf_name not in self.file:
-            parts = tuple(f"blk.{layer}.{part}" for part in KV_B_PARTS)
+        split = {"self_attn.kv_b_proj.weight": KV_B_PARTS, "linear_attn.in_proj_qkvz.weight": QKVZ_PARTS}.get(rel)
+        if split is not None and (split == QKVZ_PARTS or gguf_name not in self.file):
+            parts = tuple(f"blk.{layer}.{part}" for part in split)
             if all(part in self.file for part in parts):
-                self._kv_b_parts[name] = parts  # llama.cpp's MLA layout: k_b and v_b
+                self._parts[name] = parts
                 return parts[0]
         return gguf_name
 
@@ -276,8 +313,8 @@ class GgufCheckpoint:
         """Every tensor moed will read exists, has the shape the config implies and a type moed
         reads: a bad file fails here, before gigabytes are read."""
         for name, shape in self._shapes.items():
-            if name in self._kv_b_parts:
-                self._check_kv_b(name, shape)
+            if name in self._parts:
+                self._check_parts(name)
                 continue
             info = self._require(self.weight_keys[name])
             if math.prod(info.shape) != math.prod(shape) or (len(info.shape) == len(shape) and info.shape != shape):
@@ -298,11 +335,15 @@ class GgufCheckpoint:
                                            f"the metadata implies {list(shape)}; the file is corrupt or not a "
                                            f"{self.arch} model")
 
-    def _check_kv_b(self, name: str, shape: tuple[int, ...]) -> None:
-        att = self.config.attention
-        k_b, v_b = self._kv_b_parts[name]
-        for part, expected in ((k_b, (att.num_heads, att.kv_lora_rank, att.qk_nope_head_dim)),
-                               (v_b, (att.num_heads, att.v_head_dim, att.kv_lora_rank))):
+    def _check_parts(self, name: str) -> None:
+        att, la, d = self.config.attention, self.config.linear_attention, self.config.hidden_size
+        first, second = self._parts[name]
+        if name.endswith("kv_b_proj.weight"):
+            shapes = ((att.num_heads, att.kv_lora_rank, att.qk_nope_head_dim),
+                      (att.num_heads, att.v_head_dim, att.kv_lora_rank))
+        else:
+            shapes = ((la.conv_dim, d), (la.value_dim, d))
+        for part, expected in zip((first, second), shapes):
             info = self._require(part)
             if info.shape != expected:
                 raise ModelFormatError(f"{self.path}: tensor {quoted(part)} has shape {list(info.shape)} but the "

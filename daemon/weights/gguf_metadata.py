@@ -22,6 +22,11 @@ rope.scaling.*, expert_count, expert_used_count.
   yarn log multiplier is 0.1 * mscale_all_dim. Softmax-routed DeepSeek-V2 files are refused.
 - glm4moe -> glm4_moe: the converter appends the multi-token-prediction layers to block_count
   (``nextn_predict_layers``); they are left out. Partial rotary from rope.dimension_count.
+- qwen3next -> qwen3_next: the DeltaNet's sizes from the ssm.* keys (group_count = key heads,
+  time_step_rank = value heads, state_size = key head size, inner_size = all value heads), the
+  layer pattern from attention.recurrent_layers; MTP layers left out as for GLM.
+- qwen35moe -> qwen3_5_moe_text (Qwen3.5/3.6-MoE's language model): the same keys; its multimodal
+  rotary sections (rope.dimension_sections) are the ordinary rotary for text.
 """
 
 from __future__ import annotations
@@ -274,6 +279,40 @@ def _glm4moe(m: GgufMetadata) -> dict[str, Any]:
     return cfg
 
 
+def _qwen3next(m: GgufMetadata) -> dict[str, Any]:
+    cfg = m.common()
+    layers = cfg["num_hidden_layers"] - m.int("nextn_predict_layers", default=0)  # MTP layers, when converted
+    if layers < 1:
+        raise ModelFormatError(f"{m.file.path}: block_count leaves no layer besides the multi-token-prediction ones; "
+                               "the file is corrupt")
+    recurrent = m.meta.get(f"{m.arch}.attention.recurrent_layers")
+    if recurrent is None:  # llama.cpp's fallback: every full_attention_interval-th layer attends
+        interval = m.int("full_attention_interval", default=4, minimum=1)
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    if not isinstance(recurrent, list) or len(recurrent) < layers or not all(isinstance(r, bool) for r in recurrent):
+        raise ModelFormatError(f"{m.file.path}: metadata {m.arch}.attention.recurrent_layers should hold a boolean for "
+                               f"each of the {layers} layers, got {quoted(recurrent, 200)}")
+    num_experts, top_k = m.experts()
+    m.require_moe_layers(0, layers)
+    cfg.pop("intermediate_size", None)  # every layer is MoE (the converter may write an unused default)
+    v_heads = m.int("ssm.time_step_rank", minimum=1)
+    inner = m.int("ssm.inner_size", minimum=1)
+    if inner % v_heads:
+        raise ModelFormatError(f"{m.file.path}: ssm.inner_size {inner} is not a multiple of ssm.time_step_rank "
+                               f"{v_heads} (the value heads); the file is corrupt")
+    cfg.update(num_hidden_layers=layers,
+               layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+               linear_num_key_heads=m.int("ssm.group_count", minimum=1), linear_num_value_heads=v_heads,
+               linear_key_head_dim=m.int("ssm.state_size", minimum=1), linear_value_head_dim=inner // v_heads,
+               linear_conv_kernel_dim=m.int("ssm.conv_kernel", minimum=1),
+               num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=m.expert_rows(),
+               shared_expert_intermediate_size=m.int("expert_shared_feed_forward_length", minimum=1,
+                                                     default=m.rows("blk.0.ffn_gate_shexp.weight", dim=0)),
+               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+               attention_bias=f"blk.{recurrent.index(False) if False in recurrent else 0}.attn_q.bias" in m.file)
+    return cfg
+
+
 @dataclass(frozen=True)
 class GgufArchitecture:
     """How one llama.cpp architecture reads: the moed family and HF class it is, its config builder."""
@@ -295,6 +334,10 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     "deepseek2": GgufArchitecture("deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-V3/R1, Kimi-K2", _deepseek2),
     "glm4moe": GgufArchitecture("glm4_moe", "Glm4MoeForCausalLM", "GLM-4.5/4.6/4.7", _glm4moe,
                                 "post_attention_norm"),
+    "qwen3next": GgufArchitecture("qwen3_next", "Qwen3NextForCausalLM", "Qwen3-Next", _qwen3next,
+                                  "post_attention_norm"),
+    "qwen35moe": GgufArchitecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5/3.6-MoE", _qwen3next,
+                                  "post_attention_norm"),
 }
 
 

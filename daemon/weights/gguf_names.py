@@ -10,6 +10,14 @@ renames, two tensors are not stored as Hugging Face has them:
 - ``deepseek2``: MLA's ``kv_b_proj`` ``[H * (nope + v), kv_lora]`` is written as ``attn_k_b``
   ``[H, kv_lora, nope]`` (transposed, for the absorbed form) and ``attn_v_b`` ``[H, v, kv_lora]``;
   files from before that split keep ``attn_kv_b``.
+- ``qwen3next``: the DeltaNet's ``in_proj_qkvz`` (rows grouped per key head: q, k, v, z of head 0,
+  then of head 1 ...) is written as ``attn_qkv`` (all q, all k, all v) and ``attn_gate`` (all z);
+  ``A_log`` as ``ssm_a = -exp(A_log)``; every RMSNorm weight but the DeltaNet's output norm as
+  ``1 + w`` (llama.cpp's norm multiplies by the weight; Qwen3-Next's by ``1 + w``).
+- ``qwen35moe`` (Qwen3.5/3.6-MoE): as qwen3next, with the four input projections stored one by one;
+  where there are more value heads than key heads, every value-head axis (the V rows of
+  ``in_proj_qkv`` and of the conv kernel, ``in_proj_z``/``_b``/``_a``, ``A_log``, ``dt_bias`` and the
+  columns of ``out_proj``) is reordered from grouped by key head to tiled (``untile_v_heads`` undoes it).
 """
 
 from __future__ import annotations
@@ -36,6 +44,14 @@ LAYER_TENSORS = {
     "mlp.router.score_bias": "exp_probs_b.bias",
     "mlp.shared.gate_proj.weight": "ffn_gate_shexp.weight", "mlp.shared.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared.down_proj.weight": "ffn_down_shexp.weight", "mlp.shared_gate.weight": "ffn_gate_inp_shexp.weight",
+    # gated DeltaNet (qwen3next)
+    "linear_attn.in_proj_qkvz.weight": "attn_qkv.weight", "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    # gated DeltaNet with split projections (qwen35moe)
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
     # a dense layer's MLP (DeepSeek-V3 / GLM's first layers)
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -43,6 +59,10 @@ LAYER_TENSORS = {
 GLOBAL_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                   "lm_head.weight": "output.weight"}
 KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")  # deepseek2's split kv_b_proj
+QKVZ_PARTS = ("attn_qkv.weight", "attn_gate.weight")  # qwen3next's split in_proj_qkvz
+# norms a (1 + w) architecture stores as 1 + w (canonical names after "model.layers.{i}.", and the final norm)
+PLUS_ONE_NORMS = frozenset({"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+                            "self_attn.k_norm.weight", "model.norm.weight"})
 PERMUTED_QK = {"self_attn.q_proj.weight": "num_heads", "self_attn.k_proj.weight": "num_kv_heads"}
 
 
@@ -69,3 +89,20 @@ def join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     """``attn_k_b [H, kv_lora, nope]`` and ``attn_v_b [H, v, kv_lora]`` -> ``kv_b_proj [H * (nope + v), kv_lora]``."""
     heads, kv_lora, _ = k_b.shape
     return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, kv_lora)
+
+
+def join_qkvz(qkv: torch.Tensor, z: torch.Tensor, num_k_heads: int, k_head_dim: int) -> torch.Tensor:
+    """``attn_qkv [q | k | v, D]`` and ``attn_gate [z, D]`` -> Qwen3-Next's ``in_proj_qkvz``, whose rows
+    hold q, k, v, z of key head 0, then those of key head 1, and so on."""
+    d = qkv.shape[1]
+    key = num_k_heads * k_head_dim
+    q, k, v = qkv[:key], qkv[key:2 * key], qkv[2 * key:]
+    per_head = [t.reshape(num_k_heads, -1, d) for t in (q, k, v, z)]
+    return torch.cat(per_head, dim=1).reshape(-1, d)
+
+
+def untile_v_heads(num_k_heads: int, per_key: int, head_dim: int) -> torch.Tensor:
+    """The index that undoes llama.cpp's value-head reorder along one axis of ``num_k_heads * per_key``
+    heads of ``head_dim``: stored ``[per_key, num_k_heads, head_dim]`` (tiled), Hugging Face's
+    ``[num_k_heads, per_key, head_dim]`` (grouped by key head); ``w_hf = w_gguf[index]`` on that axis."""
+    return torch.arange(num_k_heads * per_key * head_dim).view(per_key, num_k_heads, head_dim).transpose(0, 1).reshape(-1)
