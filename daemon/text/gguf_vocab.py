@@ -5,9 +5,15 @@ in byte-level spelling, ``token_type``), the BPE ``merges``, the special token i
 template and ``tokenizer.ggml.pre``, a name for the regex that splits text before BPE. That is all
 a byte-level BPE tokenizer is, so the same tokenizer is rebuilt here in the ``tokenizers`` JSON
 format, with the split regexes llama.cpp uses for each ``pre`` (src/llama-vocab.cpp), written as
-the Hugging Face tokenizer.json of that model family writes them. SentencePiece ("llama") and
-other tokenizer models are refused: their GGUF form loses the normalizer, and a guess would
-tokenise differently from the model's training.
+the Hugging Face tokenizer.json of that model family writes them.
+
+SentencePiece BPE vocabularies (``tokenizer.ggml.model = "llama"``: Mixtral, Mistral, Llama 2) carry
+tokens with a score each and ``<0xXX>`` byte tokens instead of merges. llama.cpp tokenises them by
+merging the adjacent pair whose merged token scores highest; the same tokenizer in the tokenizers
+library is BPE with byte fallback and merges ranked by the merged token's score (``_spm_merges``),
+after a normalizer that writes spaces as "▁" and puts one in front of each piece of text
+(``add_space_prefix``, llama.cpp's default, also after a special token, as llama.cpp does). Other
+tokenizer models (Unigram "t5", WordPiece "bert" ...) are refused.
 
 Input is the plain-Python metadata dict (``moed.weights.gguf_file.GgufFile.metadata``); nothing
 here reads files.
@@ -97,14 +103,19 @@ def gguf_tokenizer_files(metadata: Mapping[str, Any], *, where: str) -> dict[str
             "generation_config.json": json.dumps(generation, indent=2)}
 
 
+_SENTENCEPIECE = PreTokenizer(add_bos=True)  # llama.cpp adds BOS for SentencePiece vocabularies by default
+
+
 def pre_tokenizer_of(metadata: Mapping[str, Any], *, where: str) -> PreTokenizer:
     model = metadata.get("tokenizer.ggml.model")
+    if model == "llama":
+        return _SENTENCEPIECE
     if model != "gpt2":
-        kind = {"llama": "SentencePiece", "t5": "Unigram", "bert": "WordPiece"}.get(model, "")
+        kind = {"t5": "Unigram", "bert": "WordPiece"}.get(model, "")
         raise UnsupportedModelError(
             f"{where}: tokenizer.ggml.model {quoted(model)}{f' ({kind})' if kind else ''} is not supported; moed "
-            "rebuilds byte-level BPE tokenizers ('gpt2') from GGUF metadata only; use the model's Hugging Face "
-            "directory instead")
+            "rebuilds byte-level BPE ('gpt2') and SentencePiece BPE ('llama') tokenizers from GGUF metadata; use "
+            "the model's Hugging Face directory instead")
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise UnsupportedModelError(
@@ -117,6 +128,8 @@ def pre_tokenizer_of(metadata: Mapping[str, Any], *, where: str) -> PreTokenizer
 def tokenizer_json(metadata: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     """The tokenizers-library JSON of the byte-level BPE tokenizer the metadata describes."""
     pre = pre_tokenizer_of(metadata, where=where)
+    if pre is _SENTENCEPIECE:
+        return _spm_tokenizer_json(metadata, where)
     tokens, types = _tokens(metadata, where)
     merges = _string_list(metadata, "tokenizer.ggml.merges", where)
     pairs = []
@@ -148,6 +161,64 @@ def tokenizer_json(metadata: Mapping[str, Any], *, where: str) -> dict[str, Any]
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                   "ignore_merges": pre.ignore_merges, "vocab": vocab, "merges": pairs},
+    }
+
+
+def _added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
+    """Control and user-defined tokens, matched whole in the text before anything else (as llama.cpp does)."""
+    return [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+             "special": kind == TOKEN_CONTROL}
+            for i, (token, kind) in enumerate(zip(tokens, types)) if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+
+
+def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[list[str]]:
+    """BPE merges equivalent to SentencePiece's score-driven merging: every split of a normal token into
+    two normal tokens is a merge, ranked by the merged token's score (highest first), ties by the
+    halves' ids."""
+    ids = {token: i for i, (token, kind) in enumerate(zip(tokens, types)) if kind == TOKEN_NORMAL}
+    merges = []
+    for merged, i in ids.items():
+        for cut in range(1, len(merged)):
+            left, right = merged[:cut], merged[cut:]
+            if left in ids and right in ids:
+                merges.append((-scores[i], ids[left], ids[right], left, right))
+    merges.sort()
+    return [[left, right] for *_, left, right in merges]
+
+
+def _spm_tokenizer_json(metadata: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The tokenizers-library JSON of a SentencePiece BPE vocabulary (module docstring)."""
+    tokens, types = _tokens(metadata, where)
+    scores = metadata.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) != len(tokens) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in scores):
+        raise ModelFormatError(f"{where}: tokenizer.ggml.scores is not one number per token ({len(tokens)} tokens); "
+                               "a SentencePiece vocabulary needs them; the file is corrupt, download it again")
+    unk = _token_id(metadata, "unknown_token_id", where, len(tokens))
+    space_prefix = _flag(metadata, "tokenizer.ggml.add_space_prefix", True, where)
+    vocab: dict[str, int] = {}
+    for token_id, (token, kind) in enumerate(zip(tokens, types)):
+        if kind != TOKEN_UNUSED:
+            vocab.setdefault(token, token_id)
+    normalizers: list[dict[str, Any]] = [{"type": "Prepend", "prepend": "▁"}] if space_prefix else []
+    normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": "▁"})
+    decoders: list[dict[str, Any]] = [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                                      {"type": "ByteFallback"}, {"type": "Fuse"}]
+    if space_prefix:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": _added_tokens(tokens, types),
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": None,
+        "post_processor": _post_processor_json(metadata, tokens, _SENTENCEPIECE, where),
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None if unk is None else tokens[unk],
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
+                  "byte_fallback": True, "ignore_merges": False, "vocab": vocab,
+                  "merges": _spm_merges(tokens, types, scores)},
     }
 
 

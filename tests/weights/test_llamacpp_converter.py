@@ -137,3 +137,59 @@ def test_deepseek_yarn_reads_back_as_the_released_configs_write_it(tmp_path, smo
     rope = GgufCheckpoint(path).raw_config["rope_parameters"]
     assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0 and rope["original_max_position_embeddings"] == 256
     assert rope["mscale_all_dim"] == pytest.approx(1.0) and rope["mscale"] == pytest.approx(1.0)
+
+
+SPM_TEXTS = ["Hello world", "  two leading spaces and a trailing one ", "line one\nline two\n\n\tindented",
+             "numbers 12345 and 3.14159", "café naïve résumé — 日本語 🙂", "def add(a, b):\n    return a + b\n",
+             "UPPER lower MiXeD"]
+
+
+def _train_sentencepiece(root: Path) -> Path:
+    """A SentencePiece BPE model with byte fallback, no text normalisation and whitespace kept (what
+    Mixtral's and Llama 2's tokenizer.model are; llama.cpp's SentencePiece tokenizer assumes it)."""
+    import sentencepiece as spm
+
+    from helpers.tiny_tokenizer import _training_lines
+
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(_training_lines()) + "\n")
+    prefix = root / "spm"
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(prefix), vocab_size=400, model_type="bpe",
+                                   byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False,
+                                   split_digits=True, minloglevel=2)
+    return prefix.with_suffix(".model")
+
+
+def test_a_sentencepiece_vocabulary_tokenises_as_sentencepiece_does(tmp_path):
+    """Mixtral's GGUF carries a SentencePiece vocabulary (tokens, scores, byte tokens): moed's tokenizer
+    rebuilt from it gives sentencepiece's own ids and decodes back to the text."""
+    import sentencepiece as spm
+
+    script = _converter()
+    model_file = _train_sentencepiece(tmp_path)
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    cfg = tiny_config("mixtral")
+    cfg.vocab_size = sp.get_piece_size()
+    hf = tmp_path / "hf"
+    build_tiny_model("mixtral", hf, config=cfg)
+    (hf / "tokenizer.model").write_bytes(model_file.read_bytes())
+    out = tmp_path / "spm.gguf"
+    done = subprocess.run([sys.executable, str(script), str(hf), "--outtype", "f32", "--outfile", str(out)],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(CONVERTER / "gguf-py"), NO_LOCAL_GGUF="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = GgufFile(out).metadata
+    assert meta["tokenizer.ggml.model"] == "llama"
+    from moed.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_files(gguf_tokenizer_files(meta, where=str(out)), where=str(out))
+    for text in SPM_TEXTS:
+        expected = sp.encode(text)
+        assert tok.encode(text, add_special_tokens=False) == expected, text
+        assert tok.encode(text) == [sp.bos_id()] + expected, text  # llama.cpp's add_bos default for SentencePiece
+        assert tok.decode(expected) == sp.decode(expected), text
+    # a control token written in the text is that token (llama.cpp parses special tokens in prompts, as
+    # Hugging Face does), and the text after it gets its own space prefix, as llama.cpp gives it
+    text = " looks special but is not"
+    assert tok.encode("<s>" + text, add_special_tokens=False) == [sp.bos_id()] + sp.encode(text)
