@@ -200,8 +200,10 @@ def test_named_chat_templates_and_an_embedded_tokenizer_json_are_used():
 
 
 @pytest.mark.parametrize("change, error, message", [
-    ({"tokenizer.ggml.model": "llama"}, UnsupportedModelError,
-     r"m\.gguf: tokenizer\.ggml\.model 'llama' \(SentencePiece\) is not supported"),
+    ({"tokenizer.ggml.model": "t5"}, UnsupportedModelError,
+     r"m\.gguf: tokenizer\.ggml\.model 't5' \(Unigram\) is not supported"),
+    ({"tokenizer.ggml.model": "llama"}, ModelFormatError,
+     r"m\.gguf: tokenizer\.ggml\.scores is not one number per token \(10 tokens\); a SentencePiece vocabulary"),
     ({"tokenizer.ggml.pre": "jais"}, UnsupportedModelError,
      r"m\.gguf: tokenizer\.ggml\.pre 'jais' is not a pre-tokenizer moed knows"),
     ({"tokenizer.ggml.merges": None}, ModelFormatError, r"m\.gguf: metadata tokenizer\.ggml\.merges is missing"),
