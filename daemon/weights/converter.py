@@ -10,6 +10,7 @@ with pread, not mmap, so its pages do not count against the process (see safeten
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +21,8 @@ from moed.weights.ftw_writer import FtwStreamWriter, StaleReport, TensorSpec
 from moed.weights.expert_chunk import bank_rows
 from moed.weights.checkpoint import open_checkpoint
 from moed.weights.model_loader import BANK_PREFIX, bank_metadata_for, check_bank_dtype, is_ftw_dir
+
+log = logging.getLogger("moed.weights")
 
 # Copied verbatim so an FTW directory is self-contained (tokenizer and templates included).
 EXTRA_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -39,6 +42,8 @@ def convert_model(src: str | Path, dst: str | Path, *, experts_dtype: str | None
     config = checkpoint.config
     experts_dtype = experts_dtype or checkpoint.default_bank_dtype()
     check_bank_dtype(config, experts_dtype)
+    for line in getattr(checkpoint, "type_changes", lambda *a, **k: [])(experts_dtype, packed=False):  # GGUF only
+        log.warning("%s: %s", src.name, line)
     moe = config.moe
     # non-expert weights keep the checkpoint's dtype (a bf16 model's FTW holds bf16 attention weights).
     # A GGUF's quantised weights, which a load keeps packed (PackedLinear), are written dequantised to

@@ -50,13 +50,17 @@ NATIVE_DTYPES = {q.F32: torch.float32, q.F16: torch.float16, q.BF16: torch.bfloa
 # stored expert type -> the bank dtype its blocks repack into without dequantising
 REPACKED_BANK = {q.Q8_0: "q8", q.MXFP4: "mxfp4", q.Q4_0: "int4", q.Q4_1: "int4", q.Q4_K: "int4"}
 # stored expert type -> the bank dtype that keeps it best (see default_bank_dtype)
-DEFAULT_BANK = {q.F32: "fp32", q.F16: "fp32", q.BF16: "bf16", **REPACKED_BANK, q.Q5_K: "q8", q.Q6_K: "q8"}
+# (5-6 bits -> q8: its 255 levels re-quantise them well under their own step; 2-3 bits and the
+# non-linear IQ4 levels -> int4, which keeps the file's size class: q8 would double an IQ4_XS model)
+DEFAULT_BANK = {q.F32: "fp32", q.F16: "fp32", q.BF16: "bf16", **REPACKED_BANK, q.Q5_K: "q8", q.Q6_K: "q8",
+                q.Q5_0: "q8", q.Q5_1: "q8", q.Q2_K: "int4", q.Q3_K: "int4", q.IQ4_NL: "int4", q.IQ4_XS: "int4"}
 _REPACKERS = {"q8": q.to_q8_bank, "mxfp4": q.to_mxfp4_bank, "int4": q.to_int4_bank}
 _QUANTISERS = {"q8": quantize_q8, "mxfp4": quantize_mxfp4, "int4": quantize_int4}
 # bank tensor suffixes, in the order the repackers and quantisers return them (cache/host_bank.py)
 _PACKED_PARTS = {"q8": ("qs", "d"), "mxfp4": ("fp4", "e8m0"), "int4": ("q", "scale", "min")}
 # stored type of a 2-D weight that goes through linear() -> the PackedLinear dtype it loads as
-PACKED_LINEAR = {q.Q8_0: "q8", q.Q4_0: "int4", q.Q4_1: "int4", q.Q4_K: "int4", q.Q5_K: "q8", q.Q6_K: "q8"}
+PACKED_LINEAR = {q.Q8_0: "q8", q.Q4_0: "int4", q.Q4_1: "int4", q.Q4_K: "int4", q.Q5_K: "q8", q.Q6_K: "q8",
+                 q.Q5_0: "q8", q.Q5_1: "q8", q.Q2_K: "q8", q.Q3_K: "q8", q.IQ4_NL: "q8", q.IQ4_XS: "q8"}
 # canonical names (after "model.layers.{i}.") of the weights layers/linear.py's linear() multiplies
 # with: the router (linear_f32, F32 in GGUF files) and the [1, D] shared-expert gate are not packed
 _LINEAR_WEIGHTS = frozenset({
@@ -177,6 +181,37 @@ class GgufCheckpoint:
             return "fp32"
         ranked = sorted(counts, key=lambda t: (counts[t], q.block_size(t)[1] / q.block_size(t)[0]))
         return DEFAULT_BANK[ranked[-1]]
+
+    def type_changes(self, bank_dtype: str | None = None, *, packed: bool = True) -> list[str]:
+        """What loading changes about the stored tensors, one line per (stored type, loaded form): routed
+        experts that do not repack block for block into ``bank_dtype`` (default: ``default_bank_dtype()``),
+        linear() weights re-quantised to q8 (``packed``), other quantised weights decoded to bf16.
+        Lossless loads (Q8_0 -> q8, MXFP4 -> mxfp4, floats) and Q4_0/Q4_1/Q4_K -> int4 (the codes kept,
+        the scales rounded to bf16, docs/design.md) are not listed."""
+        target = bank_dtype or self.default_bank_dtype()
+        groups: dict[tuple[int, str], list[str]] = {}
+        exact = {q.F32: ("fp32",), q.F16: ("fp32",), q.BF16: ("bf16", "fp32")}
+        for names in self._experts.values():
+            for name in (names or ())[:3]:
+                stored = self.file.tensor(name).ggml_type
+                if REPACKED_BANK.get(stored) != target and target not in exact.get(stored, ()):
+                    groups.setdefault((stored, f"re-quantised into the {target} expert bank"), []).append(name)
+        for name in self.weight_keys:
+            info = self.file.tensor(self.weight_keys[name])
+            if info.ggml_type in NATIVE_DTYPES:
+                continue
+            linear = self.packed_weight_dtype(name) if packed else None
+            if linear is not None and REPACKED_BANK.get(info.ggml_type) == linear:
+                continue
+            how = f"re-quantised to {linear}" if linear is not None else "decoded to bf16"
+            for part in self._parts.get(name, (info.name,)):
+                groups.setdefault((info.ggml_type, how), []).append(part)
+        lines = []
+        for (stored, how), names in groups.items():
+            shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+            lines.append(f"{len(names)} tensor(s) stored as {q.type_name(stored)} ({shown}) are {how}: moed keeps "
+                         f"no {q.type_name(stored)} form there yet")
+        return lines
 
     def expert_chunks(self, chunk_experts: int = CHUNK_EXPERTS, bank_dtype: str | None = None) -> Iterator[ExpertChunk]:
         """Every routed expert, in flat-id order, ``chunk_experts`` at a time (never across layers).

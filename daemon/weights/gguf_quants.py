@@ -29,8 +29,14 @@ F32, F16, BF16 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), i
 Q8_0, Q4_0, Q4_1 = int(GGMLQuantizationType.Q8_0), int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1)
 Q4_K, Q5_K, Q6_K = int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K), int(GGMLQuantizationType.Q6_K)
 MXFP4 = int(GGMLQuantizationType.MXFP4)
+Q5_0, Q5_1 = int(GGMLQuantizationType.Q5_0), int(GGMLQuantizationType.Q5_1)
+Q2_K, Q3_K = int(GGMLQuantizationType.Q2_K), int(GGMLQuantizationType.Q3_K)
+IQ4_NL, IQ4_XS = int(GGMLQuantizationType.IQ4_NL), int(GGMLQuantizationType.IQ4_XS)
+# IQ4_NL / IQ4_XS's 16 non-linear levels (ggml-common.h kvalues_iq4nl)
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
-SUPPORTED_TYPES: tuple[int, ...] = (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4)
+SUPPORTED_TYPES: tuple[int, ...] = (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+                                    IQ4_NL, IQ4_XS, MXFP4)
 
 
 class UnsupportedGgufType(ValueError):
@@ -153,8 +159,57 @@ def _q4_k_params(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _f16(b[:, 0:2]).unsqueeze(-1) * sc, _f16(b[:, 2:4]).unsqueeze(-1) * m
 
 
+def _q5_codes(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1: ``qh`` ``uint8 [NB, 4]`` (bit j of the little-endian u32 = bit 4 of weight j) and
+    ``qs [NB, 16]`` (low nibbles: weights 0-15, high: 16-31) -> codes ``uint8 [NB, 32]`` 0..31."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device)
+    high = ((qh.unsqueeze(-1) >> shifts) & 1).reshape(-1, 32)  # byte i bit k -> weight 8i + k
+    return _nibbles(qs) | (high << 4)
+
+
+def _iq4(codes: torch.Tensor) -> torch.Tensor:
+    """IQ4 codes ``uint8`` -> their int8 levels (IQ4_LEVELS), by arithmetic on a 16-entry table."""
+    table = torch.tensor(IQ4_LEVELS, dtype=torch.int8, device=codes.device)
+    return table[codes.long()]
+
+
 def _dequant_blocks(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """``uint8 [NB, bytes]`` -> float32 ``[NB, weights per block]`` (quantised types only)."""
+    if ggml_type == Q5_0:  # d fp16, qh u32, qs[16]: w = (q - 16) * d
+        q = _q5_codes(b[:, 2:6], b[:, 6:]).view(torch.int8) - 16
+        return torch.mul(q, _f16(b[:, 0:2]).unsqueeze(-1))
+    if ggml_type == Q5_1:  # d, m fp16, qh u32, qs[16]: w = q * d + m
+        w = torch.mul(_q5_codes(b[:, 4:8], b[:, 8:]), _f16(b[:, 0:2]).unsqueeze(-1))
+        return w.add_(_f16(b[:, 2:4]).unsqueeze(-1))
+    if ggml_type == Q2_K:  # scales[16] (low nibble sc, high m), qs[64], d, dmin fp16: w = d*sc*q - dmin*m per 16
+        sc, qs = b[:, 0:16], b[:, 16:80]
+        dl = (_f16(b[:, 80:82]).unsqueeze(-1) * (sc & 0x0F)).unsqueeze(-1)  # [NB, 16, 1]
+        ml = (_f16(b[:, 82:84]).unsqueeze(-1) * (sc >> 4)).unsqueeze(-1)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+        q = ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)  # 128-weight half, shift, 32 weights
+        return (dl * q).sub_(ml).view(-1, QK_K)
+    if ggml_type == Q3_K:  # hmask[32], qs[64], scales[12] (16 x 6 bits, -32), d: w = d*sc*(q - 4*(1 - hbit)) per 16
+        hmask, qs, packed = b[:, 0:32], b[:, 32:96], b[:, 96:108]
+        low = (packed[:, 0:8].unsqueeze(1) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).view(1, 2, 1))
+        high = (packed[:, 8:12].unsqueeze(1) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8,
+                                                             device=b.device).view(1, 4, 1))
+        sc = (low.reshape(-1, 16) & 0x0F) | ((high.reshape(-1, 16) & 3) << 4)
+        dl = (_f16(b[:, 108:110]).unsqueeze(-1) * (sc.view(torch.int8) - 32)).unsqueeze(-1)  # [NB, 16, 1]
+        ql = (qs.reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8,
+                                                       device=b.device).view(1, 1, 4, 1)) & 3
+        qh = (hmask.reshape(-1, 1, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 1, 8, 1)) & 1
+        q = ql.reshape(-1, 16, 16).view(torch.int8) - ((qh.reshape(-1, 16, 16) ^ 1) << 2).view(torch.int8)
+        return (dl * q).view(-1, QK_K)
+    if ggml_type == IQ4_NL:  # d fp16, qs[16]: w = d * level(q)
+        return torch.mul(_iq4(_nibbles(b[:, 2:])), _f16(b[:, 0:2]).unsqueeze(-1))
+    if ggml_type == IQ4_XS:  # d fp16, scales_h u16, scales_l[4], qs[128]: w = d*(ls - 32)*level(q) per 32
+        sh = _as_dtype(b[:, 2:4], torch.int16).to(torch.int32)  # [NB, 1]
+        lo = (b[:, 4:8].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device)).reshape(-1, 8) & 0x0F
+        hi = (sh >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)) & 3  # [NB, 8]
+        ls = (lo.to(torch.int32) | (hi << 4)) - 32
+        dl = (_f16(b[:, 0:2]).unsqueeze(-1) * ls).unsqueeze(-1)  # [NB, 8, 1]
+        levels = _iq4(_nibbles(b[:, 8:].reshape(-1, 8, 16)))  # [NB, 8, 32]
+        return (dl * levels).view(-1, QK_K)
     if ggml_type == Q8_0:  # d fp16, qs int8[32]: w = qs * d
         return torch.mul(_as_dtype(b[:, 2:], torch.int8), _f16(b[:, 0:2]).unsqueeze(-1))
     if ggml_type == Q4_0:  # d fp16, qs[16] (two nibbles): w = (q - 8) * d

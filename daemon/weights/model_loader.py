@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,6 +36,8 @@ class LoadedModel:
     tokenizer_files: dict[str, str] | None = None  # GGUF: tokenizer.json etc. built from its metadata
 
 
+log = logging.getLogger("moed.weights")
+
 WEIGHT_DTYPES = ("auto", "fp32")  # auto: the checkpoint's own (float32, bf16 or fp16)
 
 
@@ -65,7 +68,11 @@ def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights
                     "to change the expert format")
         return _load_ftw_model(path, verify, progress)
     checkpoint = open_checkpoint(path)
-    bank = stream_expert_bank(checkpoint, experts_dtype or checkpoint.default_bank_dtype())
+    bank_dtype = experts_dtype or checkpoint.default_bank_dtype()
+    if kind == "gguf":  # nothing the file holds changes silently (issue #31)
+        for line in checkpoint.type_changes(bank_dtype, packed=weights_dtype == "auto"):
+            log.warning("%s: %s", path.name, line)
+    bank = stream_expert_bank(checkpoint, bank_dtype)
     wanted = torch.float32 if weights_dtype == "fp32" else None
     weights = {name: _read_run_weight(checkpoint, name, wanted) for name in checkpoint.weight_keys}
     tokenizer_files = checkpoint.tokenizer_files() if kind == "gguf" else None

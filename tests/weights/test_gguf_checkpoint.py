@@ -22,6 +22,7 @@ from moed.weights.expert_chunk import bank_rows
 from moed.weights.gguf_checkpoint import GgufCheckpoint
 from moed.weights.gguf_file import GgufFile, is_gguf_file
 from moed.weights.hf_checkpoint import HfCheckpoint
+from moed.weights.model_loader import load_model
 
 K_QUANT_DIMS = dict(hidden_size=256, moe_intermediate_size=256)  # rows of whole 256-weight K-quant blocks
 
@@ -187,6 +188,49 @@ def test_k_quant_experts_without_an_int4_form_come_as_exact_float_rows_for_q8(tm
     assert set(bank_rows(chunks[0], "q8")) == {"gate_up.qs", "gate_up.d", "down.qs", "down.d"}
 
 
+@pytest.mark.parametrize("expert_type, bank_dtype", [(T.Q5_0, "q8"), (T.Q5_1, "q8"), (T.Q2_K, "int4"),
+                                                     (T.Q3_K, "int4"), (T.IQ4_NL, "int4"), (T.IQ4_XS, "int4")])
+def test_types_without_a_bank_form_load_re_quantised_and_say_so(tmp_path, expert_type, bank_dtype, caplog):
+    """Q5_0/Q5_1, Q2_K/Q3_K and the IQ4 types decode bit for bit as gguf.quants does (test_gguf_quants.py)
+    and are re-quantised into the closest bank; the load warns, naming the tensors and both types."""
+    weight_type = expert_type if gguf.GGML_QUANT_SIZES[expert_type][0] == 32 else T.Q5_0  # 128-wide attention inputs
+    path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path, expert_type=expert_type, weight_type=weight_type,
+                                 **K_QUANT_DIMS)
+    gg = GgufCheckpoint(path)
+    assert gg.default_bank_dtype() == bank_dtype
+    want_gu, want_dn = reference_bank(reference_tensors(path), gg.config)
+    got_gu, got_dn, chunks = bank_of(gg)
+    assert all(c.packed is None for c in chunks)  # exact float rows, quantised into the bank by the loader
+    assert torch.equal(got_gu, want_gu) and torch.equal(got_dn, want_dn)
+    name = expert_type.name
+    lines = gg.type_changes()
+    experts = [line for line in lines if f"into the {bank_dtype} expert bank" in line]
+    assert len(experts) == 1 and experts[0].startswith(f"{3 * gg.config.num_moe_layers} tensor(s) stored as {name} ")
+    assert "blk.0.ffn_gate_exps.weight" in experts[0] and f"moed keeps no {name} form there yet" in experts[0]
+    assert any(f"stored as {weight_type.name}" in line and "re-quantised to q8" in line for line in lines)  # attention
+    with caplog.at_level("WARNING", logger="moed.weights"):
+        load_model(path)
+    assert any(f"stored as {name}" in r.getMessage() and "expert bank" in r.getMessage() for r in caplog.records)
+
+
+def test_a_q8_0_file_changes_only_its_embedding_table(tmp_path):
+    """Experts and linear() weights keep Q8_0's blocks (q8); the embedding table is looked up, not
+    multiplied, and is decoded to bf16 (8 significant bits where qs * d can need 19): it is reported."""
+    path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path, expert_type=T.Q8_0, weight_type=T.Q8_0)
+    assert GgufCheckpoint(path).type_changes() == [
+        "1 tensor(s) stored as Q8_0 (token_embd.weight) are decoded to bf16: moed keeps no Q8_0 form there yet"]
+    path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path / "f32", expert_type=T.F32, weight_type=T.F32)
+    assert GgufCheckpoint(path).type_changes() == []
+
+
+def test_a_q4_k_m_mix_reports_its_q6_k_down_re_quantised_to_int4(tmp_path):
+    path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path, expert_type=T.Q4_K, weight_type=T.Q8_0,
+                                 tensor_types={"blk.0.ffn_down_exps.weight": T.Q6_K}, **K_QUANT_DIMS)
+    lines = GgufCheckpoint(path).type_changes()
+    assert lines[0].startswith("1 tensor(s) stored as Q6_K (blk.0.ffn_down_exps.weight) are re-quantised into the "
+                               "int4 expert bank") and len(lines) == 2 and "token_embd.weight" in lines[1]
+
+
 @pytest.mark.parametrize("weight_type, dtype", [(T.F16, torch.float16), (T.BF16, torch.bfloat16)])
 def test_half_precision_weights_keep_their_dtype(tmp_path, weight_type, dtype):
     path, _, _ = write_tiny_gguf("gpt_oss", tmp_path, weight_type=weight_type, expert_type=weight_type)
@@ -279,12 +323,13 @@ def test_a_dense_llama_file_is_refused_as_not_moe(tmp_path):
 
 
 def test_an_unsupported_tensor_type_is_refused(tmp_path):
-    path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path, tensor_types={"blk.1.ffn_down_exps.weight": T.IQ4_NL})
+    path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path, tensor_types={"blk.1.ffn_down_exps.weight": T.IQ2_XXS},
+                                 **K_QUANT_DIMS)
     with pytest.raises(ModelFormatError) as info:
         GgufCheckpoint(path)
     message = str(info.value)
     assert "\n" not in message and str(path) in message
-    assert "'blk.1.ffn_down_exps.weight' is stored as IQ4_NL" in message and "llama-quantize" in message
+    assert "'blk.1.ffn_down_exps.weight' is stored as IQ2_XXS" in message and "llama-quantize" in message
 
 
 def test_a_dense_qwen2moe_layer_is_refused(tmp_path):
