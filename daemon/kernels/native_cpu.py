@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 
 from moed.kernels.cpu_threads import cpu_threads
+from moed.kernels.ggml_rows_format import check_rows, row_bytes
 from moed.kernels.rows_format import rows_shapes
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512vnni")
 DTYPE_CODES = {"fp32": 0, "bf16": 1, "int4": 2, "q8": 3, "mxfp4": 4}
 ACT_CODES = {"silu": 0, "gpt_oss": 1}
@@ -58,6 +59,12 @@ class _Bank(ctypes.Structure):
                 ("gu_w_stride", ctypes.c_int64), ("gu_s_stride", ctypes.c_int64),
                 ("dn_w_stride", ctypes.c_int64), ("dn_s_stride", ctypes.c_int64),
                 ("gu_bias", ctypes.c_void_p), ("dn_bias", ctypes.c_void_p)]
+
+
+class _GgmlMatrix(ctypes.Structure):
+    """native/cpu/ggml_rows.h moed_ggml_matrix: rows of GGUF blocks."""
+    _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int32), ("rows", ctypes.c_int64), ("K", ctypes.c_int64),
+                ("row_bytes", ctypes.c_int64)]
 
 
 def library_path() -> Path | None:
@@ -192,6 +199,10 @@ class NativeCpu:
         lib.moed_cpu_rows_to_bf16.restype = c_int
         lib.moed_cpu_attn_decode.argtypes = [vp, ctypes.POINTER(_AttnDecode)]
         lib.moed_cpu_attn_decode.restype = c_int
+        lib.moed_cpu_ggml_rows.argtypes = [vp, c_int, vp, vp, c_int, c_i64, vp]
+        lib.moed_cpu_ggml_rows.restype = c_int
+        lib.moed_ggml_dot_one.argtypes = [c_int, c_int, vp, c_i64, vp, vp, vp, c_int, vp]
+        lib.moed_ggml_dot_one.restype = c_int
         lib.moed_chain_work_floats.argtypes = [ctypes.POINTER(ChainLayer), c_int, c_int, c_i64]
         lib.moed_chain_work_floats.restype = c_i64
         lib.moed_cpu_decode_layers.argtypes = [vp, ctypes.POINTER(ChainLayer), c_int, ctypes.POINTER(_ChainStep), vp,
@@ -434,6 +445,46 @@ class NativeCpu:
             raise MemoryError("the native rows kernel ran out of memory") if rc == -2 else \
                 ValueError(f"moed_cpu_rows_many refused its arguments (rc {rc})")
         return ys
+
+    def ggml_rows(self, matrices: "list[tuple[torch.Tensor, int]] | tuple", x: torch.Tensor) -> list[torch.Tensor]:
+        """``x [T, K]`` float32 times each matrix of GGUF block rows ``(raw uint8 [rows, row_bytes], ggml
+        type)`` (kernels/ggml_rows_format.py) -> ``[x @ w.T]`` float32 ``[T, rows]`` each; x is quantised
+        to int8 once for all."""
+        x = _f32_rows(x, "x")
+        count, k = len(matrices), x.shape[1]
+        if not 1 <= count <= MAX_DENSE:
+            raise ValueError(f"ggml_rows takes 1 to {MAX_DENSE} matrices, got {count}")
+        mats, ys = [], []
+        for raw, ggml_type in matrices:
+            rows = check_rows(raw, ggml_type, k, "ggml_rows")
+            if not raw.is_contiguous() or raw.device.type != "cpu":
+                raise ValueError("ggml_rows: the rows must be a contiguous host tensor")
+            mats.append(_GgmlMatrix(raw.data_ptr(), ggml_type, rows, k, raw.shape[1]))
+            ys.append(torch.empty(x.shape[0], rows, dtype=torch.float32))
+        ptrs = (ctypes.POINTER(_GgmlMatrix) * count)(*(ctypes.pointer(m) for m in mats))
+        outs = (ctypes.c_void_p * count)(*(y.data_ptr() for y in ys))
+        with self._lock:
+            rc = self._lib.moed_cpu_ggml_rows(self._pool, count, ptrs, x.data_ptr(), x.shape[0], k, outs)
+        if rc != 0:
+            raise MemoryError("the native ggml rows kernel ran out of memory") if rc == -2 else \
+                ValueError(f"moed_cpu_ggml_rows refused its arguments (rc {rc})")
+        return ys
+
+    def ggml_dot_one(self, ggml_type: int, isa: str, row: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor,
+                     xsum: torch.Tensor) -> torch.Tensor:
+        """One row of GGUF blocks (``uint8 [row_bytes]``) dotted with int8 activations ``xq [T, K]``
+        (``xs``/``xsum`` float32 ``[T, K/32]``) by the kernel of one ISA -> float32 ``[T]`` (tests)."""
+        t, k = xq.shape
+        if row.dtype != torch.uint8 or row.numel() != row_bytes(ggml_type, k) or xq.dtype != torch.int8 \
+                or xs.dtype != torch.float32 or xsum.dtype != torch.float32:
+            raise ValueError("ggml_dot_one: a uint8 row of the type's bytes, int8 xq and float32 xs / xsum")
+        y = torch.empty(t, dtype=torch.float32)
+        args = [c.contiguous() for c in (row, xq, xs, xsum)]
+        rc = self._lib.moed_ggml_dot_one(ggml_type, ISA_NAMES.index(isa), *(a.data_ptr() for a in args[:1]), k,
+                                         *(a.data_ptr() for a in args[1:]), t, y.data_ptr())
+        if rc != 0:
+            raise ValueError(f"moed_ggml_dot_one refused its arguments (rc {rc})")
+        return y
 
     def rows_to_bf16(self, dtype: str, arrays: tuple[torch.Tensor, ...], k: int) -> torch.Tensor:
         """One rows-layout matrix dequantised to bf16 ``[N, K]`` (for prefill GEMMs): bit for bit

@@ -122,7 +122,8 @@ def random_blocks(qtype: T, shape: tuple[int, ...], rng: np.random.Generator) ->
         raise ValueError(f"{qtype.name} needs rows of whole {elems}-weight blocks; shape {shape} has {shape[-1]}")
     blocks = rng.integers(0, 256, size=(int(np.prod(shape)) // elems, size), dtype=np.uint8)
     # fp16 scale fields: (byte offset, count) per type
-    scales = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208, 1), T.Q2_K: (80, 2), T.Q3_K: (108, 1)}.get(qtype, (0, 1))
+    scales = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208, 1), T.Q2_K: (80, 2), T.Q3_K: (108, 1), T.Q4_1: (0, 2),
+              T.Q5_1: (0, 2)}.get(qtype, (0, 1))
     start, count = scales
     values = rng.uniform(0.001, 0.02, size=(blocks.shape[0], count)).astype(np.float16)
     blocks[:, start:start + 2 * count] = values.view(np.uint8)

@@ -1,0 +1,57 @@
+"""Rows of GGUF blocks kept as the file stores them (the "ggml" expert bank, native/cpu/ggml_rows.h).
+
+A matrix ``[rows, K]`` is ``uint8 [rows, row_bytes]``: each row the GGUF tensor's blocks for that
+row, byte for byte (llama.cpp's block structs), so a GGUF expert tensor ``[E, rows, K]`` is ``E``
+such matrices back to back and loads with one read, without decoding. The kernels multiply the
+blocks directly with int8 activations; ``dequantize_rows`` (gguf_quants.py, bit for bit
+``gguf.quants``) is the reference for what a row holds, and ``rows_product_reference`` the torch
+twin of the kernels: the same int8 activations times the decoded rows, in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moed.kernels.native_cpu_reference import quantize_activations
+from moed.weights import gguf_quants as q
+
+# the GGUF types the ggml bank keeps (the kernels in native/cpu/ggml_rows.c read each)
+ROW_TYPES: tuple[int, ...] = (q.Q8_0, q.Q4_0, q.Q4_1, q.Q5_0, q.Q5_1, q.Q2_K, q.Q3_K, q.Q4_K, q.Q5_K, q.Q6_K,
+                              q.IQ4_NL, q.IQ4_XS, q.MXFP4)
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes of one row of ``k`` weights of ``ggml_type`` (``k`` whole blocks)."""
+    weights, size = q.block_size(ggml_type)
+    if k < 1 or k % weights:
+        raise ValueError(f"{q.type_name(ggml_type)} rows need a multiple of {weights} weights, got {k}")
+    return k // weights * size
+
+
+def check_rows(raw: torch.Tensor, ggml_type: int, k: int, what: str = "rows") -> int:
+    """``raw`` is ``uint8 [rows, row_bytes]`` of a type the bank keeps; returns the row count."""
+    if ggml_type not in ROW_TYPES:
+        raise ValueError(f"{what}: the ggml bank keeps {', '.join(q.type_name(t) for t in ROW_TYPES)}, "
+                         f"not {q.type_name(ggml_type)}")
+    want = row_bytes(ggml_type, k)
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != want:
+        raise ValueError(f"{what}: {q.type_name(ggml_type)} rows of {k} weights must be uint8 [rows, {want}], "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
+    return raw.shape[0]
+
+
+def dequantize_rows(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """``uint8 [rows, row_bytes]`` -> float32 ``[rows, k]``, what gguf.quants decodes."""
+    rows = check_rows(raw, ggml_type, k)
+    return q.dequantize(raw.reshape(-1), ggml_type, (rows, k))
+
+
+def rows_product_reference(raw: torch.Tensor, ggml_type: int, k: int, x: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' product ``x [T, k] @ rows.T`` computed in float64 from the same int8 activations:
+    ``(y [T, rows], bound [T, rows])``, ``bound`` the sum of the absolute terms (a kernel agrees within
+    ~1e-5 of it: only its float32 summation order differs)."""
+    w = dequantize_rows(raw, ggml_type, k).double()  # [rows, k]
+    xq, xs, _ = quantize_activations(x.float())
+    xa = (xq.double().reshape(x.shape[0], -1, 32) * xs.double()[..., None]).reshape(x.shape[0], k)
+    return xa @ w.T, xa.abs() @ w.abs().T

@@ -1,0 +1,51 @@
+/* Rows of GGUF blocks, multiplied as stored (the "ggml" expert bank and its kernels, ggml_rows.c).
+ *
+ * A matrix is `rows` rows of K weights, each row the GGUF tensor's blocks for that row, exactly as
+ * the file has them (row-major; llama.cpp's block structs, ggml-common.h). The activations are
+ * moed's int8 form (moed_cpu.h: per 32 values xs = max|x| / 127, xq = round(x / xs), xsum = xs *
+ * sum(xq)), and every type is read as, per 16 weights h, w = scale_h * code + min_h with integer
+ * codes, so that
+ *
+ *     dot(row, x) = sum over halves h of  scale_h * xs * (sum code * xq)  +  min_h * xs * (sum xq)
+ *
+ * with exact integer inner sums. Per type (code; scale; min), d/dmin/m the block's fp16 fields:
+ *   Q8_0   qs (int8); d; 0                      Q4_0  q 0..15; d; -8 d
+ *   Q4_1   q 0..15; d; m                        Q5_0  q 0..31; d; -16 d
+ *   Q5_1   q 0..31; d; m                        Q2_K  q 0..3; d * sc; -dmin * m (4-bit sc, m per 16)
+ *   Q3_K   q - 4 (hmask bit clear) in -4..3; d * (sc - 32) (6-bit sc per 16); 0
+ *   Q4_K   q 0..15; d * sc; -dmin * m (6-bit sc, m per 32)   Q5_K  q 0..31; same
+ *   Q6_K   q - 32 in -32..31; d * sc (int8 sc per 16); 0
+ *   IQ4_NL level[q] (int8); d; 0                IQ4_XS level[q]; d * (ls - 32) (6-bit ls per 32); 0
+ *   MXFP4  2 * e2m1(q) (int8); 2^(e - 128); 0
+ * The torch twin (moed.kernels.ggml_rows_reference) multiplies the gguf-decoded rows with the same
+ * int8 activations, so the two agree to float rounding. */
+#ifndef MOED_GGML_ROWS_H
+#define MOED_GGML_ROWS_H
+
+#include <stdint.h>
+
+/* GGML type ids (ggml.h) of the types these kernels read */
+enum {
+    MOED_GGML_Q4_0 = 2, MOED_GGML_Q4_1 = 3, MOED_GGML_Q5_0 = 6, MOED_GGML_Q5_1 = 7, MOED_GGML_Q8_0 = 8,
+    MOED_GGML_Q2_K = 10, MOED_GGML_Q3_K = 11, MOED_GGML_Q4_K = 12, MOED_GGML_Q5_K = 13, MOED_GGML_Q6_K = 14,
+    MOED_GGML_IQ4_NL = 20, MOED_GGML_IQ4_XS = 23, MOED_GGML_MXFP4 = 39, MOED_GGML_NUM_TYPES = 40
+};
+
+typedef struct {
+    const uint8_t *w;     /* row 0's first block */
+    int32_t type;         /* a MOED_GGML_* id */
+    int64_t rows, K;      /* K a multiple of the type's block size */
+    int64_t row_bytes;    /* bytes of one row (K / block weights * block bytes) */
+} moed_ggml_matrix;
+
+/* one row dotted with T tokens' int8 activations: y[t * ldy] for t < T */
+typedef void (*moed_ggml_dot_fn)(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
+                                 const float *xsum, int T, float *y, int64_t ldy);
+
+/* the dot function of (type, isa), or NULL for a type these kernels do not read */
+moed_ggml_dot_fn moed_ggml_dot(int type, int isa);
+/* weights and bytes per block of a type these kernels read, 0 otherwise */
+int moed_ggml_block_weights(int type);
+int moed_ggml_block_bytes(int type);
+
+#endif

@@ -1,0 +1,87 @@
+"""The GGUF block-row kernels (native/cpu/ggml_rows.c) against their torch twin on gguf.quants-decoded
+rows (kernels/ggml_rows_format.py), for every type the ggml bank keeps, every ISA the CPU has, odd
+shapes and several tokens (issue #31)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from helpers.gguf_writer import random_blocks
+from moed.kernels.ggml_rows_format import ROW_TYPES, dequantize_rows, row_bytes, rows_product_reference
+from moed.kernels.native_cpu import native
+from moed.kernels.native_cpu_reference import quantize_activations
+from moed.weights import gguf_quants as q
+
+TYPES = [T(t) for t in ROW_TYPES]
+
+
+def _rows(qtype: T, rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    data = random_blocks(qtype, (rows, k), np.random.default_rng(seed))
+    if qtype == T.MXFP4:  # exponents near 2^0, as real files have (random ones overflow float32)
+        data = data.reshape(-1, 17)
+        data[:, 0] = np.random.default_rng(seed).integers(118, 130, size=data.shape[0])
+    return torch.from_numpy(np.ascontiguousarray(data).reshape(rows, -1))
+
+
+def _lib():
+    lib = native()
+    if lib is None:
+        pytest.skip("the native CPU kernels are not built")
+    return lib
+
+
+def test_the_kept_types_and_their_row_sizes():
+    assert {q.type_name(t) for t in ROW_TYPES} == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+                                                  "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
+    for t in TYPES:
+        weights, size = GGML_QUANT_SIZES[t]
+        assert row_bytes(int(t), 3 * weights) == 3 * size
+    with pytest.raises(ValueError, match="Q4_K rows need a multiple of 256 weights"):
+        row_bytes(int(T.Q4_K), 128)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_isa_matches_the_torch_twin(qtype):
+    lib = _lib()
+    weights = GGML_QUANT_SIZES[qtype][0]
+    k = 3 * weights if weights == 256 else 7 * weights  # several blocks, an odd count of 32-groups
+    raw = _rows(qtype, 5, k)
+    x = torch.randn(3, k) * torch.linspace(0.1, 3.0, k)
+    want, bound = rows_product_reference(raw, int(qtype), k, x)
+    xq, xs, xsum = quantize_activations(x)
+    for isa in lib.available_isas():
+        got = torch.stack([lib.ggml_dot_one(int(qtype), isa, raw[r], xq, xs, xsum.float()) for r in range(5)], dim=1)
+        err = (got.double() - want).abs()
+        assert bool((err <= 1e-5 * bound + 1e-30).all()), (isa, float((err / bound).max()))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.IQ4_XS], ids=lambda t: t.name)
+def test_several_matrices_in_one_call_on_the_pool(qtype):
+    lib = _lib()
+    k = 512
+    mats = [(_rows(qtype, n, k, seed=n), int(qtype)) for n in (1, 33, 70)]
+    x = torch.randn(2, k)
+    for (raw, t), y in zip(mats, lib.ggml_rows(mats, x)):
+        want, bound = rows_product_reference(raw, t, k, x)
+        assert y.shape == (2, raw.shape[0])
+        assert bool(((y.double() - want).abs() <= 1e-5 * bound + 1e-30).all())
+
+
+def test_the_twin_reads_what_gguf_decodes():
+    raw = _rows(T.Q5_K, 4, 256)
+    import gguf
+
+    ref = gguf.quants.dequantize(raw.numpy(), T.Q5_K)
+    assert torch.equal(dequantize_rows(raw, int(T.Q5_K), 256), torch.from_numpy(np.asarray(ref, dtype=np.float32)))
+
+
+def test_bad_rows_are_refused():
+    lib = _lib()
+    with pytest.raises(ValueError, match="uint8 \\[rows, 144\\]"):
+        lib.ggml_rows([(torch.zeros(2, 143, dtype=torch.uint8), int(T.Q4_K))], torch.zeros(1, 256))
+    with pytest.raises(ValueError, match="the ggml bank keeps .* not IQ2_XXS"):
+        lib.ggml_rows([(torch.zeros(2, 66, dtype=torch.uint8), int(T.IQ2_XXS))], torch.zeros(1, 256))
