@@ -13,7 +13,7 @@ from moed.api.convert import engine_figures, memory_figures, model_info
 from moed.api.daemon_context import DaemonContext
 from moed.api.errors import abort_with, one_line
 from moed.experts.policy_spec import parse_policy
-from moed.engine.load_plan import EXPERT_DTYPES
+from moed.cache.expert_dtypes import LOAD_DTYPES
 from moed.engine.model_manager import LoadOptions, dir_bytes
 from moed.errors import InvalidRequestError, MoedError, quoted
 from moed.v1 import control_pb2, control_pb2_grpc
@@ -76,9 +76,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
         if policy not in POLICY_NAMES:
             raise InvalidRequestError(f"policy {quoted(policy)} is not one of {', '.join(POLICY_NAMES)}")
-        if request.experts_dtype and request.experts_dtype not in EXPERT_DTYPES:
+        if request.experts_dtype and request.experts_dtype not in LOAD_DTYPES:
             raise InvalidRequestError(f"experts_dtype {quoted(request.experts_dtype)}: choose one of "
-                                      f"{', '.join(EXPERT_DTYPES)}")
+                                      f"{', '.join(LOAD_DTYPES)}")
         fraction = request.cache_fraction if request.HasField("cache_fraction") else 0.25
         if not 0.0 <= fraction <= 1.0:
             raise InvalidRequestError(f"cache_fraction must be between 0 and 1, got {fraction}")

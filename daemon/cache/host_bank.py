@@ -22,6 +22,11 @@ intermediate size, G = INT4_GROUP_SIZE = 32, the group size of every packed form
   packing; each nibble an E2M1 code: bit 3 sign, magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6),
   ``M.e8m0`` uint8 ``[N, K/G, Ncols]``; ``w[k, n] = e2m1(code[k, n]) * 2**(e8m0[k // G, n] - 127)``
   (kernels/mxfp4_format.py).
+- ``ggml`` (a GGUF file's expert tensors as stored, kernels/ggml_rows_format.py): per MoE layer
+  ``l`` and matrix ``M`` in (gate, up, down), ``M.{l}`` uint8 ``[E, rows, row_bytes]``, each expert
+  the GGUF tensor's rows of blocks (gate/up: I rows of D weights; down: D rows of I weights), in
+  the GGML type ``row_types["M.{l}"]`` (a layer's matrices may differ, as a Q4_K_M file's Q6_K
+  down in some layers). Addressed by layer, not by flat id; CPU kernels only.
 - optional biases (gpt-oss), always float32: ``gate_up_bias`` ``[N, 2I]``, ``down_bias``
   ``[N, D]``.
 """
@@ -32,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moed.cache.expert_dtypes import EXPERT_DTYPES, PACKED_DTYPES  # noqa: F401  (re-exported)
+from moed.cache.expert_dtypes import EXPERT_DTYPES, GGML_BANK, PACKED_DTYPES  # noqa: F401  (re-exported)
 from moed.kernels.int4_format import INT4_GROUP_SIZE  # noqa: F401  (re-exported: part of the bank layout)
 
 ACTIVATIONS = ("silu", "gpt_oss")
@@ -59,9 +64,10 @@ class ExpertBank:
     num_experts: int
     hidden_size: int  # D
     intermediate_size: int  # I
-    dtype: str  # one of EXPERT_DTYPES
+    dtype: str  # one of EXPERT_DTYPES, or GGML_BANK
     activation: ExpertActivation
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    row_types: dict[str, int] = field(default_factory=dict)  # ggml bank: tensor name -> GGML type id
 
     @property
     def num_slots(self) -> int:
@@ -75,8 +81,15 @@ class ExpertBank:
         return "gate_up_bias" in self.tensors
 
     def bytes_per_expert(self) -> int:
-        """Bytes read to run one expert once (all of its tensors)."""
+        """Bytes read to run one expert once (all of its tensors; a ggml bank's average over layers)."""
+        if self.dtype == GGML_BANK:
+            return self.nbytes() // max(1, self.num_slots)
         return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
+
+    def ggml_matrix(self, kind: str, moe_layer: int) -> tuple[torch.Tensor, int]:
+        """A ggml bank's ``kind`` (gate, up or down) of one MoE layer: ``(uint8 [E, rows, row_bytes], GGML type)``."""
+        name = f"{kind}.{moe_layer}"
+        return self.tensors[name], self.row_types[name]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())

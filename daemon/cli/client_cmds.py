@@ -9,7 +9,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from moed.api.client import MoedClient
-from moed.cache.expert_dtypes import EXPERT_DTYPES
+from moed.cache.expert_dtypes import LOAD_DTYPES
 from moed.cli.progress import ProgressBar
 from moed.errors import InvalidRequestError
 
@@ -41,7 +41,7 @@ def add_client_commands(sub, add_address) -> None:
     load.add_argument("--context", type=int, default=0,
                       help="context length in tokens (default: the longest the model supports whose KV pool "
                            "fits half the RAM the weights leave, at least 4096)")
-    load.add_argument("--experts-dtype", default="", choices=("", *EXPERT_DTYPES))
+    load.add_argument("--experts-dtype", default="", choices=("", *LOAD_DTYPES))
     load.add_argument("--kv-tokens", type=int, default=0,
                       help="KV pool size in tokens, shared by all sequences (default: two whole contexts)")
     load.add_argument("--kv-type", default="", choices=("", "bf16", "f32", "q8_0"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moed.cache.expert_dtypes import EXPERT_DTYPES
+from moed.cache.expert_dtypes import EXPERT_DTYPES, LOAD_DTYPES
 from moed.errors import MoedError
 
 
@@ -28,10 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--context", type=int, help="context length in tokens (default: min(4096, model max))")
-    gen.add_argument("--experts-dtype", choices=EXPERT_DTYPES,
+    gen.add_argument("--experts-dtype", choices=LOAD_DTYPES,
                      help="expert format when loading a Hugging Face directory or GGUF file (default: the "
                           "checkpoint's own precision: bf16 for bf16, mxfp4 for MXFP4, q8 for Q8_0, int4 for Q4_*; "
-                          "fp32 for fp16/fp32)")
+                          "fp32 for fp16/fp32); ggml keeps a GGUF file's own block types (CPU only for now)")
     gen.add_argument("--verify", action="store_true", help="verify FTW checksums while loading")
     gen.add_argument("--dtype", choices=("auto", "fp32"), default="auto",
                      help="non-expert weights at run time: auto keeps the checkpoint's (bf16/fp16/fp32), "
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--device", default="auto", choices=("auto", "emulated", "cuda"))
     bw.add_argument("--emulated-bp", type=float, default=16.0, help="emulated device: B_P in GB/s")
     bw.add_argument("--seconds", type=float, default=1.0, help="time per measurement phase")
-    bw.add_argument("--experts-dtype", choices=EXPERT_DTYPES)
+    bw.add_argument("--experts-dtype", choices=LOAD_DTYPES)
     bw.add_argument("--no-save", action="store_true", help="do not store the profile")
 
     pol = bench_sub.add_parser("policy", help="replay a routing trace through the cache policies")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from moed.cache.host_bank import EXPERT_DTYPES
+from moed.cache.expert_dtypes import LOAD_DTYPES
 from moed.cache import q8_0
 from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE, KV_TYPES
 from moed.devices.select import DEVICE_NAMES
@@ -117,8 +117,8 @@ def plan_load(path: Path, options, *, available_bytes: int | None = None) -> Loa
             f"context_length {context} exceeds the model's max_position_embeddings ({max_pos}); use at most {max_pos}")
     # the engine loop's own limits, checked now rather than after the weights are read
     SchedulerConfig(options.max_batch, options.max_queue, DEFAULT_PREFILL_CHUNK, DEFAULT_MAX_STEP_TOKENS)
-    if options.experts_dtype is not None and options.experts_dtype not in EXPERT_DTYPES:
-        raise InvalidRequestError(f"experts_dtype {quoted(options.experts_dtype)}: choose one of {', '.join(EXPERT_DTYPES)}")
+    if options.experts_dtype is not None and options.experts_dtype not in LOAD_DTYPES:
+        raise InvalidRequestError(f"experts_dtype {quoted(options.experts_dtype)}: choose one of {', '.join(LOAD_DTYPES)}")
     if options.weights_dtype not in WEIGHT_DTYPES:
         raise InvalidRequestError(f"weights_dtype {quoted(options.weights_dtype)}: choose {' or '.join(WEIGHT_DTYPES)}")
     device = str(options.device or "auto").strip().lower()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from pathlib import Path
 
-from moed.cache.host_bank import ExpertBank
+from moed.cache.host_bank import GGML_BANK, ExpertBank
 from moed.config import EngineConfig
 from moed.devices.select import select_device as _select_device
 from moed.errors import InvalidRequestError
@@ -19,6 +21,8 @@ from moed.experts.routing_trace import RoutingTraceWriter
 
 DEFAULT_B_H = 20e9  # bytes/s: a starting point only; real steps correct it within a few layers
 DEFAULT_B_P = 16e9
+
+log = logging.getLogger(__name__)
 
 
 def select_device(name: str, **opts):
@@ -49,6 +53,11 @@ def initial_bandwidth(kind: str, bank: ExpertBank, cfg: EngineConfig) -> Bandwid
 
 def build_executor(bank: ExpertBank, cfg: EngineConfig, *, trace_out: str | Path | None = None):
     device = select_device(cfg.device, b_p=cfg.emulated_b_p, b_dev=cfg.emulated_b_dev)
+    if bank.dtype == GGML_BANK and device.kind != "cpu":
+        # the device path copies and decodes bank slots of one layout; GGUF block rows have CPU kernels only
+        log.warning("the %s expert bank (a GGUF file's own block types) runs on the CPU only for now; the %s "
+                    "device is not used (load with --experts-dtype int4 / q8 / mxfp4 to use it)", GGML_BANK, device.kind)
+        device = select_device("cpu")
     stats = EngineStats(device=device.kind, policy=cfg.policy)
     release = None
     if device.kind != "cpu":

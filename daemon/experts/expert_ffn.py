@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moed.cache.host_bank import ExpertActivation, ExpertBank
+from moed.cache.host_bank import GGML_BANK, ExpertActivation, ExpertBank
 from moed.kernels.expert_matmul import (
     DIRECT_MAX_TOKENS,
     check_matrix,
@@ -36,6 +36,7 @@ from moed.kernels.expert_matmul import (
 )
 
 from moed.kernels.native_cpu import MAX_TOKENS as NATIVE_MAX_TOKENS
+from moed.kernels.ggml_rows_format import dequantize_rows
 from moed.kernels.native_cpu import descriptor_of, native
 
 _Matmul = Callable[[dict[str, torch.Tensor], str, int, torch.Tensor], torch.Tensor]
@@ -344,11 +345,36 @@ def _run_torch(bank: ExpertBank, flat_id: int, x: torch.Tensor, matmul: _Matmul)
     return y
 
 
+def _run_ggml(bank: ExpertBank, flat_id: int, x: torch.Tensor) -> torch.Tensor:
+    """One expert of a ggml bank: the native kernels when built, else torch on the decoded rows."""
+    layer, expert = divmod(flat_id, bank.num_experts)
+    lib = native()
+    if lib is not None:
+        per_slot = torch.empty(x.shape[0], 1, bank.hidden_size)
+        ids = torch.full((x.shape[0], 1), expert, dtype=torch.int32)
+        lib.moe_ggml(bank, layer, x.contiguous(), ids, None, per_slot=per_slot, merge=False)
+        return per_slot.view(x.shape[0], bank.hidden_size)
+    mats = {}
+    for kind, k in (("gate", bank.hidden_size), ("up", bank.hidden_size), ("down", bank.intermediate_size)):
+        t, ggml_type = bank.ggml_matrix(kind, layer)
+        mats[kind] = dequantize_rows(t[expert], ggml_type, k)  # [rows, k] float32
+    h = torch.cat([x @ mats["gate"].T, x @ mats["up"].T], dim=1)
+    if "gate_up_bias" in bank.tensors:
+        h = h + bank.tensors["gate_up_bias"][flat_id]
+    y = apply_activation(h, bank.activation) @ mats["down"].T
+    if "down_bias" in bank.tensors:
+        y = y + bank.tensors["down_bias"][flat_id]
+    return y
+
+
 def run_expert(bank: ExpertBank, flat_id: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``flat_id`` applied to ``x [T, D]`` float32 -> ``[T, D]`` float32: the native kernels (int8
     activations for the quantised dtypes, see moed_cpu.h), else the numba ones, at decode; torch
-    GEMMs above ``DIRECT_MAX_TOKENS``."""
+    GEMMs above ``DIRECT_MAX_TOKENS``. A ggml bank runs natively at any size (or in torch without
+    the native library)."""
     _check_call(bank, flat_id, x)
+    if bank.dtype == GGML_BANK:
+        return _run_ggml(bank, flat_id, x)
     ntok = x.shape[0]
     if ntok == 0 or ntok > DIRECT_MAX_TOKENS:
         return _run_torch(bank, flat_id, x, expert_matmul)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from moed.cache.host_bank import ExpertBank
+from moed.cache.host_bank import GGML_BANK, ExpertBank
 from moed.experts.executor import merge_expert_outputs
 from moed.experts.expert_ffn import run_expert
 from moed.kernels.native_cpu import MAX_TOKENS, descriptor_of, native
@@ -30,7 +30,26 @@ def uses_native(bank: ExpertBank, num_tokens: int) -> bool:
     """Whether ``num_tokens`` tokens of ``bank`` run through the native MoE call."""
     if num_tokens <= 0 or native() is None:
         return False
-    return num_tokens <= MAX_TOKENS or native_prefill(bank.dtype)
+    return num_tokens <= MAX_TOKENS or bank.dtype == GGML_BANK or native_prefill(bank.dtype)
+
+
+def _run_ggml(bank: ExpertBank, hidden: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor | None,
+              per_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """run_routed for a ggml bank: one layer's experts per native call (the bank is addressed by layer)."""
+    run = flat_ids >= 0
+    layers = torch.unique(flat_ids[run] // bank.num_experts).tolist()
+    if len(layers) > 1:
+        raise ValueError(f"one call runs one MoE layer's experts; these ids span layers {layers}")
+    layer = layers[0] if layers else 0
+    ids = torch.where(run, flat_ids - layer * bank.num_experts, torch.full_like(flat_ids, -1))
+    lib, n = native(), hidden.shape[0]
+    ys = []
+    for t0 in range(0, n, PREFILL_TOKENS):
+        rows = slice(t0, min(n, t0 + PREFILL_TOKENS))
+        ys.append(lib.moe_ggml(bank, layer, hidden[rows], ids[rows].contiguous(),
+                               None if weights is None else weights[rows].contiguous(),
+                               per_slot=per_slot[rows], merge=weights is not None))
+    return per_slot, None if weights is None else torch.cat(ys)
 
 
 def run_routed(bank: ExpertBank, hidden: torch.Tensor, flat_ids: torch.Tensor,
@@ -43,6 +62,8 @@ def run_routed(bank: ExpertBank, hidden: torch.Tensor, flat_ids: torch.Tensor,
         raise ValueError(f"hidden must be float32 [N, {bank.hidden_size}], got {hidden.dtype} {tuple(hidden.shape)}")
     n, a = flat_ids.shape
     per_slot = torch.empty(n, a, bank.hidden_size, dtype=torch.float32)
+    if uses_native(bank, n) and bank.dtype == GGML_BANK:
+        return _run_ggml(bank, hidden, flat_ids, weights, per_slot)
     if uses_native(bank, n):
         lib, desc = native(), descriptor_of(bank)
         if n <= PREFILL_TOKENS:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import math
 import os
 import threading
 import weakref
@@ -65,6 +66,33 @@ class _GgmlMatrix(ctypes.Structure):
     """native/cpu/ggml_rows.h moed_ggml_matrix: rows of GGUF blocks."""
     _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int32), ("rows", ctypes.c_int64), ("K", ctypes.c_int64),
                 ("row_bytes", ctypes.c_int64)]
+
+
+class _GgmlLayer(ctypes.Structure):
+    """native/cpu/ggml_moe.c moed_ggml_layer: one MoE layer of a ggml bank."""
+    _fields_ = [("gate", _GgmlMatrix), ("up", _GgmlMatrix), ("down", _GgmlMatrix), ("E", ctypes.c_int64),
+                ("act_kind", ctypes.c_int32), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
+                ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p)]
+
+
+def ggml_layer(bank, moe_layer: int) -> _GgmlLayer:
+    """The native description of one MoE layer of a ggml bank (valid while the bank lives)."""
+    mats = []
+    for kind, k in (("gate", bank.hidden_size), ("up", bank.hidden_size), ("down", bank.intermediate_size)):
+        t, ggml_type = bank.ggml_matrix(kind, moe_layer)
+        experts, rows, width = t.shape
+        if width != row_bytes(ggml_type, k) or not t.is_contiguous():
+            raise ValueError(f"ggml bank {kind}.{moe_layer}: {tuple(t.shape)} is not {experts} experts of "
+                             f"{rows} contiguous rows of {k} weights")
+        mats.append(_GgmlMatrix(t.data_ptr(), ggml_type, rows, k, width))
+    e = bank.num_experts
+    gu = bank.tensors.get("gate_up_bias")
+    dn = bank.tensors.get("down_bias")
+    act = bank.activation
+    return _GgmlLayer(*mats, e, 0 if act.kind == "silu" else 1, act.alpha,
+                      act.limit if math.isfinite(act.limit) else 3.0e38,
+                      None if gu is None else gu.data_ptr() + moe_layer * e * gu.shape[1] * 4,
+                      None if dn is None else dn.data_ptr() + moe_layer * e * dn.shape[1] * 4)
 
 
 def library_path() -> Path | None:
@@ -201,6 +229,8 @@ class NativeCpu:
         lib.moed_cpu_attn_decode.restype = c_int
         lib.moed_cpu_ggml_rows.argtypes = [vp, c_int, vp, vp, c_int, c_i64, vp]
         lib.moed_cpu_ggml_rows.restype = c_int
+        lib.moed_cpu_ggml_moe.argtypes = [vp, ctypes.POINTER(_GgmlLayer), vp, c_int, c_int, vp, vp, vp, vp]
+        lib.moed_cpu_ggml_moe.restype = c_int
         lib.moed_ggml_dot_one.argtypes = [c_int, c_int, vp, c_i64, vp, vp, vp, c_int, vp]
         lib.moed_ggml_dot_one.restype = c_int
         lib.moed_chain_work_floats.argtypes = [ctypes.POINTER(ChainLayer), c_int, c_int, c_i64]
@@ -538,6 +568,41 @@ class NativeCpu:
         if rc != 0:
             raise MemoryError("the native MoE kernel ran out of memory") if rc == -2 else \
                 ValueError(f"moed_cpu_moe refused its arguments (rc {rc})")
+        return y
+
+    def moe_ggml(self, bank, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, *,
+                 per_slot: torch.Tensor | None = None, merge: bool = True) -> torch.Tensor | None:
+        """``moe`` for one MoE layer of a ggml bank: ``ids [N, A]`` are the layer's expert numbers
+        (-1 = slot not run here)."""
+        x = _f32_rows(x, "x")
+        if x.shape[1] != bank.hidden_size:
+            raise ValueError(f"x must be [N, {bank.hidden_size}], got {tuple(x.shape)}")
+        ids = ids.to(torch.int32).contiguous()
+        if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+            raise ValueError(f"ids must be [{x.shape[0]}, A], got {tuple(ids.shape)}")
+        n, a = ids.shape
+        if n and (int(ids.max()) >= bank.num_experts or int(ids.min()) < -1):
+            raise ValueError(f"expert ids must be -1 .. {bank.num_experts - 1}")
+        w = None
+        if weights is not None:
+            w = weights.to(torch.float32).contiguous()
+            if tuple(w.shape) != (n, a):
+                raise ValueError(f"weights must be [{n}, {a}], got {tuple(w.shape)}")
+        elif merge:
+            raise ValueError("merging needs the routing weights")
+        if per_slot is not None and (per_slot.dtype != torch.float32 or tuple(per_slot.shape) != (n, a, bank.hidden_size)
+                                     or not per_slot.is_contiguous()):
+            raise ValueError(f"per_slot must be contiguous float32 [{n}, {a}, {bank.hidden_size}]")
+        y = torch.empty(n, bank.hidden_size, dtype=torch.float32) if merge else None
+        if n == 0:
+            return y
+        layer = ggml_layer(bank, moe_layer)
+        with self._lock:
+            rc = self._lib.moed_cpu_ggml_moe(self._pool, ctypes.byref(layer), x.data_ptr(), n, a, ids.data_ptr(),
+                                             _ptr(w), _ptr(per_slot), _ptr(y))
+        if rc != 0:
+            raise MemoryError("the native ggml MoE kernel ran out of memory") if rc == -2 else \
+                ValueError(f"moed_cpu_ggml_moe refused its arguments (rc {rc})")
         return y
 
     # ------------------------------------------------------------------ a decode step's layers

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moed.cache.expert_dtypes import GGML_BANK
 from moed.cache.kv_cache import KVCache
 from moed.kernels.native_cpu import (CHAIN_PARTS, KV_TYPE_CODES, MAX_TOKENS, ChainHead, ChainLayer, NativeCpu,
                                      descriptor_of, linear_struct, native)
@@ -109,6 +110,8 @@ class DecodeChain:
         bank = bank_of() if bank_of is not None else None
         if bank is None:
             return Unsupported(f"the {type(executor).__name__} does not run every expert on the CPU")
+        if bank.dtype == GGML_BANK:
+            return Unsupported("a ggml bank (GGUF block rows; its kernels are not in the chain yet)")
         if config.attention.kind != "mha":
             return Unsupported(f"{config.attention.kind} attention")
         if config.has_recurrent_state or config.attention.gated:

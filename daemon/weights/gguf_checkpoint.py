@@ -29,7 +29,10 @@ from typing import Any
 
 import torch
 
-from moed.errors import ModelFormatError, UnsupportedModelError, quoted
+from moed.cache.expert_dtypes import GGML_BANK
+from moed.cache.host_bank import ExpertActivation, ExpertBank
+from moed.errors import InvalidRequestError, ModelFormatError, UnsupportedModelError, quoted
+from moed.kernels.ggml_rows_format import ROW_TYPES, row_bytes
 from moed.kernels.int4_format import quantize_int4
 from moed.kernels.mxfp4_format import quantize_mxfp4
 from moed.kernels.q8_format import quantize_q8
@@ -194,7 +197,7 @@ class GgufCheckpoint:
         for names in self._experts.values():
             for name in (names or ())[:3]:
                 stored = self.file.tensor(name).ggml_type
-                if REPACKED_BANK.get(stored) != target and target not in exact.get(stored, ()):
+                if target != GGML_BANK and REPACKED_BANK.get(stored) != target and target not in exact.get(stored, ()):
                     groups.setdefault((stored, f"re-quantised into the {target} expert bank"), []).append(name)
         for name in self.weight_keys:
             info = self.file.tensor(self.weight_keys[name])
@@ -212,6 +215,48 @@ class GgufCheckpoint:
             lines.append(f"{len(names)} tensor(s) stored as {q.type_name(stored)} ({shown}) are {how}: moed keeps "
                          f"no {q.type_name(stored)} form there yet")
         return lines
+
+    def ggml_bank_nbytes(self) -> int:
+        """Bytes of the ggml bank (the expert tensors as stored, plus float32 biases)."""
+        total = 0
+        for names in self._experts.values():
+            for name in (names or ())[:3]:
+                total += self.file.tensor(name).nbytes
+        moe = self.config.moe
+        return total + (self.num_bank_rows * (2 * moe.intermediate_size + self.config.hidden_size) * 4
+                        if moe.has_expert_bias else 0)
+
+    def ggml_bank(self, activation: ExpertActivation) -> ExpertBank:
+        """The routed experts kept as stored: each MoE layer's gate, up and down expert tensors read
+        byte for byte into the ggml bank (cache/host_bank.py), each in its own GGML type; the
+        biases (gpt-oss) as float32. One read per tensor, straight into the bank's memory."""
+        config, moe = self.config, self.config.moe
+        tensors: dict[str, torch.Tensor] = {}
+        types: dict[str, int] = {}
+        for layer in range(config.num_layers):
+            names = self._experts[layer]
+            if names is None:
+                continue
+            ml = config.moe_layer_index(layer)
+            for kind, name in zip(("gate", "up", "down"), names[:3]):
+                info = self.file.tensor(name)
+                if info.ggml_type not in ROW_TYPES:
+                    raise InvalidRequestError(
+                        f"{self.path}: expert tensor {quoted(name)} is {info.type_name}; the ggml bank keeps "
+                        f"{', '.join(q.type_name(t) for t in ROW_TYPES)}: load it with another --experts-dtype "
+                        f"(default {self.default_bank_dtype()})")
+                experts, rows, k = info.shape
+                bank = torch.empty(experts, rows, row_bytes(info.ggml_type, k), dtype=torch.uint8)
+                self.file.read(name, out=bank)
+                tensors[f"{kind}.{ml}"], types[f"{kind}.{ml}"] = bank, info.ggml_type
+        if moe.has_expert_bias:
+            rows = [(torch.cat([self._dequantized(n[3]), self._dequantized(n[4])], dim=-1), self._dequantized(n[5]))
+                    for n in self._experts.values() if n is not None]
+            tensors["gate_up_bias"] = torch.cat([gu for gu, _ in rows]).contiguous()
+            tensors["down_bias"] = torch.cat([dn for _, dn in rows]).contiguous()
+        return ExpertBank(num_moe_layers=config.num_moe_layers, num_experts=moe.num_experts,
+                          hidden_size=config.hidden_size, intermediate_size=moe.intermediate_size, dtype=GGML_BANK,
+                          activation=activation, tensors=tensors, row_types=types)
 
     def expert_chunks(self, chunk_experts: int = CHUNK_EXPERTS, bank_dtype: str | None = None) -> Iterator[ExpertChunk]:
         """Every routed expert, in flat-id order, ``chunk_experts`` at a time (never across layers).

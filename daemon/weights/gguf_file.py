@@ -123,8 +123,9 @@ class GgufFile:
                                    "not a model moed can read")
         return info
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor's raw bytes, ``uint8 [nbytes]``, read now into memory of its own.
+    def read(self, name: str, rows: tuple[int, int] | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor's raw bytes, ``uint8 [nbytes]``, read now into memory of its own (or into ``out``,
+        a contiguous uint8 tensor of exactly that many bytes, returned flat).
 
         ``rows=(r0, r1)`` reads only entries ``r0 .. r1`` of the leading (slowest) dimension, e.g.
         experts ``e0 .. e1`` of an expert tensor, without touching the rest of the file.
@@ -138,15 +139,24 @@ class GgufFile:
                 raise ValueError(f"{self.path}: rows {rows} out of range for tensor {name!r} of shape {info.shape}")
             per_row = info.nbytes // lead if lead else 0
             offset, size = info.offset + r0 * per_row, (r1 - r0) * per_row
+        if out is not None:
+            if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != size or out.device.type != "cpu":
+                raise ValueError(f"read {name!r}: out must be a contiguous host uint8 tensor of {size} bytes")
+            out = out.view(-1)
         if size == 0:
-            return torch.empty(0, dtype=torch.uint8)
+            return torch.empty(0, dtype=torch.uint8) if out is None else out
         # torch's allocator, not a bytearray: it puts 2 MiB+ buffers on huge pages (moed/__init__.py),
         # and decode streams these weights every token (measured ~33 -> ~50 GB/s for a bf16 GEMV)
-        out = torch.empty(size, dtype=torch.uint8)
+        out = torch.empty(size, dtype=torch.uint8) if out is None else out
         buf = writable_view(out)
+        got = 0
         try:
             with open(info.file, "rb", buffering=0) as f:
-                got = os.preadv(f.fileno(), [buf], offset)
+                while got < size:  # a read returns at most ~2 GiB: a whole expert tensor can be more
+                    n = os.preadv(f.fileno(), [buf[got:]], offset + got)
+                    if n <= 0:
+                        break
+                    got += n
         except OSError as exc:
             raise ModelFormatError(f"{info.file}: cannot read tensor {quoted(name)} ({exc.strerror}); "
                                    f"{DOWNLOAD_AGAIN}") from None

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from moed.cache.bank_builder import bank_tensor_specs
+from moed.cache.expert_dtypes import GGML_BANK
 from moed.cache.host_bank import EXPERT_DTYPES, INT4_GROUP_SIZE, ExpertActivation, ExpertBank
 from moed.cache.kv_cache import kv_dtype_for
 from moed.errors import InvalidRequestError, ModelFormatError
@@ -58,6 +59,10 @@ def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bo
 
 def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights_dtype: str) -> LoadedModel:
     kind = source_kind(path)
+    if experts_dtype == GGML_BANK and kind != "gguf":
+        raise InvalidRequestError(f"--experts-dtype {GGML_BANK} keeps a GGUF file's own block types; {path} is "
+                                  f"{'an FTW directory' if kind == 'ftw' else 'a Hugging Face directory'}: choose one "
+                                  f"of {', '.join(EXPERT_DTYPES)}")
     if kind == "ftw":
         if experts_dtype is not None:
             index = read_ftw_index(path)
@@ -72,7 +77,10 @@ def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights
     if kind == "gguf":  # nothing the file holds changes silently (issue #31)
         for line in checkpoint.type_changes(bank_dtype, packed=weights_dtype == "auto"):
             log.warning("%s: %s", path.name, line)
-    bank = stream_expert_bank(checkpoint, bank_dtype)
+    if bank_dtype == GGML_BANK:
+        bank = checkpoint.ggml_bank(expert_activation(checkpoint.config))
+    else:
+        bank = stream_expert_bank(checkpoint, bank_dtype)
     wanted = torch.float32 if weights_dtype == "fp32" else None
     weights = {name: _read_run_weight(checkpoint, name, wanted) for name in checkpoint.weight_keys}
     tokenizer_files = checkpoint.tokenizer_files() if kind == "gguf" else None

@@ -292,7 +292,13 @@ int moed_cpu_ggml_rows(void *h, int count, const moed_ggml_matrix *const *m, con
     if (!h || count < 1 || count > 64 || T < 1 || K < 32 || K % 32 || !x) return -1;
     moed_ggml_dot_fn dot[64];
     int64_t first[65];
-    int64_t chunk = 16;
+    /* one contiguous stretch of rows per thread and matrix: the hardware prefetcher streams it (tasks
+     * of a few rows each measured ~2.5x slower from memory: every stretch restarts the stream) */
+    moed_pool *pool = (moed_pool *)h;
+    int64_t most = 0;
+    for (int i = 0; i < count; i++) most = m[i] && m[i]->rows > most ? m[i]->rows : most;
+    int64_t chunk = (most + moed_pool_threads(pool) - 1) / moed_pool_threads(pool);
+    chunk = chunk < 4 ? 4 : chunk;
     first[0] = 0;
     for (int i = 0; i < count; i++) {
         if (!check_matrix(m[i], K) || !y[i]) return -1;
@@ -300,7 +306,6 @@ int moed_cpu_ggml_rows(void *h, int count, const moed_ggml_matrix *const *m, con
         if (!dot[i]) return -1;
         first[i + 1] = first[i] + (m[i]->rows + chunk - 1) / chunk;
     }
-    moed_pool *pool = (moed_pool *)h;
     size_t groups = (size_t)T * (size_t)(K / 32);
     char *scratch = (char *)moed_pool_scratch(pool, (size_t)T * (size_t)K + 2 * groups * sizeof(float) + 64);
     if (!scratch) return -2;

@@ -1,9 +1,254 @@
-/* AVX2 kernels of the GGUF block rows (ggml_rows.h); the types without one use the scalar kernels. */
+/* AVX2 kernels of the GGUF block rows (ggml_rows.h) for the types of the common files (Q4_K, Q5_K,
+ * Q6_K, Q8_0, and the 32-weight 4-bit ones); the others use the scalar kernels.
+ *
+ * Per group of 32 weights the codes are unpacked into one __m256i of int8, multiplied with the 32
+ * int8 activations (vpmaddubsw on unsigned codes, or on |code| with the activations' signs moved
+ * over: the products of one pair stay below 2 * 127 * 127, no saturation), widened to 8 int32 sums
+ * (lanes 0-3 the first 16 weights, 4-7 the second) and added into a float accumulator with a
+ * per-lane factor scale_h * xs; the min terms (min * xsum per group) go into a scalar. One
+ * horizontal sum per row and token. */
 #include <stddef.h>
+#include <string.h>
 
 #include "ggml_rows.h"
+#include "moed_cpu.h"
+
+#if MOED_X86
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+static inline float f16x(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return _cvtsh_ss(v);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 int32 sums of unsigned codes u (0..127) times signed activations x, 4 weights per lane */
+static inline __m256i udot(__m256i u, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+
+/* the same for signed codes s (|s| <= 127) */
+static inline __m256i sdot(__m256i s, __m256i x) {
+    return udot(_mm256_sign_epi8(s, s), _mm256_sign_epi8(x, s));
+}
+
+/* software prefetch this far ahead along a thread's stream of rows (the rows of a task follow each
+ * other in memory); the hardware prefetchers alone left these kernels at ~40% of the read bandwidth
+ * (rows_quant.c measured the same for its rows) */
+#define GGML_PF 4096
+static inline void prefetch_block(const uint8_t *p, int bytes) {
+    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)p + GGML_PF + l, _MM_HINT_T0);
+}
+
+static inline __m256 halves(float a, float b) { return _mm256_setr_m128(_mm_set1_ps(a), _mm_set1_ps(b)); }
+
+/* Q4_K / Q5_K's eight 6-bit scales and mins from the 12 scale bytes (three little-endian words):
+ * sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 in the nibbles of
+ * bytes 8-11 with their top 2 bits in bits 6-7 of bytes 0-3 / 4-7 */
+static inline void k_scales_mins(const uint8_t *p, __m256 *sc, __m256 *mn) {
+    uint32_t u[3];
+    memcpy(u, p, 12);
+    const uint32_t s_lo = u[0] & 0x3f3f3f3fu, m_lo = u[1] & 0x3f3f3f3fu;
+    const uint32_t s_hi = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    *sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)s_hi, (int)s_lo)));
+    *mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)m_hi, (int)m_lo)));
+}
+
+/* Q4_K / Q5_K: 8 sub-blocks of 32; w = d * sc * q - dmin * m. Per super-block the eight factors
+ * d * sc_j * xs_g are one vector (lane j broadcast per group), the min terms one fmadd. */
+static inline void dot_q45_k(int k5, const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
+                             const float *xsum, int T, float *y, int64_t ldy) {
+    const int64_t nb = K / 256, groups = K / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = row + i * (k5 ? 176 : 144);
+            if (t == 0) prefetch_block(b, k5 ? 176 : 144);
+            __m256 sc, mn;
+            k_scales_mins(b + 4, &sc, &mn);
+            const __m256 f = _mm256_mul_ps(_mm256_mul_ps(sc, _mm256_set1_ps(f16x(b))), _mm256_loadu_ps(s + 8 * i));
+            macc = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_set1_ps(f16x(b + 2))), _mm256_loadu_ps(su + 8 * i), macc);
+            const uint8_t *qs = b + (k5 ? 48 : 16);
+            const int8_t *x8 = q + i * 256;
+            __m256i qh = k5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i lo = _mm256_and_si256(bytes, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
+                if (k5) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+                    qh = _mm256_srli_epi16(qh, 2);
+                }
+                const __m256i p0 = udot(lo, _mm256_loadu_si256((const __m256i *)(x8 + 64 * c)));
+                const __m256i p1 = udot(hi, _mm256_loadu_si256((const __m256i *)(x8 + 64 * c + 32)));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(2 * c)), acc);
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(2 * c + 1)),
+                                       acc1);
+            }
+        }
+        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1)) - hsum8(macc);
+    }
+}
+
+static void dot_q4_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    dot_q45_k(0, row, K, xq, xs, xsum, T, y, ldy);
+}
+
+static void dot_q5_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    dot_q45_k(1, row, K, xq, xs, xsum, T, y, ldy);
+}
+
+/* Q6_K: two halves of 128; w = d * sc16 * (q - 32). The 16 scales times d are two vectors; group g
+ * takes lanes 2g, 2g + 1 of one (4 lanes each) times its xs. */
+static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t nb = K / 256, groups = K / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups;
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = row + i * 210;
+            if (t == 0) prefetch_block(b, 210);
+            const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
+            const __m256 d = _mm256_set1_ps(f16x(b + 208));
+            const __m256 sv[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8))),
+                                  _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))))};
+            const int8_t *x8 = q + i * 256;
+            for (int h = 0; h < 2; h++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                for (int gi = 0; gi < 4; gi++) {
+                    const __m256i lsrc = gi & 1 ? l1 : l0;
+                    const __m256i lo = gi < 2 ? _mm256_and_si256(lsrc, m4) : _mm256_and_si256(_mm256_srli_epi16(lsrc, 4), m4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * gi), m2);
+                    const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);
+                    const int g = 4 * h + gi;
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(x8 + 32 * g));
+                    const __m256 f = _mm256_mul_ps(_mm256_permutevar8x32_ps(sv[h], pick[gi]), _mm256_set1_ps(s[8 * i + g]));
+                    if (gi & 1)
+                        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot(codes, x)), f, acc1);
+                    else
+                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot(codes, x)), f, acc);
+                }
+            }
+        }
+        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1));
+    }
+}
+
+/* Q8_0: w = d * qs */
+static void dot_q8_0(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t groups = K / 32;
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups;
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *b = row + g * 34;
+            if (t == 0 && (g & 1) == 0) prefetch_block(b, 68);
+            const __m256i codes = _mm256_loadu_si256((const __m256i *)(b + 2));
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + g * 32));
+            acc[g & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot(codes, x)), _mm256_set1_ps(f16x(b) * s[g]), acc[g & 1]);
+        }
+        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc[0], acc[1]));
+    }
+}
+
+/* 16 bytes of nibbles -> 32 codes: weights 0-15 the low nibbles, 16-31 the high ones */
+static inline __m256i nibbles32(const uint8_t *qs) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    return _mm256_setr_m128i(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+}
+
+/* Q4_0 (w = d (q - 8)), Q4_1 (w = d q + m) and IQ4_NL (w = d level[q]) */
+static inline void dot_4bit32(int type, const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
+                              const float *xsum, int T, float *y, int64_t ldy) {
+    const int64_t groups = K / 32;
+    const int bytes = type == MOED_GGML_Q4_1 ? 20 : 18, qoff = type == MOED_GGML_Q4_1 ? 4 : 2;
+    const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                            -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        float mins = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *b = row + g * bytes;
+            if (t == 0 && (g & 3) == 0) prefetch_block(b, 4 * bytes);
+            const __m256i codes = nibbles32(b + qoff);
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + g * 32));
+            const float d = f16x(b);
+            const __m256i p = type == MOED_GGML_IQ4_NL ? sdot(_mm256_shuffle_epi8(levels, codes), x) : udot(codes, x);
+            if (g & 1)
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * s[g]), acc1);
+            else
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * s[g]), acc);
+            if (type != MOED_GGML_IQ4_NL) mins += (type == MOED_GGML_Q4_0 ? -8.0f * d : f16x(b + 2)) * su[g];
+        }
+        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1)) + mins;
+    }
+}
+
+static void dot_q4_0(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    dot_4bit32(MOED_GGML_Q4_0, row, K, xq, xs, xsum, T, y, ldy);
+}
+
+static void dot_q4_1(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    dot_4bit32(MOED_GGML_Q4_1, row, K, xq, xs, xsum, T, y, ldy);
+}
+
+static void dot_iq4_nl(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                       float *y, int64_t ldy) {
+    dot_4bit32(MOED_GGML_IQ4_NL, row, K, xq, xs, xsum, T, y, ldy);
+}
+
+#pragma GCC pop_options
+
+moed_ggml_dot_fn moed_ggml_dot_avx2(int type) {
+    switch (type) {
+    case MOED_GGML_Q4_K: return dot_q4_k;
+    case MOED_GGML_Q5_K: return dot_q5_k;
+    case MOED_GGML_Q6_K: return dot_q6_k;
+    case MOED_GGML_Q8_0: return dot_q8_0;
+    case MOED_GGML_Q4_0: return dot_q4_0;
+    case MOED_GGML_Q4_1: return dot_q4_1;
+    case MOED_GGML_IQ4_NL: return dot_iq4_nl;
+    default: return NULL;
+    }
+}
+
+#else
 
 moed_ggml_dot_fn moed_ggml_dot_avx2(int type) {
     (void)type;
     return NULL;
 }
+
+#endif

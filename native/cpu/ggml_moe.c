@@ -1,0 +1,234 @@
+/* The routed experts of one MoE layer whose bank keeps GGUF blocks as stored (the "ggml" bank):
+ * one call for N tokens x A slots, as moe.c does for the other banks.
+ *
+ *   gather   each run expert's tokens; their int8 activations (moed_quantize_act) side by side
+ *   phase 1  tasks (expert, gate or up, a stretch of rows): dot products -> g_e, u_e [T_e][I]
+ *   phase 2  per expert: biases, activation -> h_e [T_e][I], quantised to int8
+ *   phase 3  tasks (expert, a stretch of down rows) -> o_e [T_e][D] (+ bias), scattered to the slots
+ *   merge    y[t] = sum over a ascending of weight[t][a] * out[t][a] over the slots run
+ * A task's rows are one contiguous stretch of memory (one stream for the prefetchers). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ggml_rows.h"
+#include "moed_api.h"
+#include "moed_cpu.h"
+#include "moed_pool.h"
+
+typedef struct {
+    moed_ggml_matrix gate, up, down;  /* expert 0's matrices; expert e is at + e * rows * row_bytes */
+    int64_t E;                        /* experts of the layer */
+    int32_t act_kind;                 /* 0 silu(gate) * up; 1 gpt-oss clamped SwiGLU */
+    float alpha, limit;
+    const float *gate_up_bias;        /* [E][2I] (gate, then up) or NULL */
+    const float *down_bias;           /* [E][D] or NULL */
+} moed_ggml_layer;
+
+typedef struct {
+    int64_t expert;
+    int T;
+    int64_t first;        /* first token row of this expert in the gathered arrays */
+} run_expert;
+
+typedef struct {
+    const moed_ggml_layer *L;
+    moed_ggml_dot_fn dg, du, dd;
+    const run_expert *ex;
+    int nex;
+    int64_t D, I, rows1, rows3;   /* rows per task in phases 1 and 3 */
+    int64_t t1, t3;               /* tasks per expert in phases 1 (gate and up) and 3 */
+    const int8_t *xq; const float *xs, *xsum;   /* gathered [Tall][D] */
+    float *g, *u;                 /* [Tall][I] */
+    float *h; int8_t *hq; float *hs, *hsum;     /* [Tall][I] */
+    float *o;                     /* [Tall][D] */
+} job;
+
+static const uint8_t *expert_rows(const moed_ggml_matrix *m, int64_t e) { return m->w + e * m->rows * m->row_bytes; }
+
+static void phase1(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    const job *j = (const job *)ctx;
+    const run_expert *e = &j->ex[task / j->t1];
+    int64_t c = task % j->t1, per = (j->t1 / 2);
+    int up = c >= per;
+    const moed_ggml_matrix *m = up ? &j->L->up : &j->L->gate;
+    int64_t r0 = (c % per) * j->rows1, r1 = r0 + j->rows1 < j->I ? r0 + j->rows1 : j->I;
+    const uint8_t *w = expert_rows(m, e->expert);
+    float *out = (up ? j->u : j->g) + e->first * j->I;
+    moed_ggml_dot_fn dot = up ? j->du : j->dg;
+    const int64_t G = j->D / 32;
+    for (int64_t r = r0; r < r1; r++)
+        dot(w + r * m->row_bytes, j->D, j->xq + e->first * j->D, j->xs + e->first * G, j->xsum + e->first * G, e->T,
+            out + r, j->I);
+}
+
+static inline float activate(int kind, float g, float u, float alpha, float limit) {
+    if (kind == 0) return g / (1.0f + expf(-g)) * u;
+    g = g < limit ? g : limit;
+    u = u < limit ? u : limit;
+    u = u > -limit ? u : -limit;
+    return (u + 1.0f) * (g / (1.0f + expf(-g * alpha)));
+}
+
+static void phase2(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    const job *j = (const job *)ctx;
+    const run_expert *e = &j->ex[task];
+    const moed_ggml_layer *L = j->L;
+    const float *b = L->gate_up_bias ? L->gate_up_bias + e->expert * 2 * j->I : NULL;
+    for (int t = 0; t < e->T; t++) {
+        const int64_t row = (e->first + t) * j->I;
+        for (int64_t i = 0; i < j->I; i++) {
+            float g = j->g[row + i], u = j->u[row + i];
+            if (b) { g += b[i]; u += b[j->I + i]; }
+            j->h[row + i] = activate(L->act_kind, g, u, L->alpha, L->limit);
+        }
+    }
+    const int64_t G = j->I / 32;
+    moed_quantize_act(j->h + e->first * j->I, e->T, j->I, j->hq + e->first * j->I, j->hs + e->first * G,
+                      j->hsum + e->first * G);
+}
+
+static void phase3(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    const job *j = (const job *)ctx;
+    const run_expert *e = &j->ex[task / j->t3];
+    const moed_ggml_matrix *m = &j->L->down;
+    int64_t r0 = (task % j->t3) * j->rows3, r1 = r0 + j->rows3 < j->D ? r0 + j->rows3 : j->D;
+    const uint8_t *w = expert_rows(m, e->expert);
+    const int64_t G = j->I / 32;
+    for (int64_t r = r0; r < r1; r++)
+        j->dd(w + r * m->row_bytes, j->I, j->hq + e->first * j->I, j->hs + e->first * G, j->hsum + e->first * G, e->T,
+              j->o + e->first * j->D + r, j->D);
+}
+
+/* the next 16-byte aligned piece of the scratch */
+static void *take(char **p, size_t bytes) {
+    char *at = (char *)(((uintptr_t)*p + 15) & ~(uintptr_t)15);
+    *p = at + bytes;
+    return at;
+}
+
+static int64_t rows_per_task(int64_t rows, int64_t row_bytes) {
+    int64_t r = (262144 + row_bytes - 1) / row_bytes;  /* ~256 KB of weights per task */
+    return r < rows ? (r < 8 ? 8 : r) : rows;
+}
+
+static int valid(const moed_ggml_matrix *m, int64_t rows, int64_t K) {
+    int bw = moed_ggml_block_weights(m->type);
+    return bw && m->w && m->rows == rows && m->K == K && K % bw == 0 &&
+           m->row_bytes == K / bw * moed_ggml_block_bytes(m->type);
+}
+
+/* ids [N][A]: the layer's expert of each slot, -1 for a slot not run here. per_slot [N][A][D]
+ * (optional) gets each run slot's output; y [N][D] (optional) the weighted sum over the run slots. */
+int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, int A, const int32_t *ids,
+                      const float *weights, float *per_slot, float *y) {
+    if (!h || !L || !x || N < 1 || A < 1 || !ids || (y && !weights)) return -1;
+    const int64_t D = L->gate.K, I = L->gate.rows;
+    if (D % 32 || I % 32 || !valid(&L->gate, I, D) || !valid(&L->up, I, D) || !valid(&L->down, D, I)) return -1;
+    const int isa = moed_cpu_isa();
+    job j = {L, moed_ggml_dot(L->gate.type, isa), moed_ggml_dot(L->up.type, isa), moed_ggml_dot(L->down.type, isa)};
+    if (!j.dg || !j.du || !j.dd) return -1;
+    for (int64_t s = 0; s < (int64_t)N * A; s++)
+        if (ids[s] < -1 || ids[s] >= L->E) return -1;
+    /* the run experts in ascending id, each with its tokens */
+    int64_t *count = (int64_t *)calloc((size_t)L->E, sizeof(int64_t));
+    if (!count) return -2;
+    int64_t total = 0;
+    for (int64_t s = 0; s < (int64_t)N * A; s++)
+        if (ids[s] >= 0) { count[ids[s]]++; total++; }
+    int nex = 0;
+    for (int64_t e = 0; e < L->E; e++) nex += count[e] > 0;
+    if (total == 0) {
+        free(count);
+        if (y) memset(y, 0, sizeof(float) * (size_t)N * (size_t)D);
+        return 0;
+    }
+    const int64_t GD = D / 32, GI = I / 32;
+    size_t bytes = sizeof(run_expert) * (size_t)nex + sizeof(int64_t) * (size_t)total      /* experts, slot of each row */
+                   + (size_t)total * (size_t)D + 2 * sizeof(float) * (size_t)total * (size_t)GD  /* xq, xs, xsum */
+                   + 3 * sizeof(float) * (size_t)total * (size_t)I                          /* g, u, h */
+                   + (size_t)total * (size_t)I + 2 * sizeof(float) * (size_t)total * (size_t)GI  /* hq, hs, hsum */
+                   + sizeof(float) * (size_t)total * (size_t)D + 16 * 16;                  /* o, alignment */
+    char *p = (char *)moed_pool_scratch((moed_pool *)h, bytes);
+    if (!p) { free(count); return -2; }
+    run_expert *ex = (run_expert *)take(&p, sizeof(run_expert) * (size_t)nex);
+    int64_t *slot_of = (int64_t *)take(&p, sizeof(int64_t) * (size_t)total);
+    float *xs = (float *)take(&p, sizeof(float) * (size_t)(total * GD));
+    float *xsum = (float *)take(&p, sizeof(float) * (size_t)(total * GD));
+    float *g = (float *)take(&p, sizeof(float) * (size_t)(total * I));
+    float *u = (float *)take(&p, sizeof(float) * (size_t)(total * I));
+    float *hh = (float *)take(&p, sizeof(float) * (size_t)(total * I));
+    float *hs = (float *)take(&p, sizeof(float) * (size_t)(total * GI));
+    float *hsum = (float *)take(&p, sizeof(float) * (size_t)(total * GI));
+    float *o = (float *)take(&p, sizeof(float) * (size_t)(total * D));
+    int8_t *xq = (int8_t *)take(&p, (size_t)(total * D));
+    int8_t *hq = (int8_t *)take(&p, (size_t)(total * I));
+    /* gather: rows in expert order, tokens ascending within an expert */
+    int64_t *next = count;  /* reused: the next row of each expert */
+    int64_t first = 0;
+    int k = 0;
+    for (int64_t e = 0; e < L->E; e++) {
+        if (!count[e]) continue;
+        ex[k].expert = e;
+        ex[k].T = (int)count[e];
+        ex[k].first = first;
+        next[e] = first;
+        first += ex[k].T;
+        k++;
+    }
+    for (int64_t s = 0; s < (int64_t)N * A; s++) {
+        if (ids[s] < 0) continue;
+        int64_t row = next[ids[s]]++;
+        slot_of[row] = s;
+        moed_quantize_act(x + (s / A) * D, 1, D, xq + row * D, xs + row * GD, xsum + row * GD);
+    }
+    free(count);
+    j.ex = ex;
+    j.nex = nex;
+    j.D = D;
+    j.I = I;
+    j.rows1 = rows_per_task(I, L->gate.row_bytes > L->up.row_bytes ? L->gate.row_bytes : L->up.row_bytes);
+    j.rows3 = rows_per_task(D, L->down.row_bytes);
+    j.t1 = 2 * ((I + j.rows1 - 1) / j.rows1);
+    j.t3 = (D + j.rows3 - 1) / j.rows3;
+    j.xq = xq; j.xs = xs; j.xsum = xsum;
+    j.g = g; j.u = u; j.h = hh; j.hq = hq; j.hs = hs; j.hsum = hsum; j.o = o;
+    moed_pool *pool = (moed_pool *)h;
+    moed_pool_run(pool, phase1, &j, (int64_t)nex * j.t1);
+    moed_pool_run(pool, phase2, &j, nex);
+    moed_pool_run(pool, phase3, &j, (int64_t)nex * j.t3);
+    /* down bias, scatter to the slots */
+    for (int i = 0; i < nex; i++) {
+        const float *b = L->down_bias ? L->down_bias + ex[i].expert * D : NULL;
+        for (int t = 0; t < ex[i].T; t++) {
+            int64_t row = ex[i].first + t;
+            float *out = o + row * D;
+            if (b)
+                for (int64_t c = 0; c < D; c++) out[c] += b[c];
+            if (per_slot) memcpy(per_slot + slot_of[row] * D, out, sizeof(float) * (size_t)D);
+        }
+    }
+    if (y) {
+        /* slot order: row of each slot (rows are in expert order, slots are visited ascending) */
+        memset(y, 0, sizeof(float) * (size_t)N * (size_t)D);
+        int64_t *row_of = slot_of;  /* invert in place: slot -> row, -1 when not run */
+        int64_t *inv = (int64_t *)calloc((size_t)N * (size_t)A, sizeof(int64_t));
+        if (!inv) return -2;
+        for (int64_t s = 0; s < (int64_t)N * A; s++) inv[s] = -1;
+        for (int64_t r = 0; r < total; r++) inv[row_of[r]] = r;
+        for (int n = 0; n < N; n++)
+            for (int a = 0; a < A; a++) {
+                int64_t r = inv[(int64_t)n * A + a];
+                if (r < 0) continue;
+                const float wgt = weights[(int64_t)n * A + a], *out = o + r * D;
+                float *dst = y + (int64_t)n * D;
+                for (int64_t c = 0; c < D; c++) dst[c] += wgt * out[c];
+            }
+        free(inv);
+    }
+    return 0;
+}
