@@ -74,6 +74,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--experts-dtype", help="the bank dtype to load (default: the file's own)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--busy", action="store_true", help="keep one core busy with a spinning Python process")
     args = ap.parse_args()
@@ -88,7 +89,7 @@ def main() -> int:
 
 def profile(args) -> int:
     configure_threads(args.threads)
-    rt = open_runtime(args.model)
+    rt = open_runtime(args.model, experts_dtype=args.experts_dtype)
     model = rt.model
     chain = model.decode_chain()
     chain_timings = chain.enable_timings() if isinstance(chain, DecodeChain) else None

@@ -36,7 +36,9 @@ from moed.kernels.expert_matmul import (
 )
 
 from moed.kernels.native_cpu import MAX_TOKENS as NATIVE_MAX_TOKENS
+from moed.kernels.expert_matmul import PREFILL_ROW_BUCKET
 from moed.kernels.ggml_rows_format import dequantize_rows
+from moed.kernels.prefill_gemm import prefill_gemm_dtype
 from moed.kernels.native_cpu import descriptor_of, native
 
 _Matmul = Callable[[dict[str, torch.Tensor], str, int, torch.Tensor], torch.Tensor]
@@ -345,10 +347,46 @@ def _run_torch(bank: ExpertBank, flat_id: int, x: torch.Tensor, matmul: _Matmul)
     return y
 
 
-def _run_ggml(bank: ExpertBank, flat_id: int, x: torch.Tensor) -> torch.Tensor:
-    """One expert of a ggml bank: the native kernels when built, else torch on the decoded rows."""
+def ggml_gemm_prefill(num_tokens: int) -> bool:
+    """Whether ``num_tokens`` tokens of one ggml-bank expert multiply in bf16 GEMMs (the expert's rows
+    decoded to bf16 once, natively) instead of the int8 row kernels, which decode every row once per
+    token: above the decode sizes, on CPUs whose bf16 GEMMs are native (prefill_gemm.py)."""
+    return (num_tokens > NATIVE_MAX_TOKENS and native() is not None
+            and prefill_gemm_dtype(torch.bfloat16, torch.device("cpu")) == torch.bfloat16)
+
+
+def ggml_expert_gemm(bank: ExpertBank, flat_id: int, x: torch.Tensor) -> torch.Tensor:
+    """One ggml-bank expert on many tokens: its rows decoded to bf16 (bit for bit gguf's values, rounded
+    once) and multiplied in bf16 GEMMs with float32 results, as the other banks' prefill does."""
     layer, expert = divmod(flat_id, bank.num_experts)
     lib = native()
+    rows = x.shape[0]
+    padded = x.new_zeros((-(-rows // PREFILL_ROW_BUCKET) * PREFILL_ROW_BUCKET, x.shape[1]), dtype=torch.bfloat16)
+    padded[:rows] = x
+
+    def times(kind: str, k: int, a: torch.Tensor) -> torch.Tensor:
+        t, ggml_type = bank.ggml_matrix(kind, layer)
+        return torch.matmul(a, lib.ggml_to_bf16(t[expert], ggml_type, k).T)[:rows].float()
+
+    h = torch.cat([times("gate", bank.hidden_size, padded), times("up", bank.hidden_size, padded)], dim=1)
+    if "gate_up_bias" in bank.tensors:
+        h = h + bank.tensors["gate_up_bias"][flat_id]
+    a = apply_activation(h, bank.activation)
+    down_in = a.new_zeros(padded.shape[0], a.shape[1], dtype=torch.bfloat16)
+    down_in[:rows] = a
+    y = times("down", bank.intermediate_size, down_in)
+    if "down_bias" in bank.tensors:
+        y = y + bank.tensors["down_bias"][flat_id]
+    return y
+
+
+def _run_ggml(bank: ExpertBank, flat_id: int, x: torch.Tensor) -> torch.Tensor:
+    """One expert of a ggml bank: the native kernels when built (bf16 GEMMs on decoded rows for many
+    tokens), else torch on the gguf-decoded rows."""
+    layer, expert = divmod(flat_id, bank.num_experts)
+    lib = native()
+    if lib is not None and ggml_gemm_prefill(x.shape[0]):
+        return ggml_expert_gemm(bank, flat_id, x)
     if lib is not None:
         per_slot = torch.empty(x.shape[0], 1, bank.hidden_size)
         ids = torch.full((x.shape[0], 1), expert, dtype=torch.int32)

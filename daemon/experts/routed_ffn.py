@@ -19,7 +19,7 @@ import torch
 
 from moed.cache.host_bank import GGML_BANK, ExpertBank
 from moed.experts.executor import merge_expert_outputs
-from moed.experts.expert_ffn import run_expert
+from moed.experts.expert_ffn import ggml_gemm_prefill, run_expert
 from moed.kernels.native_cpu import MAX_TOKENS, descriptor_of, native
 from moed.kernels.prefill_gemm import native_prefill
 
@@ -43,6 +43,8 @@ def _run_ggml(bank: ExpertBank, hidden: torch.Tensor, flat_ids: torch.Tensor, we
     layer = layers[0] if layers else 0
     ids = torch.where(run, flat_ids - layer * bank.num_experts, torch.full_like(flat_ids, -1))
     lib, n = native(), hidden.shape[0]
+    if ggml_gemm_prefill(n):  # a prefill chunk: each expert's rows decoded once, bf16 GEMMs
+        return _run_per_expert(bank, hidden, flat_ids, weights, per_slot)
     ys = []
     for t0 in range(0, n, PREFILL_TOKENS):
         rows = slice(t0, min(n, t0 + PREFILL_TOKENS))
@@ -75,7 +77,13 @@ def run_routed(bank: ExpertBank, hidden: torch.Tensor, flat_ids: torch.Tensor,
                               None if weights is None else weights[rows].contiguous(),
                               per_slot=per_slot[rows], merge=weights is not None))
         return per_slot, None if weights is None else torch.cat(ys)
-    # fallback: one expert at a time
+    return _run_per_expert(bank, hidden, flat_ids, weights, per_slot)
+
+
+def _run_per_expert(bank: ExpertBank, hidden: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor | None,
+                    per_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One expert at a time (run_expert): the fallback, and a ggml bank's prefill."""
+    n, a = flat_ids.shape
     flat = flat_ids.reshape(-1)
     run = flat >= 0
     rows = per_slot.view(-1, bank.hidden_size)

@@ -151,7 +151,8 @@ class ChainLayer(ctypes.Structure):  # moed_chain_layer (native/cpu/decode_chain
                 ("attn", _AttnDecode), ("router_w", ctypes.c_void_p), ("router_b", ctypes.c_void_p),
                 ("E", ctypes.c_int64), ("router_bf16", ctypes.c_int32), ("router_kind", ctypes.c_int32), ("top_k", ctypes.c_int32),
                 ("renormalise", ctypes.c_int32), ("flat_base", ctypes.c_int32), ("bank", ctypes.POINTER(_Bank)),
-                ("mlp_gate", _Linear), ("mlp_up", _Linear), ("mlp_down", _Linear), ("mlp_scale", _Linear)]
+                ("mlp_gate", _Linear), ("mlp_up", _Linear), ("mlp_down", _Linear), ("mlp_scale", _Linear),
+                ("ggml", ctypes.c_void_p)]
 
 
 class _ChainStep(ctypes.Structure):  # moed_chain_step (native/cpu/decode_chain.c)
@@ -231,6 +232,8 @@ class NativeCpu:
         lib.moed_cpu_ggml_rows.restype = c_int
         lib.moed_cpu_ggml_moe.argtypes = [vp, ctypes.POINTER(_GgmlLayer), vp, c_int, c_int, vp, vp, vp, vp]
         lib.moed_cpu_ggml_moe.restype = c_int
+        lib.moed_cpu_ggml_to_bf16.argtypes = [vp, ctypes.POINTER(_GgmlMatrix), vp]
+        lib.moed_cpu_ggml_to_bf16.restype = c_int
         lib.moed_ggml_dot_one.argtypes = [c_int, c_int, vp, c_i64, vp, vp, vp, c_int, vp]
         lib.moed_ggml_dot_one.restype = c_int
         lib.moed_chain_work_floats.argtypes = [ctypes.POINTER(ChainLayer), c_int, c_int, c_i64]
@@ -499,6 +502,20 @@ class NativeCpu:
             raise MemoryError("the native ggml rows kernel ran out of memory") if rc == -2 else \
                 ValueError(f"moed_cpu_ggml_rows refused its arguments (rc {rc})")
         return ys
+
+    def ggml_to_bf16(self, raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+        """Rows of GGUF blocks ``uint8 [rows, row_bytes]`` decoded to bf16 ``[rows, k]`` on the pool's
+        threads: ``dequantize_rows(raw, ggml_type, k)`` rounded to bf16 (for prefill GEMMs)."""
+        rows = check_rows(raw, ggml_type, k, "ggml_to_bf16")
+        if not raw.is_contiguous() or raw.device.type != "cpu":
+            raise ValueError("ggml_to_bf16: the rows must be a contiguous host tensor")
+        m = _GgmlMatrix(raw.data_ptr(), ggml_type, rows, k, raw.shape[1])
+        out = torch.empty(rows, k, dtype=torch.bfloat16)
+        with self._lock:
+            rc = self._lib.moed_cpu_ggml_to_bf16(self._pool, ctypes.byref(m), out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"moed_cpu_ggml_to_bf16 refused its arguments (rc {rc})")
+        return out
 
     def ggml_dot_one(self, ggml_type: int, isa: str, row: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor,
                      xsum: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 from moed.cache.expert_dtypes import GGML_BANK
 from moed.cache.kv_cache import KVCache
 from moed.kernels.native_cpu import (CHAIN_PARTS, KV_TYPE_CODES, MAX_TOKENS, ChainHead, ChainLayer, NativeCpu,
-                                     descriptor_of, linear_struct, native)
+                                     descriptor_of, ggml_layer, linear_struct, native)
 from moed.layers.attention import MhaAttention
 from moed.layers.dense_mlp import DenseMlp
 from moed.layers.moe import MoeLayer
@@ -110,8 +110,6 @@ class DecodeChain:
         bank = bank_of() if bank_of is not None else None
         if bank is None:
             return Unsupported(f"the {type(executor).__name__} does not run every expert on the CPU")
-        if bank.dtype == GGML_BANK:
-            return Unsupported("a ggml bank (GGUF block rows; its kernels are not in the chain yet)")
         if config.attention.kind != "mha":
             return Unsupported(f"{config.attention.kind} attention")
         if config.has_recurrent_state or config.attention.gated:
@@ -161,7 +159,12 @@ class DecodeChain:
                 problem = _set_router(s, mlp, moe_cfg, d, keep)
                 if problem:
                     return Unsupported(f"layer {i}'s {problem}")
-                s.flat_base = bank.flat_id(mlp.moe_layer, 0)
+                if bank.dtype == GGML_BANK:  # the layer's own block rows, addressed by expert number
+                    layer_desc = ggml_layer(bank, mlp.moe_layer)
+                    keep.append(layer_desc)
+                    s.ggml = ctypes.addressof(layer_desc)
+                else:
+                    s.flat_base = bank.flat_id(mlp.moe_layer, 0)
             lin = [linear_struct(w, b) for w, b in ((attention.wq, attention.bq), (attention.wk, attention.bk),
                                                     (attention.wv, attention.bv), (attention.wo, attention.bo))]
             for _, tensors in lin:
@@ -198,8 +201,8 @@ class DecodeChain:
 
     def _bind(self, cache: KVCache) -> None:
         """Point the layer structs at this step's KV cache and the bank's current arrays."""
-        desc = descriptor_of(self.bank)  # cached; a new one after a resize or reload
-        if desc is not self._bank_desc:
+        desc = None if self.bank.dtype == GGML_BANK else descriptor_of(self.bank)  # cached; new after a resize
+        if desc is not None and desc is not self._bank_desc:
             pointer = ctypes.pointer(desc.struct)
             for s in self.layers:
                 if s.router_w:  # MoE layers; a dense layer's bank stays NULL

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ggml_rows.h"
 #include "moed_api.h"
 
 typedef struct {
@@ -39,6 +40,7 @@ typedef struct {
     /* the dense MLP of a dense layer, or the shared expert of an MoE layer (mlp_down.m.w NULL: none):
      * down(silu(gate(h)) * up(h)), scaled by sigmoid(mlp_scale(h)) when mlp_scale.m.w is set */
     moed_linear mlp_gate, mlp_up, mlp_down, mlp_scale;
+    const moed_ggml_layer *ggml;         /* instead of bank: the layer's experts as GGUF block rows (flat_base 0) */
 } moed_chain_layer;
 
 /* the step's tokens: one new token per row */
@@ -147,8 +149,11 @@ static int check_linear(const moed_linear *w, int64_t K) {
 static int check_layer(const moed_chain_layer *L, int64_t D) {
     const moed_attn_decode_args *a = &L->attn;
     if (!L->in_norm || !L->post_norm) return -1;
-    if (L->bank && (!L->router_w || L->E < 1 || L->top_k < 1 || L->top_k > L->E)) return -1;
-    if (!L->bank && !L->mlp_down.m.w) return -1;  /* a layer needs experts or a dense MLP */
+    const int moe = L->bank || L->ggml;
+    if (L->bank && L->ggml) return -1;
+    if (moe && (!L->router_w || L->E < 1 || L->top_k < 1 || L->top_k > L->E)) return -1;
+    if (!moe && !L->mlp_down.m.w) return -1;  /* a layer needs experts or a dense MLP */
+    if (L->ggml && (L->ggml->E != L->E || L->ggml->gate.K != D || L->flat_base != 0)) return -1;
     if (L->mlp_down.m.w) {
         const int64_t I = L->mlp_gate.m.N;
         if (check_linear(&L->mlp_gate, D) || check_linear(&L->mlp_up, D) || L->mlp_up.m.N != I ||
@@ -225,7 +230,7 @@ int moed_cpu_decode_layers(void *h, const moed_chain_layer *layers, int n, const
         LAP(T_PROJ);
         if ((rc = moed_add_rms_norm(x, o, L->post_norm, L->post_norm_bf16, B, D, s->eps, x, hb))) return rc;
         LAP(T_NORMS);
-        if (!L->bank) { /* a dense layer: x += down(silu(gate(h)) * up(h)); no experts */
+        if (!L->bank && !L->ggml) { /* a dense layer: x += down(silu(gate(h)) * up(h)); no experts */
             for (int i = 0; i < B * A; i++) ids_out[(int64_t)l * B * A + i] = -1;
             experts_out[l] = 0;
             if ((rc = dense_mlp(h, L, hb, B, mg, mu, mh, mo, mz))) return rc;
@@ -256,7 +261,9 @@ int moed_cpu_decode_layers(void *h, const moed_chain_layer *layers, int n, const
         }
         experts_out[l] = distinct;
         LAP(T_ROUTER);
-        if ((rc = moed_cpu_moe(h, L->bank, hb, B, A, flat, wts, NULL, y))) return rc;
+        rc = L->ggml ? moed_cpu_ggml_moe(h, L->ggml, hb, B, A, flat, wts, NULL, y)
+                     : moed_cpu_moe(h, L->bank, hb, B, A, flat, wts, NULL, y);
+        if (rc) return rc;
         if (L->mlp_down.m.w) { /* the shared expert, added to the routed ones' sum */
             if ((rc = dense_mlp(h, L, hb, B, mg, mu, mh, mo, mz))) return rc;
             for (int64_t i = 0; i < (int64_t)B * D; i++) y[i] = y[i] + mo[i];

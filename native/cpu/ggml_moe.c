@@ -17,14 +17,6 @@
 #include "moed_cpu.h"
 #include "moed_pool.h"
 
-typedef struct {
-    moed_ggml_matrix gate, up, down;  /* expert 0's matrices; expert e is at + e * rows * row_bytes */
-    int64_t E;                        /* experts of the layer */
-    int32_t act_kind;                 /* 0 silu(gate) * up; 1 gpt-oss clamped SwiGLU */
-    float alpha, limit;
-    const float *gate_up_bias;        /* [E][2I] (gate, then up) or NULL */
-    const float *down_bias;           /* [E][D] or NULL */
-} moed_ggml_layer;
 
 typedef struct {
     int64_t expert;

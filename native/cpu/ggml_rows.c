@@ -327,3 +327,50 @@ int moed_ggml_dot_one(int type, int isa, const uint8_t *row, int64_t K, const in
     f(row, K, xq, xs, xsum, T, y, 1);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------ rows -> bf16 */
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's float -> bfloat16 */
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7F800000u) == 0x7F800000u) return (uint16_t)((v.u >> 16) | ((v.u & 0xFFFF) ? 0x40 : 0));
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t *o);  /* ggml_rows_avx2.c */
+
+typedef struct {
+    const moed_ggml_matrix *m;
+    uint16_t *out;
+    int64_t chunk;
+} bf16_job;
+
+static void bf16_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    const bf16_job *j = (const bf16_job *)ctx;
+    const moed_ggml_matrix *m = j->m;
+    const int bw = moed_ggml_block_weights(m->type), bb = moed_ggml_block_bytes(m->type), gpb = bw / 32;
+    int64_t r0 = task * j->chunk, r1 = r0 + j->chunk < m->rows ? r0 + j->chunk : m->rows;
+    const int simd = moed_cpu_isa() >= MOED_ISA_AVX2;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = m->w + r * m->row_bytes;
+        uint16_t *o = j->out + r * m->K;
+        if (simd && moed_ggml_row_to_bf16_avx2(m->type, row, m->K, o)) continue;
+        for (int64_t g = 0; g < m->K / 32; g++) {
+            int8_t c[32];
+            float sc[2], mn[2];
+            decode_group(m->type, row + (g / gpb) * bb, (int)(g % gpb), c, sc, mn);
+            for (int l = 0; l < 32; l++) o[g * 32 + l] = to_bf16(sc[l >> 4] * (float)c[l] + mn[l >> 4]);
+        }
+    }
+}
+
+/* one matrix of GGUF block rows decoded to bf16 [rows][K] (the weights as gguf.quants decodes them,
+ * each rounded to bf16 once), on the pool: the prefill GEMMs multiply these */
+int moed_cpu_ggml_to_bf16(void *h, const moed_ggml_matrix *m, uint16_t *out) {
+    if (!h || !m || !out || !check_matrix(m, m->K) || m->K % 32) return -1;
+    moed_pool *pool = (moed_pool *)h;
+    int64_t chunk = (m->rows + 4 * moed_pool_threads(pool) - 1) / (4 * moed_pool_threads(pool));
+    bf16_job j = {m, out, chunk < 1 ? 1 : chunk};
+    moed_pool_run(pool, bf16_task, &j, (m->rows + j.chunk - 1) / j.chunk);
+    return 0;
+}

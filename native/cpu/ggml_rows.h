@@ -38,6 +38,21 @@ typedef struct {
     int64_t row_bytes;    /* bytes of one row (K / block weights * block bytes) */
 } moed_ggml_matrix;
 
+/* one MoE layer of a ggml bank (ggml_moe.c) */
+typedef struct {
+    moed_ggml_matrix gate, up, down;  /* expert 0's matrices; expert e is at + e * rows * row_bytes */
+    int64_t E;                        /* experts of the layer */
+    int32_t act_kind;                 /* 0 silu(gate) * up; 1 gpt-oss clamped SwiGLU */
+    float alpha, limit;
+    const float *gate_up_bias;        /* [E][2I] (gate, then up) or NULL */
+    const float *down_bias;           /* [E][D] or NULL */
+} moed_ggml_layer;
+
+/* ids [N][A]: the layer's expert of each slot (-1: not run here); per_slot [N][A][D] and y [N][D]
+ * (weighted sum over the run slots, ascending) optional. 0, -1 bad arguments, -2 no memory. */
+int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, int A, const int32_t *ids,
+                      const float *weights, float *per_slot, float *y);
+
 /* one row dotted with T tokens' int8 activations: y[t * ldy] for t < T */
 typedef void (*moed_ggml_dot_fn)(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
                                  const float *xsum, int T, float *y, int64_t ldy);

@@ -52,6 +52,17 @@ static inline void prefetch_block(const uint8_t *p, int bytes) {
 
 static inline __m256 halves(float a, float b) { return _mm256_setr_m128(_mm_set1_ps(a), _mm_set1_ps(b)); }
 
+/* one sub-block's 6-bit scale and min (Q4_K / Q5_K) */
+static inline void k_scale_min_1(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
 /* Q4_K / Q5_K's eight 6-bit scales and mins from the 12 scale bytes (three little-endian words):
  * sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 in the nibbles of
  * bytes 8-11 with their top 2 bits in bits 6-7 of bytes 0-3 / 4-7 */
@@ -229,6 +240,94 @@ static void dot_iq4_nl(const uint8_t *row, int64_t K, const int8_t *xq, const fl
     dot_4bit32(MOED_GGML_IQ4_NL, row, K, xq, xs, xsum, T, y, ldy);
 }
 
+/* ---- rows -> bf16 (prefill GEMMs) ---- */
+
+/* 8 floats -> bf16 bits (round to nearest even; the weights are finite) in the low 16 of each lane */
+static inline __m256i bf16_bits(__m256 f) {
+    const __m256i b = _mm256_castps_si256(f);
+    const __m256i r = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)),
+                                       _mm256_set1_epi32(0x7FFF));
+    return _mm256_srli_epi32(_mm256_add_epi32(b, r), 16);
+}
+
+/* 32 int8 codes -> scale_h * code + min_h as bf16 (h: first / second 16 weights) */
+static inline void store32(uint16_t *o, __m256i codes, float s0, float m0, float s1, float m1) {
+    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    __m256i bits[4];
+    for (int i = 0; i < 4; i++) {
+        const float s = i < 2 ? s0 : s1, m = i < 2 ? m0 : m1;
+        const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[i])), _mm256_set1_ps(s),
+                                         _mm256_set1_ps(m));
+        bits[i] = bf16_bits(f);
+    }
+    const __m256i a = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits[0], bits[1]), 0xD8);
+    const __m256i b = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits[2], bits[3]), 0xD8);
+    _mm256_storeu_si256((__m256i *)o, a);
+    _mm256_storeu_si256((__m256i *)(o + 16), b);
+}
+
+/* one row of Q4_K / Q5_K / Q6_K / Q8_0 to bf16; 0 when the type has no AVX2 decoder here */
+int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t *o) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1), m2 = _mm256_set1_epi8(3);
+    if (type == MOED_GGML_Q8_0) {
+        for (int64_t g = 0; g < K / 32; g++) {
+            const uint8_t *b = row + g * 34;
+            const float d = f16x(b);
+            store32(o + g * 32, _mm256_loadu_si256((const __m256i *)(b + 2)), d, 0.0f, d, 0.0f);
+        }
+        return 1;
+    }
+    if (type == MOED_GGML_Q4_K || type == MOED_GGML_Q5_K) {
+        const int k5 = type == MOED_GGML_Q5_K;
+        for (int64_t i = 0; i < K / 256; i++) {
+            const uint8_t *b = row + i * (k5 ? 176 : 144);
+            const float d = f16x(b), dmin = f16x(b + 2);
+            const uint8_t *qs = b + (k5 ? 48 : 16);
+            __m256i qh = k5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i lo = _mm256_and_si256(bytes, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
+                if (k5) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+                    qh = _mm256_srli_epi16(qh, 2);
+                }
+                for (int half = 0; half < 2; half++) {
+                    int sc, m;
+                    k_scale_min_1(b + 4, 2 * c + half, &sc, &m);
+                    const float s = d * (float)sc, mn = -(dmin * (float)m);
+                    store32(o + i * 256 + 64 * c + 32 * half, half ? hi : lo, s, mn, s, mn);
+                }
+            }
+        }
+        return 1;
+    }
+    if (type == MOED_GGML_Q6_K) {
+        const __m256i off = _mm256_set1_epi8(32);
+        for (int64_t i = 0; i < K / 256; i++) {
+            const uint8_t *b = row + i * 210;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = f16x(b + 208);
+            for (int h = 0; h < 2; h++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                for (int gi = 0; gi < 4; gi++) {
+                    const __m256i lsrc = gi & 1 ? l1 : l0;
+                    const __m256i lo = gi < 2 ? _mm256_and_si256(lsrc, m4) : _mm256_and_si256(_mm256_srli_epi16(lsrc, 4), m4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * gi), m2);
+                    const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);
+                    const int g = 4 * h + gi;
+                    store32(o + i * 256 + 32 * g, codes, d * (float)sc[2 * g], 0.0f, d * (float)sc[2 * g + 1], 0.0f);
+                }
+            }
+        }
+        return 1;
+    }
+    return 0;
+}
+
 #pragma GCC pop_options
 
 moed_ggml_dot_fn moed_ggml_dot_avx2(int type) {
@@ -249,6 +348,11 @@ moed_ggml_dot_fn moed_ggml_dot_avx2(int type) {
 moed_ggml_dot_fn moed_ggml_dot_avx2(int type) {
     (void)type;
     return NULL;
+}
+
+int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t *o) {
+    (void)type; (void)row; (void)K; (void)o;
+    return 0;
 }
 
 #endif

@@ -85,3 +85,14 @@ def test_bad_rows_are_refused():
         lib.ggml_rows([(torch.zeros(2, 143, dtype=torch.uint8), int(T.Q4_K))], torch.zeros(1, 256))
     with pytest.raises(ValueError, match="the ggml bank keeps .* not IQ2_XXS"):
         lib.ggml_rows([(torch.zeros(2, 66, dtype=torch.uint8), int(T.IQ2_XXS))], torch.zeros(1, 256))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_decode_to_bf16_as_gguf_decodes_them(qtype):
+    """The prefill GEMMs' weights: gguf's decoded values rounded to bf16 once, bit for bit (the AVX2
+    decoders of the common types and the scalar one of the rest)."""
+    lib = _lib()
+    weights = GGML_QUANT_SIZES[qtype][0]
+    k = 2 * weights if weights == 256 else 5 * weights
+    raw = _rows(qtype, 7, k, seed=4)
+    assert torch.equal(lib.ggml_to_bf16(raw, int(qtype), k), dequantize_rows(raw, int(qtype), k).bfloat16())

@@ -42,12 +42,19 @@ CASES = {
     "qwen3_moe-gguf-q8": lambda root: _gguf("qwen3_moe", root, T.Q8_0, T.Q8_0),  # q8 packed projections
     "qwen3_moe-gguf-q4_1": lambda root: _gguf("qwen3_moe", root, T.Q4_1, T.Q4_1),  # int4 packed, f32 router
     "gpt_oss-gguf-bf16": lambda root: _gguf("gpt_oss", root, T.Q8_0, T.BF16),
+    # the ggml bank (GGUF block rows in their own types: Q4_K, a Q6_K down) through the chain's ggml layers
+    "qwen3_moe-gguf-ggml": lambda root: (write_tiny_gguf("qwen3_moe", root, expert_type=T.Q4_K, weight_type=T.Q8_0,
+                                                         tensor_types={"blk.1.ffn_down_exps.weight": T.Q6_K},
+                                                         hidden_size=256, moe_intermediate_size=256)[0],
+                                         {"experts_dtype": "ggml"}),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def runtime(request, tmp_path_factory):
-    rt = open_runtime(CASES[request.param](tmp_path_factory.mktemp(request.param)))
+    source = CASES[request.param](tmp_path_factory.mktemp(request.param))
+    path, options = source if isinstance(source, tuple) else (source, {})
+    rt = open_runtime(path, **options)
     yield rt
     rt.close()
 

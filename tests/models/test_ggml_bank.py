@@ -110,3 +110,19 @@ def test_only_gguf_sources_and_kept_types_load_as_ggml(tmp_path):
         load_model(path, experts_dtype="ggml")
     with pytest.raises(InvalidRequestError, match="ggml keeps a GGUF file's own block types; .* is a Hugging Face"):
         load_model(hf, experts_dtype="ggml")
+
+
+def test_a_prefill_chunk_multiplies_decoded_rows(q4_k_m):
+    """Many tokens of one expert go through bf16 GEMMs on its rows decoded once (where the CPU's bf16
+    GEMMs are native): within bf16 rounding of the float reference."""
+    from moed.experts.expert_ffn import ggml_expert_gemm
+
+    if native() is None:
+        pytest.skip("the native CPU kernels are not built")
+    path, _ = q4_k_m
+    bank = load_model(path, experts_dtype="ggml").bank
+    x = torch.randn(40, bank.hidden_size)
+    got = ggml_expert_gemm(bank, 8 + 3, x)
+    with without_native_kernels():
+        want = run_expert(bank, 8 + 3, x)
+    assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
