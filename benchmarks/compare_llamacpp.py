@@ -69,13 +69,14 @@ def llama_run(python: str, job: dict) -> list[int]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def moed_run(path: Path, tokens: list[int], prompt_len: int, steps: int) -> tuple[str, np.ndarray, list[int]]:
+def moed_run(path: Path, tokens: list[int], prompt_len: int, steps: int,
+             experts_dtype: str | None = None) -> tuple[str, np.ndarray, list[int]]:
     from moed.engine.offline_run import run_offline
     from moed.engine.runtime import open_runtime
     from moed.engine.sampling import SamplingParams
     from moed.runner.forward_batch import ForwardBatch
 
-    runtime = open_runtime(path)
+    runtime = open_runtime(path, experts_dtype=experts_dtype)
     try:
         logits = runtime.model.forward(ForwardBatch.from_token_lists([tokens], [0], [0]),
                                        runtime.model.new_cache(1, len(tokens) + 16), last_only=False)[0]
@@ -100,6 +101,8 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0,
                     help="times transformers' initial weights (the tests' 4.0 makes the tiny models chaotic: both "
                          "engines' 8-bit activations then move logits by 10-30%%)")
+    ap.add_argument("--experts-dtype", help="moed's bank dtype (default: the file's own choice; ggml keeps the "
+                                            "GGUF types)")
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
     script = converter_script()
@@ -127,7 +130,7 @@ def main() -> int:
             try:
                 tokens = llama_run(args.llama_python, job)
                 ref = np.load(job["out"])
-                bank, ours, greedy = moed_run(path, tokens, len(prompt), args.tokens)
+                bank, ours, greedy = moed_run(path, tokens, len(prompt), args.tokens, args.experts_dtype)
                 diff = np.abs(ours[:len(ref)] - ref)
                 scale = float(np.abs(ref).max())
                 theirs = tokens[len(prompt):]

@@ -27,12 +27,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "policy":
         return run_bench_policy(args)
     from moed.cache.host_bank import EXPERT_DTYPES, INT4_GROUP_SIZE, PACKED_DTYPES
-    from moed.experts.kernel_bench import bench_kernels, format_table
+    from moed.experts.kernel_bench import bench_kernels, format_table, ggml_bench_dtypes
 
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    bad = [d for d in dtypes if d not in EXPERT_DTYPES]
+    known = (*EXPERT_DTYPES, *ggml_bench_dtypes())
+    dtypes = [d.strip() for d in (args.dtypes or ",".join(known)).split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in known]
     if bad or not dtypes:
-        raise InvalidRequestError(f"--dtypes: {bad or dtypes} not among {', '.join(EXPERT_DTYPES)}")
+        raise InvalidRequestError(f"--dtypes: {bad or dtypes} not among {', '.join(known)}")
     shapes = parse_shapes(args.shapes)
     packed = [d for d in dtypes if d in PACKED_DTYPES]
     for hidden, inter in shapes:

@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks of this machine")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
     kernels = bench_sub.add_parser("kernels", help="host read bandwidth and CPU expert kernel GB/s")
-    kernels.add_argument("--dtypes", default=",".join(EXPERT_DTYPES),
-                         help=f"comma-separated bank dtypes to measure (default: all of {', '.join(EXPERT_DTYPES)})")
+    kernels.add_argument("--dtypes", default="",
+                         help=f"comma-separated bank dtypes to measure (default: all of {', '.join(EXPERT_DTYPES)}, "
+                              "and ggml:TYPE for each GGUF block type the ggml bank keeps: ggml:Q4_K ...)")
     kernels.add_argument("--shapes", default="576x1536,2048x768", help="expert shapes DxI, comma separated")
     kernels.add_argument("--dense", default="", metavar="NxK,...",
                          help="also the dense projection GEMVs (bf16, and a quantised GGUF's q8/int4 rows) "

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from moed.cache.bank_builder import build_expert_bank
-from moed.cache.host_bank import EXPERT_DTYPES, ExpertActivation, ExpertBank
+from moed.cache.host_bank import EXPERT_DTYPES, GGML_BANK, ExpertActivation, ExpertBank
 from moed.experts.routed_ffn import run_routed
 from moed.kernels.native_cpu import native_status
 from moed.kernels.bandwidth import read_sum_kernel
@@ -43,6 +43,52 @@ def _random_bank(hidden: int, inter: int, dtype: str, bank_bytes: int, seed: int
         activation=small.activation,
         tensors=tensors,
     )
+
+
+GGML_PREFIX = "ggml:"  # ggml:Q4_K ... one GGUF block type kept as stored (the ggml bank)
+# the fp16 fields of each kept type's block (byte offsets): set to small values so the random blocks
+# hold finite, moderate weights; MXFP4's e8m0 exponent (byte 0) gets 2^0
+_FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def ggml_bench_dtypes() -> tuple[str, ...]:
+    from moed.kernels.ggml_rows_format import ROW_TYPES
+    from moed.weights.gguf_quants import type_name
+
+    return tuple(GGML_PREFIX + type_name(t) for t in ROW_TYPES)
+
+
+def ggml_shape_ok(dtype: str, hidden: int, inter: int) -> bool:
+    """Whether D and I hold whole blocks of the type (K-quants: 256 weights)."""
+    from moed.weights.gguf_quants import block_size, type_id
+
+    weights = block_size(type_id(dtype[len(GGML_PREFIX):]))[0]
+    return hidden % weights == 0 and inter % weights == 0
+
+
+def _random_ggml_bank(hidden: int, inter: int, dtype: str, bank_bytes: int, seed: int) -> ExpertBank:
+    """A one-layer ggml bank of random valid blocks of one type, at least ``bank_bytes``."""
+    from moed.kernels.ggml_rows_format import row_bytes
+    from moed.weights.gguf_quants import block_size, type_id
+
+    name = dtype[len(GGML_PREFIX):]
+    ggml_type = type_id(name)
+    bsize = block_size(ggml_type)[1]
+    per_expert = 2 * inter * row_bytes(ggml_type, hidden) + hidden * row_bytes(ggml_type, inter)
+    experts = max(8, math.ceil(bank_bytes / per_expert))
+    gen = torch.Generator().manual_seed(seed)
+    tensors, types = {}, {}
+    for kind, rows, k in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
+        raw = torch.randint(0, 256, (experts, rows, row_bytes(ggml_type, k)), dtype=torch.uint8, generator=gen)
+        blocks = raw.view(-1, bsize)
+        if name == "MXFP4":
+            blocks[:, 0] = 127
+        for off in _FP16_FIELDS[name]:
+            blocks[:, off:off + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+        tensors[f"{kind}.0"], types[f"{kind}.0"] = raw, ggml_type
+    return ExpertBank(num_moe_layers=1, num_experts=experts, hidden_size=hidden, intermediate_size=inter,
+                      dtype=GGML_BANK, activation=ExpertActivation("silu"), tensors=tensors, row_types=types)
 
 
 def _read_pass(buf: np.ndarray) -> float:
@@ -119,7 +165,12 @@ def bench_kernels(
     rows: list[dict[str, Any]] = []
     for dtype in dtypes:
         for hidden, inter in shapes:
-            bank = _random_bank(hidden, inter, dtype, bank_bytes, seed)
+            if dtype.startswith(GGML_PREFIX):
+                if not ggml_shape_ok(dtype, hidden, inter):
+                    continue  # not whole blocks of this type at this shape
+                bank = _random_ggml_bank(hidden, inter, dtype, bank_bytes, seed)
+            else:
+                bank = _random_bank(hidden, inter, dtype, bank_bytes, seed)
             x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
             run_routed(bank, x, torch.zeros(tokens, 1, dtype=torch.int32))  # compile / warm up
             per_expert = bank.bytes_per_expert()

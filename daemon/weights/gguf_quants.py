@@ -62,6 +62,14 @@ def _check_supported(ggml_type: int, what: str) -> int:
     return ggml_type
 
 
+def type_id(name: str) -> int:
+    """``12`` for ``"Q4_K"``; ValueError for a name ggml does not define."""
+    for type_id_, type_name_ in _TYPE_NAMES.items():
+        if type_name_ == name:
+            return type_id_
+    raise ValueError(f"{name!r} is not a GGML type name ({', '.join(_TYPE_NAMES.values())})")
+
+
 def block_size(ggml_type: int) -> tuple[int, int]:
     """``(weights per block, bytes per block)``; known for every ggml type, read or not."""
     size = _BLOCK_SIZES.get(int(ggml_type))

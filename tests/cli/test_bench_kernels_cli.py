@@ -15,8 +15,21 @@ def test_every_bank_dtype_is_a_choice_everywhere() -> None:
     for argv in (["generate", "--model", "m", "--prompt", "p"], ["convert", "a", "b"], ["bench", "bw", "--model", "m"]):
         for dtype in EXPERT_DTYPES:
             assert parser.parse_args([*argv, "--experts-dtype", dtype]).experts_dtype == dtype
-    assert set(parser.parse_args(["bench", "kernels"]).dtypes.split(",")) == set(EXPERT_DTYPES)
+    assert parser.parse_args(["bench", "kernels"]).dtypes == ""  # every bank dtype and every ggml:TYPE
     assert {"q8", "mxfp4"} <= set(EXPERT_DTYPES)
+    for argv in (["generate", "--model", "m", "--prompt", "p"], ["bench", "bw", "--model", "m"]):
+        assert parser.parse_args([*argv, "--experts-dtype", "ggml"]).experts_dtype == "ggml"
+
+
+def test_the_ggml_types_are_benchmarked_where_their_blocks_fit() -> None:
+    from moed.experts.kernel_bench import bench_kernels, ggml_bench_dtypes, ggml_shape_ok
+
+    assert "ggml:Q4_K" in ggml_bench_dtypes() and len(ggml_bench_dtypes()) == 13
+    assert ggml_shape_ok("ggml:Q4_K", 512, 256) and not ggml_shape_ok("ggml:Q4_K", 576, 1536)
+    rows = bench_kernels([(256, 256), (96, 64)], ["ggml:Q6_K", "ggml:Q8_0"], bank_bytes=4 * 2**20,
+                         read_bytes=2**20, trials=1)
+    assert [(r["dtype"], r["hidden"]) for r in rows] == [("ggml:Q6_K", 256), ("ggml:Q8_0", 256), ("ggml:Q8_0", 96)]
+    assert all(r["weight_gbps"] > 0 and r["bytes_per_expert"] > 0 for r in rows)
 
 
 @pytest.mark.parametrize("argv, match", [
