@@ -13,7 +13,7 @@ from moed.api.convert import engine_figures, memory_figures, model_info
 from moed.api.daemon_context import DaemonContext
 from moed.api.errors import abort_with, one_line
 from moed.experts.policy_spec import parse_policy
-from moed.cache.expert_dtypes import LOAD_DTYPES
+from moed.engine.load_plan import LOAD_DTYPES
 from moed.engine.model_manager import LoadOptions, dir_bytes
 from moed.errors import InvalidRequestError, MoedError, quoted
 from moed.v1 import control_pb2, control_pb2_grpc

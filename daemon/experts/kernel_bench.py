@@ -54,14 +54,14 @@ _FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1"
 
 def ggml_bench_dtypes() -> tuple[str, ...]:
     from moed.kernels.ggml_rows_format import ROW_TYPES
-    from moed.weights.gguf_quants import type_name
+    from moed.kernels.gguf_quants import type_name
 
     return tuple(GGML_PREFIX + type_name(t) for t in ROW_TYPES)
 
 
 def ggml_shape_ok(dtype: str, hidden: int, inter: int) -> bool:
     """Whether D and I hold whole blocks of the type (K-quants: 256 weights)."""
-    from moed.weights.gguf_quants import block_size, type_id
+    from moed.kernels.gguf_quants import block_size, type_id
 
     weights = block_size(type_id(dtype[len(GGML_PREFIX):]))[0]
     return hidden % weights == 0 and inter % weights == 0
@@ -70,7 +70,7 @@ def ggml_shape_ok(dtype: str, hidden: int, inter: int) -> bool:
 def _random_ggml_bank(hidden: int, inter: int, dtype: str, bank_bytes: int, seed: int) -> ExpertBank:
     """A one-layer ggml bank of random valid blocks of one type, at least ``bank_bytes``."""
     from moed.kernels.ggml_rows_format import row_bytes
-    from moed.weights.gguf_quants import block_size, type_id
+    from moed.kernels.gguf_quants import block_size, type_id
 
     name = dtype[len(GGML_PREFIX):]
     ggml_type = type_id(name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moed.kernels.native_cpu_reference import quantize_activations
-from moed.weights import gguf_quants as q
+from moed.kernels import gguf_quants as q
 
 # the GGUF types the ggml bank keeps (the kernels in native/cpu/ggml_rows.c read each)
 ROW_TYPES: tuple[int, ...] = (q.Q8_0, q.Q4_0, q.Q4_1, q.Q5_0, q.Q5_1, q.Q2_K, q.Q3_K, q.Q4_K, q.Q5_K, q.Q6_K,

@@ -41,7 +41,7 @@ from moed.models.families import Family, family_of, parse_model_config
 from moed.models.model_config import ModelConfig
 from moed.models.weight_spec import expected_weight_shapes
 from moed.text.gguf_vocab import gguf_tokenizer_files
-from moed.weights import gguf_quants as q
+from moed.kernels import gguf_quants as q
 from moed.weights.expert_chunk import ExpertChunk
 from moed.weights.gguf_file import GgufFile, GgufTensor
 from moed.weights.gguf_metadata import ARCHITECTURES, read_config

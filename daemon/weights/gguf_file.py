@@ -32,7 +32,7 @@ import torch
 from moed.errors import ModelFormatError, quoted
 from moed.weights.direct_io import writable_view
 from moed.weights.file_checks import require_regular_file
-from moed.weights.gguf_quants import UnsupportedGgufType, nbytes, type_name
+from moed.kernels.gguf_quants import UnsupportedGgufType, nbytes, type_name
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

@@ -240,6 +240,192 @@ static void dot_iq4_nl(const uint8_t *row, int64_t K, const int8_t *xq, const fl
     dot_4bit32(MOED_GGML_IQ4_NL, row, K, xq, xs, xsum, T, y, ldy);
 }
 
+/* 32 bits of qh -> 32 bytes of 0x10 where the bit is set (bit i for weight i) */
+static inline __m256i high_bits32(uint32_t qh) {
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), shuf);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+/* Q5_0 (w = d (q - 16)) and Q5_1 (w = d q + m) */
+static inline void dot_5bit32(int q51, const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
+                              const float *xsum, int T, float *y, int64_t ldy) {
+    const int64_t groups = K / 32;
+    const int bytes = q51 ? 24 : 22, off = q51 ? 2 : 0;
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        float mins = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *b = row + g * bytes;
+            if (t == 0 && (g & 3) == 0) prefetch_block(b, 4 * bytes);
+            uint32_t qh;
+            memcpy(&qh, b + 2 + off, 4);
+            const __m256i codes = _mm256_or_si256(nibbles32(b + 6 + off), high_bits32(qh));
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + g * 32));
+            const float d = f16x(b);
+            const __m256 p = _mm256_cvtepi32_ps(udot(codes, x));
+            if (g & 1)
+                acc1 = _mm256_fmadd_ps(p, _mm256_set1_ps(d * s[g]), acc1);
+            else
+                acc = _mm256_fmadd_ps(p, _mm256_set1_ps(d * s[g]), acc);
+            mins += (q51 ? f16x(b + 2) : -16.0f * d) * su[g];
+        }
+        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1)) + mins;
+    }
+}
+
+static void dot_q5_0(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    dot_5bit32(0, row, K, xq, xs, xsum, T, y, ldy);
+}
+
+static void dot_q5_1(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    dot_5bit32(1, row, K, xq, xs, xsum, T, y, ldy);
+}
+
+/* MXFP4: w = 2^(e - 128) * (2 e2m1(q)) */
+static void dot_mxfp4(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t groups = K / 32;
+    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                           0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups;
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *b = row + g * 17;
+            if (t == 0 && (g & 3) == 0) prefetch_block(b, 68);
+            union { uint32_t u; float f; } e;
+            e.u = b[0] < 2 ? 0x00200000u << b[0] : (uint32_t)(b[0] - 1) << 23;
+            const __m256i codes = _mm256_shuffle_epi8(table, nibbles32(b + 1));
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + g * 32));
+            const __m256 p = _mm256_cvtepi32_ps(sdot(codes, x));
+            if (g & 1)
+                acc1 = _mm256_fmadd_ps(p, _mm256_set1_ps(e.f * s[g]), acc1);
+            else
+                acc = _mm256_fmadd_ps(p, _mm256_set1_ps(e.f * s[g]), acc);
+        }
+        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1));
+    }
+}
+
+/* IQ4_XS: 8 sub-blocks of 32, w = d (ls - 32) level(q) */
+static void dot_iq4_xs(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                       float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t nb = K / 256, groups = K / 32;
+    const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                            -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups;
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = row + i * 136;
+            if (t == 0) prefetch_block(b, 136);
+            uint16_t sh;
+            memcpy(&sh, b + 2, 2);
+            int ls[8];
+            for (int g = 0; g < 8; g++) ls[g] = (((b[4 + g / 2] >> (4 * (g % 2))) & 0xF) | (((sh >> (2 * g)) & 3) << 4)) - 32;
+            const __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)ls)),
+                                                         _mm256_set1_ps(f16x(b))), _mm256_loadu_ps(s + 8 * i));
+            for (int g = 0; g < 8; g++) {
+                const __m256i codes = _mm256_shuffle_epi8(levels, nibbles32(b + 8 + 16 * g));
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(q + i * 256 + 32 * g));
+                const __m256 p = _mm256_cvtepi32_ps(sdot(codes, x));
+                const __m256 fg = _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(g));
+                if (g & 1)
+                    acc1 = _mm256_fmadd_ps(p, fg, acc1);
+                else
+                    acc = _mm256_fmadd_ps(p, fg, acc);
+            }
+        }
+        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1));
+    }
+}
+
+/* Q2_K: two halves of 128, 2-bit codes at shifts 0/2/4/6; per 16: w = d sc q - dmin m */
+static void dot_q2_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t nb = K / 256, groups = K / 32;
+    const __m256i m2 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups;
+        __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = row + i * 84;
+            if (t == 0) prefetch_block(b, 84);
+            const float d = f16x(b + 80), dmin = f16x(b + 82);
+            for (int n = 0; n < 2; n++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * n));
+                for (int j = 0; j < 4; j++) {
+                    const int g = 4 * n + j;
+                    const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(bytes, 2 * j), m2);
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(q + i * 256 + 32 * g));
+                    const float sx = s[8 * i + g];
+                    const uint8_t s0 = b[2 * g], s1 = b[2 * g + 1];
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(codes, x)),
+                                          halves(d * (float)(s0 & 0xF) * sx, d * (float)(s1 & 0xF) * sx), acc);
+                    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(ones, x)),
+                                           halves(dmin * (float)(s0 >> 4) * sx, dmin * (float)(s1 >> 4) * sx), macc);
+                }
+            }
+        }
+        y[(int64_t)t * ldy] = hsum8(acc) - hsum8(macc);
+    }
+}
+
+/* Q3_K: as Q2_K's codes, minus 4 where the hmask bit is clear; per 16: w = d (sc - 32) q */
+static void dot_q3_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t nb = K / 256, groups = K / 32;
+    const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups;
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = row + i * 110;
+            if (t == 0) prefetch_block(b, 110);
+            const float d = f16x(b + 108);
+            const uint8_t *p = b + 96;
+            int sc[16];
+            for (int k = 0; k < 16; k++)
+                sc[k] = (((p[k % 8] >> (4 * (k / 8))) & 0xF) | (((p[8 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32;
+            const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+            for (int n = 0; n < 2; n++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * n));
+                for (int j = 0; j < 4; j++) {
+                    const int g = 4 * n + j;
+                    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(bytes, 2 * j), m2);
+                    const __m256i clear = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(hm, g), one), one);
+                    const __m256i codes = _mm256_sub_epi8(low, _mm256_slli_epi16(clear, 2));
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(q + i * 256 + 32 * g));
+                    const float f = d * s[8 * i + g];
+                    const __m256 v = _mm256_cvtepi32_ps(sdot(codes, x));
+                    const __m256 w = halves(f * (float)sc[2 * g], f * (float)sc[2 * g + 1]);
+                    if (g & 1)
+                        acc1 = _mm256_fmadd_ps(v, w, acc1);
+                    else
+                        acc = _mm256_fmadd_ps(v, w, acc);
+                }
+            }
+        }
+        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1));
+    }
+}
+
 /* ---- rows -> bf16 (prefill GEMMs) ---- */
 
 /* 8 floats -> bf16 bits (round to nearest even; the weights are finite) in the low 16 of each lane */
@@ -339,6 +525,12 @@ moed_ggml_dot_fn moed_ggml_dot_avx2(int type) {
     case MOED_GGML_Q4_0: return dot_q4_0;
     case MOED_GGML_Q4_1: return dot_q4_1;
     case MOED_GGML_IQ4_NL: return dot_iq4_nl;
+    case MOED_GGML_Q5_0: return dot_q5_0;
+    case MOED_GGML_Q5_1: return dot_q5_1;
+    case MOED_GGML_MXFP4: return dot_mxfp4;
+    case MOED_GGML_IQ4_XS: return dot_iq4_xs;
+    case MOED_GGML_Q2_K: return dot_q2_k;
+    case MOED_GGML_Q3_K: return dot_q3_k;
     default: return NULL;
     }
 }

@@ -14,7 +14,7 @@ from helpers.gguf_writer import random_blocks
 from moed.kernels.ggml_rows_format import ROW_TYPES, dequantize_rows, row_bytes, rows_product_reference
 from moed.kernels.native_cpu import native
 from moed.kernels.native_cpu_reference import quantize_activations
-from moed.weights import gguf_quants as q
+from moed.kernels import gguf_quants as q
 
 TYPES = [T(t) for t in ROW_TYPES]
 

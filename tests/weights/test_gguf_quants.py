@@ -19,7 +19,7 @@ import torch
 from gguf import quants as ref_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from moed.weights import gguf_quants as gq
+from moed.kernels import gguf_quants as gq
 
 EXPERT_SHAPE = (4, 64, 512)  # [E, rows, K], K holding two K-quant super-blocks per row
 SHAPES = [EXPERT_SHAPE, (96, 256), (3, 256), (512,), (2, 3, 2, 256)]
