@@ -70,10 +70,13 @@ def _tokenizer_of(loaded: LoadedModel) -> Tokenizer | None:
 def open_runtime(path: str | Path, *, experts_dtype: str | None = None, verify: bool = False,
                  progress: Callable[[int, int], None] | None = None, engine: EngineConfig | None = None,
                  trace_out: str | Path | None = None, weights_dtype: str = "auto") -> ModelRuntime:
-    loaded = load_model(path, experts_dtype=experts_dtype, verify=verify, progress=progress,
-                        weights_dtype=weights_dtype)
-    compile_expert_kernels(loaded.bank)
+    import torch
+
     engine = engine or EngineConfig(device="cpu")
+    cpu_only = engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available())
+    loaded = load_model(path, experts_dtype=experts_dtype, verify=verify, progress=progress,
+                        weights_dtype=weights_dtype, cpu_only=cpu_only)
+    compile_expert_kernels(loaded.bank)
     executor = build_executor(loaded.bank, engine, trace_out=trace_out)
     device = model_device(executor, engine, loaded.weights)
     model = MoeTransformer(loaded.config, loaded.weights, executor, where=str(loaded.path), device=device)

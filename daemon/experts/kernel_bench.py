@@ -84,7 +84,7 @@ def _random_ggml_bank(hidden: int, inter: int, dtype: str, bank_bytes: int, seed
         blocks = raw.view(-1, bsize)
         if name == "MXFP4":
             blocks[:, 0] = 127
-        for off in _FP16_FIELDS[name]:
+        for off in _FP16_FIELDS.get(name, ()):
             blocks[:, off:off + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
         tensors[f"{kind}.0"], types[f"{kind}.0"] = raw, ggml_type
     return ExpertBank(num_moe_layers=1, num_experts=experts, hidden_size=hidden, intermediate_size=inter,

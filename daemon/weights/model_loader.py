@@ -43,21 +43,25 @@ WEIGHT_DTYPES = ("auto", "fp32")  # auto: the checkpoint's own (float32, bf16 or
 
 
 def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bool = False,
-               progress: Callable[[int, int], None] | None = None, weights_dtype: str = "auto") -> LoadedModel:
+               progress: Callable[[int, int], None] | None = None, weights_dtype: str = "auto",
+               cpu_only: bool = False) -> LoadedModel:
     """``experts_dtype`` applies to HF directories and GGUF files (default: the checkpoint's
     ``default_bank_dtype``, lossless or closest); FTW banks load as they were written.
     ``weights_dtype`` is the non-expert weights' dtype at run time: "auto" keeps what the files hold,
-    "fp32" widens them (exact float32 arithmetic, twice the memory of bf16)."""
+    "fp32" widens them (exact float32 arithmetic, twice the memory of bf16). ``cpu_only``: the experts
+    will run on the CPU, so a GGUF file whose experts the default bank would re-quantise loads them as
+    stored instead (the ggml bank, ``GgufCheckpoint.prefers_ggml``), as no device kernel reads it yet."""
     if weights_dtype not in WEIGHT_DTYPES:
         raise InvalidRequestError(f"weights dtype {weights_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
-    loaded = _load(Path(path), experts_dtype, verify, progress, weights_dtype)
+    loaded = _load(Path(path), experts_dtype, verify, progress, weights_dtype, cpu_only)
     if weights_dtype == "fp32":
         loaded.weights = {name: t.dequantize(torch.float32) if isinstance(t, PackedLinear) else t.float()
                           for name, t in loaded.weights.items()}
     return loaded
 
 
-def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights_dtype: str) -> LoadedModel:
+def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights_dtype: str,
+          cpu_only: bool = False) -> LoadedModel:
     kind = source_kind(path)
     if experts_dtype == GGML_BANK and kind != "gguf":
         raise InvalidRequestError(f"--experts-dtype {GGML_BANK} keeps a GGUF file's own block types; {path} is "
@@ -73,6 +77,8 @@ def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights
                     "to change the expert format")
         return _load_ftw_model(path, verify, progress)
     checkpoint = open_checkpoint(path)
+    if experts_dtype is None and kind == "gguf" and cpu_only and checkpoint.prefers_ggml():
+        experts_dtype = GGML_BANK
     bank_dtype = experts_dtype or checkpoint.default_bank_dtype()
     if kind == "gguf":  # nothing the file holds changes silently (issue #31)
         for line in checkpoint.type_changes(bank_dtype, packed=weights_dtype == "auto"):

@@ -126,3 +126,16 @@ def test_a_prefill_chunk_multiplies_decoded_rows(q4_k_m):
     with without_native_kernels():
         want = run_expert(bank, 8 + 3, x)
     assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
+
+
+def test_on_the_cpu_a_file_the_default_bank_would_re_quantise_loads_as_stored(q4_k_m, tmp_path):
+    """The CPU default keeps a Q4_K_M file's types (its Q6_K down would be re-quantised into int4);
+    for a device it stays int4 (no device kernel reads GGUF blocks yet); a Q8_0 or plain Q4_K file
+    keeps its lossless bank either way."""
+    path, _ = q4_k_m
+    assert load_model(path, cpu_only=True).bank.dtype == "ggml"
+    assert load_model(path).bank.dtype == "int4"
+    q8_path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path / "q8", expert_type=T.Q8_0, weight_type=T.Q8_0)
+    assert load_model(q8_path, cpu_only=True).bank.dtype == "q8"
+    q4k_path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path / "q4k", expert_type=T.Q4_K, weight_type=T.Q8_0, **DIMS)
+    assert load_model(q4k_path, cpu_only=True).bank.dtype == "int4"

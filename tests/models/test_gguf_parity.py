@@ -88,19 +88,21 @@ def test_k_quant_gguf_runs_within_the_stated_tolerance(tmp_path):
     _compare(path, model.eval(), tol=FOUR_BIT_TOL, tokens_equal=False, bank_dtype="int4")
 
 
-def test_q4_k_m_mix_is_exact_in_fp32_and_closer_in_q8_than_int4(tmp_path):
-    """Q4_K_M's mix: Q4_K gate/up with Q6_K down. The default int4 bank keeps the Q4_K codes and
-    re-quantises the Q6_K rows to 4 bits (a bank has one dtype); ``--experts-dtype q8`` keeps more of
-    them and fp32 all. Random Q6_K blocks (all 64 levels, random sub-block scales) are the worst case
-    for re-quantisation, so only the order is asserted there, and exactness for fp32."""
+def test_q4_k_m_mix_loads_as_stored_on_the_cpu_and_the_re_quantised_banks_lose_more(tmp_path):
+    """Q4_K_M's mix: Q4_K gate/up with Q6_K down. On the CPU the default keeps every tensor as stored
+    (the ggml bank: nothing re-quantised); ``--experts-dtype int4`` keeps the Q4_K codes and
+    re-quantises the Q6_K rows to 4 bits, q8 keeps more of them, fp32 all. Random Q6_K blocks (all 64
+    levels, random sub-block scales) are the worst case for re-quantisation, so only the order is
+    asserted there, and exactness for fp32."""
     types = {f"blk.{i}.ffn_down_exps.weight": T.Q6_K for i in range(3)}
     path, _, model = write_tiny_gguf("qwen3_moe", tmp_path, expert_type=T.Q4_K, weight_type=T.Q8_0,
                                      tensor_types=types, hidden_size=256, moe_intermediate_size=256)
     load_dequantised_into(model, "qwen3_moe", path)
     exact = _compare(path, model.eval(), tol=EXACT_TOL, tokens_equal=True, bank_dtype="fp32", experts_dtype="fp32")
+    kept = _compare(path, model.eval(), tol=10.0, tokens_equal=False, bank_dtype="ggml")  # the CPU default
     q8 = _compare(path, model.eval(), tol=1.0, tokens_equal=False, bank_dtype="q8", experts_dtype="q8")
-    int4 = _compare(path, model.eval(), tol=10.0, tokens_equal=False, bank_dtype="int4")
-    assert exact < q8 < int4
+    int4 = _compare(path, model.eval(), tol=10.0, tokens_equal=False, bank_dtype="int4", experts_dtype="int4")
+    assert exact < kept < int4 and exact < q8 < int4
 
 
 def test_gguf_converts_to_ftw_that_loads_the_same(tmp_path):
