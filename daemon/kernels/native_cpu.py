@@ -95,6 +95,32 @@ def ggml_layer(bank, moe_layer: int) -> _GgmlLayer:
                       None if dn is None else dn.data_ptr() + moe_layer * e * dn.shape[1] * 4)
 
 
+def _moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, per_slot: torch.Tensor | None,
+              merge: bool, hidden: int, limit: int, what: str):
+    """The checked arguments of a native MoE call: ``(x, ids int32 [N, A], weights or None, y or None)``;
+    ids are -1 (not run here) or below ``limit``."""
+    x = _f32_rows(x, "x")
+    if x.shape[1] != hidden:
+        raise ValueError(f"x must be [N, {hidden}], got {tuple(x.shape)}")
+    ids = ids.to(torch.int32).contiguous()
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{what} must be [{x.shape[0]}, A], got {tuple(ids.shape)}")
+    n, a = ids.shape
+    if n and (int(ids.max()) >= limit or int(ids.min()) < -1):
+        raise ValueError(f"{what} out of range: they must be -1 .. {limit - 1}, got {int(ids.min())} .. {int(ids.max())}")
+    w = None
+    if weights is not None:
+        w = weights.to(torch.float32).contiguous()
+        if tuple(w.shape) != (n, a):
+            raise ValueError(f"weights must be [{n}, {a}], got {tuple(w.shape)}")
+    elif merge:
+        raise ValueError("merging needs the routing weights")
+    if per_slot is not None and (per_slot.dtype != torch.float32 or tuple(per_slot.shape) != (n, a, hidden)
+                                 or not per_slot.is_contiguous()):
+        raise ValueError(f"per_slot must be contiguous float32 [{n}, {a}, {hidden}]")
+    return x, ids, w, (torch.empty(n, hidden, dtype=torch.float32) if merge else None)
+
+
 def library_path() -> Path | None:
     """The built library beside this package (editable or installed), or None."""
     here = Path(__file__).resolve().parent.parent
@@ -557,26 +583,8 @@ class NativeCpu:
         """The routed experts of ``x [N, D]``: ``flat_ids [N, A]`` (-1 = slot not run here). Returns the
         weighted sum ``[N, D]`` over the slots run (ascending slot order) when ``merge``; fills
         ``per_slot [N, A, D]`` for the slots run when given."""
-        x = _f32_rows(x, "x")
-        if x.shape[1] != bank.hidden:
-            raise ValueError(f"x must be [N, {bank.hidden}], got {tuple(x.shape)}")
-        ids = flat_ids.to(torch.int32).contiguous()
-        if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
-            raise ValueError(f"flat_ids must be [{x.shape[0]}, A], got {tuple(ids.shape)}")
+        x, ids, w, y = _moe_args(x, flat_ids, weights, per_slot, merge, bank.hidden, bank.num_slots, "flat ids")
         n, a = ids.shape
-        if n and int(ids.max()) >= bank.num_slots:
-            raise ValueError(f"flat id {int(ids.max())} out of range (bank has {bank.num_slots} experts)")
-        w = None
-        if weights is not None:
-            w = weights.to(torch.float32).contiguous()
-            if tuple(w.shape) != (n, a):
-                raise ValueError(f"weights must be [{n}, {a}], got {tuple(w.shape)}")
-        elif merge:
-            raise ValueError("merging needs the routing weights")
-        if per_slot is not None and (per_slot.dtype != torch.float32 or tuple(per_slot.shape) != (n, a, bank.hidden)
-                                     or not per_slot.is_contiguous()):
-            raise ValueError(f"per_slot must be contiguous float32 [{n}, {a}, {bank.hidden}]")
-        y = torch.empty(n, bank.hidden, dtype=torch.float32) if merge else None
         if n == 0:
             return y
         with self._lock:
@@ -591,26 +599,8 @@ class NativeCpu:
                  per_slot: torch.Tensor | None = None, merge: bool = True) -> torch.Tensor | None:
         """``moe`` for one MoE layer of a ggml bank: ``ids [N, A]`` are the layer's expert numbers
         (-1 = slot not run here)."""
-        x = _f32_rows(x, "x")
-        if x.shape[1] != bank.hidden_size:
-            raise ValueError(f"x must be [N, {bank.hidden_size}], got {tuple(x.shape)}")
-        ids = ids.to(torch.int32).contiguous()
-        if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
-            raise ValueError(f"ids must be [{x.shape[0]}, A], got {tuple(ids.shape)}")
+        x, ids, w, y = _moe_args(x, ids, weights, per_slot, merge, bank.hidden_size, bank.num_experts, "expert ids")
         n, a = ids.shape
-        if n and (int(ids.max()) >= bank.num_experts or int(ids.min()) < -1):
-            raise ValueError(f"expert ids must be -1 .. {bank.num_experts - 1}")
-        w = None
-        if weights is not None:
-            w = weights.to(torch.float32).contiguous()
-            if tuple(w.shape) != (n, a):
-                raise ValueError(f"weights must be [{n}, {a}], got {tuple(w.shape)}")
-        elif merge:
-            raise ValueError("merging needs the routing weights")
-        if per_slot is not None and (per_slot.dtype != torch.float32 or tuple(per_slot.shape) != (n, a, bank.hidden_size)
-                                     or not per_slot.is_contiguous()):
-            raise ValueError(f"per_slot must be contiguous float32 [{n}, {a}, {bank.hidden_size}]")
-        y = torch.empty(n, bank.hidden_size, dtype=torch.float32) if merge else None
         if n == 0:
             return y
         layer = ggml_layer(bank, moe_layer)

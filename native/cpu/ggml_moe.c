@@ -56,14 +56,6 @@ static void phase1(void *ctx, int64_t task, int thread) {
             out + r, j->I);
 }
 
-static inline float activate(int kind, float g, float u, float alpha, float limit) {
-    if (kind == 0) return g / (1.0f + expf(-g)) * u;
-    g = g < limit ? g : limit;
-    u = u < limit ? u : limit;
-    u = u > -limit ? u : -limit;
-    return (u + 1.0f) * (g / (1.0f + expf(-g * alpha)));
-}
-
 static void phase2(void *ctx, int64_t task, int thread) {
     (void)thread;
     const job *j = (const job *)ctx;
@@ -75,7 +67,7 @@ static void phase2(void *ctx, int64_t task, int thread) {
         for (int64_t i = 0; i < j->I; i++) {
             float g = j->g[row + i], u = j->u[row + i];
             if (b) { g += b[i]; u += b[j->I + i]; }
-            j->h[row + i] = activate(L->act_kind, g, u, L->alpha, L->limit);
+            j->h[row + i] = moed_activate(L->act_kind, g, u, L->alpha, L->limit);
         }
     }
     const int64_t G = j->I / 32;

@@ -76,12 +76,34 @@ static inline void k_scales_mins(const uint8_t *p, __m256 *sc, __m256 *mn) {
     *mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)m_hi, (int)m_lo)));
 }
 
+/* Q4_K / Q5_K: the two sub-blocks of 32-byte chunk c (low nibbles: sub-block 2c, high: 2c + 1),
+ * with Q5_K's fifth bits from qh (bit 0, then bit 1 of each byte; qh shifted by 2 for the next chunk) */
+static inline void q45k_pair(int k5, const uint8_t *qs, int c, __m256i *qh, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+    *lo = _mm256_and_si256(bytes, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
+    if (k5) {
+        *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(*qh, one), 4));
+        *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(*qh, 1), one), 4));
+        *qh = _mm256_srli_epi16(*qh, 2);
+    }
+}
+
+/* Q6_K: the signed codes (q - 32) of group gi (0-3) of a 128-weight half: ql bytes l0 / l1, qh bytes hb */
+static inline __m256i q6k_codes(__m256i l0, __m256i l1, __m256i hb, int gi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    const __m256i lsrc = gi & 1 ? l1 : l0;
+    const __m256i lo = gi < 2 ? _mm256_and_si256(lsrc, m4) : _mm256_and_si256(_mm256_srli_epi16(lsrc, 4), m4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * gi), m2);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);
+}
+
 /* Q4_K / Q5_K: 8 sub-blocks of 32; w = d * sc * q - dmin * m. Per super-block the eight factors
  * d * sc_j * xs_g are one vector (lane j broadcast per group), the min terms one fmadd. */
 static inline void dot_q45_k(int k5, const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
                              const float *xsum, int T, float *y, int64_t ldy) {
     const int64_t nb = K / 256, groups = K / 32;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
         const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
@@ -97,13 +119,8 @@ static inline void dot_q45_k(int k5, const uint8_t *row, int64_t K, const int8_t
             const int8_t *x8 = q + i * 256;
             __m256i qh = k5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                __m256i lo = _mm256_and_si256(bytes, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
-                if (k5) {
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
-                    qh = _mm256_srli_epi16(qh, 2);
-                }
+                __m256i lo, hi;
+                q45k_pair(k5, qs, c, &qh, &lo, &hi);
                 const __m256i p0 = udot(lo, _mm256_loadu_si256((const __m256i *)(x8 + 64 * c)));
                 const __m256i p1 = udot(hi, _mm256_loadu_si256((const __m256i *)(x8 + 64 * c + 32)));
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(2 * c)), acc);
@@ -131,7 +148,6 @@ static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
                      float *y, int64_t ldy) {
     (void)xsum;
     const int64_t nb = K / 256, groups = K / 32;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
     const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
                              _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
     for (int t = 0; t < T; t++) {
@@ -151,10 +167,7 @@ static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
                 const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
                 const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
                 for (int gi = 0; gi < 4; gi++) {
-                    const __m256i lsrc = gi & 1 ? l1 : l0;
-                    const __m256i lo = gi < 2 ? _mm256_and_si256(lsrc, m4) : _mm256_and_si256(_mm256_srli_epi16(lsrc, 4), m4);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * gi), m2);
-                    const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);
+                    const __m256i codes = q6k_codes(l0, l1, hb, gi);
                     const int g = 4 * h + gi;
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(x8 + 32 * g));
                     const __m256 f = _mm256_mul_ps(_mm256_permutevar8x32_ps(sv[h], pick[gi]), _mm256_set1_ps(s[8 * i + g]));
@@ -455,7 +468,6 @@ static inline void store32(uint16_t *o, __m256i codes, float s0, float m0, float
 
 /* one row of Q4_K / Q5_K / Q6_K / Q8_0 to bf16; 0 when the type has no AVX2 decoder here */
 int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t *o) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1), m2 = _mm256_set1_epi8(3);
     if (type == MOED_GGML_Q8_0) {
         for (int64_t g = 0; g < K / 32; g++) {
             const uint8_t *b = row + g * 34;
@@ -472,13 +484,8 @@ int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t
             const uint8_t *qs = b + (k5 ? 48 : 16);
             __m256i qh = k5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                __m256i lo = _mm256_and_si256(bytes, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
-                if (k5) {
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
-                    qh = _mm256_srli_epi16(qh, 2);
-                }
+                __m256i lo, hi;
+                q45k_pair(k5, qs, c, &qh, &lo, &hi);
                 for (int half = 0; half < 2; half++) {
                     int sc, m;
                     k_scale_min_1(b + 4, 2 * c + half, &sc, &m);
@@ -490,7 +497,6 @@ int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t
         return 1;
     }
     if (type == MOED_GGML_Q6_K) {
-        const __m256i off = _mm256_set1_epi8(32);
         for (int64_t i = 0; i < K / 256; i++) {
             const uint8_t *b = row + i * 210;
             const int8_t *sc = (const int8_t *)(b + 192);
@@ -500,10 +506,7 @@ int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t
                 const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
                 const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
                 for (int gi = 0; gi < 4; gi++) {
-                    const __m256i lsrc = gi & 1 ? l1 : l0;
-                    const __m256i lo = gi < 2 ? _mm256_and_si256(lsrc, m4) : _mm256_and_si256(_mm256_srli_epi16(lsrc, 4), m4);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * gi), m2);
-                    const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);
+                    const __m256i codes = q6k_codes(l0, l1, hb, gi);
                     const int g = 4 * h + gi;
                     store32(o + i * 256 + 32 * g, codes, d * (float)sc[2 * g], 0.0f, d * (float)sc[2 * g + 1], 0.0f);
                 }

@@ -262,14 +262,6 @@ static moed_matrix matrix_of(const moed_bank *b, int down, int32_t fid) {
     return m;
 }
 
-static inline float activate(int kind, float g, float u, float alpha, float limit) {
-    if (kind == 0) return g / (1.0f + expf(-g)) * u;
-    g = g < limit ? g : limit;
-    u = u < limit ? u : limit;
-    u = u > -limit ? u : -limit;
-    return (u + 1.0f) * (g / (1.0f + expf(-g * alpha)));
-}
-
 /* phase 1a: one block of gate_up rows of one expert -> its partial [T][2I] */
 static void gate_up_task(void *ctx, int64_t task, int thread) {
     (void)thread;
@@ -299,7 +291,7 @@ static void activation_task(void *ctx, int64_t task, int thread) {
             float g = p[0], u = p[I];
             for (int64_t c = 1; c < j->c1.count; c++) { g += p[c * stride]; u += p[c * stride + I]; }
             if (bias) { g += bias[col]; u += bias[I + col]; }
-            h[col] = activate(b->act_kind, g, u, b->alpha, b->limit);
+            h[col] = moed_activate(b->act_kind, g, u, b->alpha, b->limit);
         }
     }
     to_blocks(e->h, e->mid.x, sizeof(float), e->T, I, j->c2.rows);

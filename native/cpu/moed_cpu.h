@@ -38,6 +38,7 @@
 #ifndef MOED_CPU_H
 #define MOED_CPU_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -100,6 +101,15 @@ void moed_dense_bf16_avx512(const uint16_t *, const float *, int64_t, int, int64
 
 /* int8 activations of T rows (see above); K % 32 == 0 */
 void moed_quantize_act(const float *x, int T, int64_t K, int8_t *xq, float *xs, float *xsum);
+
+/* the expert activation of gate g and up u: 0 silu(g) * u; 1 gpt-oss's clamped SwiGLU */
+static inline float moed_activate(int kind, float g, float u, float alpha, float limit) {
+    if (kind == 0) return g / (1.0f + expf(-g)) * u;
+    g = g < limit ? g : limit;
+    u = u < limit ? u : limit;
+    u = u > -limit ? u : -limit;
+    return (u + 1.0f) * (g / (1.0f + expf(-g * alpha)));
+}
 
 static inline float moed_bf16_to_f32(uint16_t b) {
     union { uint32_t u; float f; } v = { (uint32_t)b << 16 };
