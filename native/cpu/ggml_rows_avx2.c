@@ -63,6 +63,13 @@ static inline void k_scale_min_1(const uint8_t *s, int j, int *sc, int *m) {
     }
 }
 
+/* one type's kernel from a shared one that takes the type (or a flag) first */
+#define ONE_TYPE(name, shared, arg)                                                                   \
+    static void name(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, \
+                     int T, float *y, int64_t ldy) {                                                  \
+        shared(arg, row, K, xq, xs, xsum, T, y, ldy);                                                 \
+    }
+
 /* Q4_K / Q5_K's eight 6-bit scales and mins from the 12 scale bytes (three little-endian words):
  * sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 in the nibbles of
  * bytes 8-11 with their top 2 bits in bits 6-7 of bytes 0-3 / 4-7 */
@@ -132,15 +139,9 @@ static inline void dot_q45_k(int k5, const uint8_t *row, int64_t K, const int8_t
     }
 }
 
-static void dot_q4_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                     float *y, int64_t ldy) {
-    dot_q45_k(0, row, K, xq, xs, xsum, T, y, ldy);
-}
+ONE_TYPE(dot_q4_k, dot_q45_k, 0)
 
-static void dot_q5_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                     float *y, int64_t ldy) {
-    dot_q45_k(1, row, K, xq, xs, xsum, T, y, ldy);
-}
+ONE_TYPE(dot_q5_k, dot_q45_k, 1)
 
 /* Q6_K: two halves of 128; w = d * sc16 * (q - 32). The 16 scales times d are two vectors; group g
  * takes lanes 2g, 2g + 1 of one (4 lanes each) times its xs. */
@@ -238,20 +239,11 @@ static inline void dot_4bit32(int type, const uint8_t *row, int64_t K, const int
     }
 }
 
-static void dot_q4_0(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                     float *y, int64_t ldy) {
-    dot_4bit32(MOED_GGML_Q4_0, row, K, xq, xs, xsum, T, y, ldy);
-}
+ONE_TYPE(dot_q4_0, dot_4bit32, MOED_GGML_Q4_0)
 
-static void dot_q4_1(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                     float *y, int64_t ldy) {
-    dot_4bit32(MOED_GGML_Q4_1, row, K, xq, xs, xsum, T, y, ldy);
-}
+ONE_TYPE(dot_q4_1, dot_4bit32, MOED_GGML_Q4_1)
 
-static void dot_iq4_nl(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                       float *y, int64_t ldy) {
-    dot_4bit32(MOED_GGML_IQ4_NL, row, K, xq, xs, xsum, T, y, ldy);
-}
+ONE_TYPE(dot_iq4_nl, dot_4bit32, MOED_GGML_IQ4_NL)
 
 /* 32 bits of qh -> 32 bytes of 0x10 where the bit is set (bit i for weight i) */
 static inline __m256i high_bits32(uint32_t qh) {
@@ -292,15 +284,9 @@ static inline void dot_5bit32(int q51, const uint8_t *row, int64_t K, const int8
     }
 }
 
-static void dot_q5_0(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                     float *y, int64_t ldy) {
-    dot_5bit32(0, row, K, xq, xs, xsum, T, y, ldy);
-}
+ONE_TYPE(dot_q5_0, dot_5bit32, 0)
 
-static void dot_q5_1(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                     float *y, int64_t ldy) {
-    dot_5bit32(1, row, K, xq, xs, xsum, T, y, ldy);
-}
+ONE_TYPE(dot_q5_1, dot_5bit32, 1)
 
 /* MXFP4: w = 2^(e - 128) * (2 e2m1(q)) */
 static void dot_mxfp4(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
