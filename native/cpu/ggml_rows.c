@@ -231,7 +231,13 @@ SCALAR_DOT(dot_mxfp4, MOED_GGML_MXFP4)
 moed_ggml_dot_fn moed_ggml_dot_avx2(int type);  /* ggml_rows_avx2.c: NULL where it has none */
 int moed_cpu_detected_isa(void);                /* moe.c */
 
+moed_ggml_dot_fn moed_ggml_dot_avx512vnni(int type);  /* ggml_rows_avx512.c: NULL where it has none */
+
 moed_ggml_dot_fn moed_ggml_dot(int type, int isa) {
+    if (isa >= MOED_ISA_AVX512VNNI) {
+        moed_ggml_dot_fn fast = moed_ggml_dot_avx512vnni(type);
+        if (fast) return fast;
+    }
     if (isa >= MOED_ISA_AVX2) {
         moed_ggml_dot_fn fast = moed_ggml_dot_avx2(type);
         if (fast) return fast;
