@@ -9,6 +9,8 @@ closer than the int4 and q8 banks that re-quantise the mix.
 
 from __future__ import annotations
 
+import contextlib
+
 import gguf
 import numpy as np
 import pytest
@@ -64,22 +66,28 @@ def test_the_torch_path_is_the_reference_model(q4_k_m):
         runtime.close()
 
 
-def test_native_kernels_come_closer_than_the_re_quantised_banks(q4_k_m):
+def test_kept_weights_come_closer_than_the_re_quantised_banks(q4_k_m):
     """Random K-quant blocks make these tiny models chaotic (large weights: the int8 activations alone
-    move logits by 10-70% of their range), so the native path is measured against the banks that
-    also re-quantise the weights: mean logit error over 4 prompts, ggml below q8 below int4."""
+    move logits by 10-70% of their range). Mean logit error over 4 prompts: through the native kernels
+    (int8 activations) ggml and q8 stay far below int4, which re-quantises the Q6_K rows to 4 bits; with
+    float activations (no native kernels: the weights alone, the same on every CPU) ggml, holding the
+    file's exact weights, is below q8."""
     if native() is None:
         pytest.skip("the native CPU kernels are not built")
     path, model = q4_k_m
-    errs = {}
-    for dtype in ("ggml", "q8", "int4"):
+
+    def mean_err(dtype: str, float_activations: bool) -> float:
         runtime = open_runtime(path, experts_dtype=dtype)
         try:
-            errs[dtype] = sum(assert_matches_reference(runtime, model, tol=10.0, tokens_equal=False, steps=1, seed=s)
-                              for s in range(4)) / 4
+            with without_native_kernels() if float_activations else contextlib.nullcontext():
+                return sum(assert_matches_reference(runtime, model, tol=10.0, tokens_equal=False, steps=1, seed=s)
+                           for s in range(4)) / 4
         finally:
             runtime.close()
-    assert errs["ggml"] < errs["q8"] < errs["int4"], errs
+
+    native_errs = {dtype: mean_err(dtype, False) for dtype in ("ggml", "q8", "int4")}
+    assert native_errs["ggml"] < native_errs["int4"] / 3 and native_errs["q8"] < native_errs["int4"] / 3, native_errs
+    assert mean_err("ggml", True) < mean_err("q8", True)
 
 
 def test_a_layer_in_one_native_call_equals_its_experts_one_by_one(q4_k_m):

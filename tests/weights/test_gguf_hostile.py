@@ -75,7 +75,7 @@ def test_an_array_claiming_more_items_than_the_file_holds_fails_at_once_in_bound
                                    tail=bytes(1024)))
     code = textwrap.dedent(f"""
         import resource
-        resource.setrlimit(resource.RLIMIT_DATA, (1 << 30, 1 << 30))
+        resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))
         from moed.errors import ModelFormatError
         from moed.weights.gguf_file import GgufFile
         try:
