@@ -33,18 +33,31 @@ def uses_native(bank: ExpertBank, num_tokens: int) -> bool:
     return num_tokens <= MAX_TOKENS or bank.dtype == GGML_BANK or native_prefill(bank.dtype)
 
 
+def _ggml_layer_ids(bank: ExpertBank, flat_ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The one MoE layer that ``flat_ids`` address and its expert numbers (-1 = not run here). At
+    decode this is per layer and step, so it costs a few tensor operations (about 100 us went here
+    before: ``moed bench kernels`` measures through it)."""
+    e = bank.num_experts
+    top = int(flat_ids.max())
+    if top < e:  # layer 0, or nothing run (-1 everywhere)
+        return 0, flat_ids
+    layer = top // e
+    run = flat_ids >= 0
+    low = int(torch.where(run, flat_ids, top).min())
+    if low // e != layer:
+        raise ValueError(f"one call runs one MoE layer's experts; these ids span layers {low // e} to {layer}")
+    return layer, torch.where(run, flat_ids - layer * e, -1).to(torch.int32)
+
+
 def _run_ggml(bank: ExpertBank, hidden: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor | None,
               per_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """run_routed for a ggml bank: one layer's experts per native call (the bank is addressed by layer)."""
-    run = flat_ids >= 0
-    layers = torch.unique(flat_ids[run] // bank.num_experts).tolist()
-    if len(layers) > 1:
-        raise ValueError(f"one call runs one MoE layer's experts; these ids span layers {layers}")
-    layer = layers[0] if layers else 0
-    ids = torch.where(run, flat_ids - layer * bank.num_experts, torch.full_like(flat_ids, -1))
     lib, n = native(), hidden.shape[0]
     if ggml_gemm_prefill(n):  # a prefill chunk: each expert's rows decoded once, bf16 GEMMs
         return _run_per_expert(bank, hidden, flat_ids, weights, per_slot)
+    layer, ids = _ggml_layer_ids(bank, flat_ids)
+    if n <= PREFILL_TOKENS:
+        return per_slot, lib.moe_ggml(bank, layer, hidden, ids, weights, per_slot=per_slot, merge=weights is not None)
     ys = []
     for t0 in range(0, n, PREFILL_TOKENS):
         rows = slice(t0, min(n, t0 + PREFILL_TOKENS))

@@ -88,9 +88,10 @@ static void phase3(void *ctx, int64_t task, int thread) {
               j->o + e->first * j->D + r, j->D);
 }
 
-/* the next 16-byte aligned piece of the scratch */
+/* the next 64-byte aligned piece of the scratch (the kernels' 512-bit activation loads stay within
+ * one cache line) */
 static void *take(char **p, size_t bytes) {
-    char *at = (char *)(((uintptr_t)*p + 15) & ~(uintptr_t)15);
+    char *at = (char *)(((uintptr_t)*p + 63) & ~(uintptr_t)63);
     *p = at + bytes;
     return at;
 }
@@ -136,7 +137,7 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
                    + (size_t)total * (size_t)D + 2 * sizeof(float) * (size_t)total * (size_t)GD  /* xq, xs, xsum */
                    + 3 * sizeof(float) * (size_t)total * (size_t)I                          /* g, u, h */
                    + (size_t)total * (size_t)I + 2 * sizeof(float) * (size_t)total * (size_t)GI  /* hq, hs, hsum */
-                   + sizeof(float) * (size_t)total * (size_t)D + 16 * 16;                  /* o, alignment */
+                   + sizeof(float) * (size_t)total * (size_t)D + 16 * 64;                  /* o, alignment */
     char *p = (char *)moed_pool_scratch((moed_pool *)h, bytes);
     if (!p) { free(count); return -2; }
     run_expert *ex = (run_expert *)take(&p, sizeof(run_expert) * (size_t)nex);

@@ -313,10 +313,11 @@ int moed_cpu_ggml_rows(void *h, int count, const moed_ggml_matrix *const *m, con
         first[i + 1] = first[i] + (m[i]->rows + chunk - 1) / chunk;
     }
     size_t groups = (size_t)T * (size_t)(K / 32);
-    char *scratch = (char *)moed_pool_scratch(pool, (size_t)T * (size_t)K + 2 * groups * sizeof(float) + 64);
+    char *scratch = (char *)moed_pool_scratch(pool, (size_t)T * (size_t)K + 2 * groups * sizeof(float) + 128);
     if (!scratch) return -2;
-    float *xs = (float *)scratch, *xsum = xs + groups;
-    int8_t *xq = (int8_t *)(xsum + groups);
+    /* xq first and 64-byte aligned: the 512-bit activation loads stay within one cache line */
+    int8_t *xq = (int8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *xs = (float *)(xq + (size_t)T * (size_t)K), *xsum = xs + groups;
     moed_quantize_act(x, T, K, xq, xs, xsum);
     rows_job j = {m, dot, count, chunk, first, xq, xs, xsum, T, y};
     moed_pool_run(pool, rows_task, &j, first[count]);

@@ -45,9 +45,14 @@ static inline __m256i sdot(__m256i s, __m256i x) {
 /* software prefetch this far ahead along a thread's stream of rows (the rows of a task follow each
  * other in memory); the hardware prefetchers alone left these kernels at ~40% of the read bandwidth
  * (rows_quant.c measured the same for its rows) */
-#define GGML_PF 4096
+#ifndef GGML_PF
+#define GGML_PF 8192
+#endif
+#ifndef GGML_PF_HINT
+#define GGML_PF_HINT _MM_HINT_T1
+#endif
 static inline void prefetch_block(const uint8_t *p, int bytes) {
-    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)p + GGML_PF + l, _MM_HINT_T0);
+    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)p + GGML_PF + l, GGML_PF_HINT);
 }
 
 static inline __m256 halves(float a, float b) { return _mm256_setr_m128(_mm_set1_ps(a), _mm_set1_ps(b)); }

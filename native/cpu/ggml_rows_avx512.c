@@ -14,12 +14,37 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
-#define GGML_PF 4096  /* as the AVX2 kernels: software prefetch along a thread's stream of rows */
+#ifndef GGML_PF
+#define GGML_PF 8192
+#endif
+#ifndef GGML_PF_HINT
+#define GGML_PF_HINT _MM_HINT_T1
+#endif  /* as the AVX2 kernels: software prefetch along a thread's stream of rows */
 
 static inline float f16x(const uint8_t *p) {
     uint16_t v;
     memcpy(&v, p, 2);
     return _cvtsh_ss(v);
+}
+
+static inline uint32_t rd32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* a Q4_K / Q5_K block's eight 6-bit scales (lanes 0-7) and mins (8-15) as floats, from its 12 scale
+ * bytes (three words u0 u1 u2, read as 16 bytes: the block goes on): sub-blocks 0-3 in the low 6 bits
+ * of u0 (scales) and u1 (mins); 4-7 in the nibbles of u2 with their top 2 bits in bits 6-7 of u0 / u1 */
+static inline __m512 k_scales_mins(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 0));  /* u0 u1 u2 u2 */
+    const __m128i b = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 1, 0));  /* u0 u1 u0 u1 */
+    const __m128i lo = _mm_and_si128(a, _mm_set1_epi32(0x3f3f3f3f));
+    const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)), _mm_set1_epi32(0x0f0f0f0f)),
+                                    _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(b, 6), _mm_set1_epi32(0x03030303)), 4));
+    const __m128i all = _mm_blend_epi32(lo, hi, 0xC);  /* scales 0-3, mins 0-3, scales 4-7, mins 4-7 */
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi32(all, _MM_SHUFFLE(3, 1, 2, 0))));
 }
 
 /* 32 activations of group a in the low half, group b in the high half */
@@ -32,54 +57,46 @@ static inline void dot_q45_k_vnni(int k5, const uint8_t *row, int64_t K, const i
                                   const float *xsum, int T, float *y, int64_t ldy) {
     const int64_t nb = K / 256, groups = K / 32, bytes = k5 ? 176 : 144;
     const __m512i m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+    /* per 16-bit lane: 0 in the low 256 bits, 4 (nibbles) / 1 (fifth bits) in the high 256 */
+    const __m512i nib_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i nib_shift2 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);
+    const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
         const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
-        __m512 acc = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        __m256 macc = _mm256_setzero_ps();
+        __m512 acc = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = row + i * bytes;
             if (t == 0)
-                for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, _MM_HINT_T0);
-            uint32_t u[3];
-            memcpy(u, b + 4, 12);
-            const uint32_t s_lo = u[0] & 0x3f3f3f3fu, m_lo = u[1] & 0x3f3f3f3fu;
-            const uint32_t s_hi = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-            const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)s_hi, (int)s_lo)));
-            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)m_hi, (int)m_lo)));
-            const __m256 f = _mm256_mul_ps(_mm256_mul_ps(sc, _mm256_set1_ps(f16x(b))), _mm256_loadu_ps(s + 8 * i));
-            macc = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_set1_ps(f16x(b + 2))), _mm256_loadu_ps(su + 8 * i), macc);
-            const __m512 f512 = _mm512_castps256_ps512(f);
+                for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, GGML_PF_HINT);
+            /* lanes 0-7 d * sc * xs (the groups' factors), 8-15 dmin * m * xsum (the min terms) */
+            const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)rd32(b)));
+            const __m512 xx = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(s + 8 * i)),
+                                                 _mm256_loadu_ps(su + 8 * i), 1);
+            const __m512 f512 = _mm512_mul_ps(_mm512_mul_ps(k_scales_mins(b + 4), _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dd))), xx);
+            macc = _mm512_mask_add_ps(macc, 0xFF00, macc, f512);
             const uint8_t *qs = b + (k5 ? 48 : 16);
             const int8_t *x8 = q + i * 256;
-            __m512i qh = k5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : _mm512_setzero_si512();
-            for (int cc = 0; cc < 2; cc++) {  /* chunks 2cc and 2cc + 1: groups 4cc .. 4cc + 3 */
-                const __m512i bytes64 = _mm512_loadu_si512((const void *)(qs + 64 * cc));
-                __m512i lo = _mm512_and_si512(bytes64, m4), hi = _mm512_and_si512(_mm512_srli_epi16(bytes64, 4), m4);
-                if (k5) {  /* chunk c's fifth bits: bits 2c (low nibbles) and 2c + 1 (high) of qh */
-                    const __m512i sh = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(4 * cc))),
-                                                          _mm256_set1_epi16((short)(4 * cc + 2)), 1);
-                    const __m512i bits = _mm512_srlv_epi16(qh, sh);
-                    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(bits, one), 4));
-                    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 1), one), 4));
+            for (int c = 0; c < 4; c++) {  /* chunk c: groups 2c (low nibbles) and 2c + 1 (high), 64 activations */
+                __m512i codes = _mm512_and_si512(
+                    _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c))), nib_shift),
+                    m4);
+                if (k5) {  /* fifth bits: bit 2c (low half) and 2c + 1 (high half) of qh[l] for weight l */
+                    const __m512i bit = _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))),
+                                                          _mm512_add_epi16(nib_shift2, _mm512_set1_epi16((short)(2 * c))));
+                    codes = _mm512_or_si512(codes, _mm512_slli_epi16(_mm512_and_si512(bit, one), 4));
                 }
-                const int g0 = 4 * cc;  /* lo: groups g0 and g0 + 2; hi: g0 + 1 and g0 + 3 */
-                const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, two_groups(x8, g0, g0 + 2));
-                const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, two_groups(x8, g0 + 1, g0 + 3));
-                const __m512i i0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(g0)),
-                                                      _mm256_set1_epi32(g0 + 2), 1);
-                const __m512i i1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(g0 + 1)),
-                                                      _mm256_set1_epi32(g0 + 3), 1);
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(i0, f512), acc);
-                acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(i1, f512), acc1);
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes,
+                                                      _mm512_loadu_si512((const void *)(x8 + 64 * c)));
+                const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * c)),
+                                                        _mm256_set1_epi32(2 * c + 1), 1);
+                if (c & 1)
+                    acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, f512), acc1);
+                else
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, f512), acc);
             }
         }
-        __m256 m = macc;
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        y[(int64_t)t * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc1)) - _mm_cvtss_f32(h);
+        y[(int64_t)t * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc1)) - _mm512_reduce_add_ps(macc);
     }
 }
 
@@ -115,7 +132,7 @@ static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = row + i * 210;
             if (t == 0)
-                for (int l = 0; l < 210; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, _MM_HINT_T0);
+                for (int l = 0; l < 210; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, GGML_PF_HINT);
             const __m512 S = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
                                            _mm512_set1_ps(f16x(b + 208)));
             const __m512 X = _mm512_castps256_ps512(_mm256_loadu_ps(s + 8 * i));
@@ -144,6 +161,183 @@ static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
     }
 }
 
+/* The 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4) and IQ4_XS: two blocks per
+ * `vpdpbusd` (64 unsigned codes x the 64 activations that follow each other in memory; lanes 0-7 the
+ * first block, 8-15 the second). Codes are read as unsigned, c = code + offset (Q8_0's int8 + 128,
+ * IQ4's levels + 128, MXFP4's doubled e2m1 + 12, Q4_0's q as stored); the offset comes back as a min
+ * term, -offset * scale * xsum, like Q4_1's m * xsum. Per eight blocks the scales are one gather. */
+
+/* [low nibbles of q0, high of q0, low of q1, high of q1]: two blocks' 4-bit codes in weight order */
+static inline __m512i nibble_pair(const uint8_t *q0, const uint8_t *q1) {
+    const __m512i sh = _mm512_setr_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
+                                         0x0004000400040004LL, 0x0004000400040004LL);
+    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q0));
+    v = _mm512_mask_broadcast_i32x4(v, 0xFF00, _mm_loadu_si128((const __m128i *)q1));
+    return _mm512_and_si512(_mm512_srlv_epi16(v, sh), _mm512_set1_epi8(0x0F));
+}
+
+/* lanes 0-7 factor a, 8-15 factor b of a vector of eight */
+static inline __m512 pair_factors(__m512 f8, int a) {
+    const __m512i i = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(a)), _mm256_set1_epi32(a + 1), 1);
+    return _mm512_permutexvar_ps(i, f8);
+}
+
+static inline float hsum8x(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+static inline int b32_bytes(int type) {
+    switch (type) {
+    case MOED_GGML_Q4_1: return 20;
+    case MOED_GGML_Q5_0: return 22;
+    case MOED_GGML_Q5_1: return 24;
+    case MOED_GGML_Q8_0: return 34;
+    case MOED_GGML_MXFP4: return 17;
+    default: return 18;  /* Q4_0, IQ4_NL */
+    }
+}
+
+/* the unsigned codes of blocks b0 and b1 of a 32-weight type */
+static inline __m512i b32_codes(int type, const uint8_t *b0, const uint8_t *b1) {
+    const __m512i iq4 = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,
+                                                             (char)153, (char)166, (char)181, (char)197, (char)217,
+                                                             (char)241));
+    const __m512i fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    switch (type) {
+    case MOED_GGML_Q8_0:
+        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                                   _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1),
+                                _mm512_set1_epi8((char)0x80));
+    case MOED_GGML_Q4_0: return nibble_pair(b0 + 2, b1 + 2);
+    case MOED_GGML_Q4_1: return nibble_pair(b0 + 4, b1 + 4);
+    case MOED_GGML_IQ4_NL: return _mm512_shuffle_epi8(iq4, nibble_pair(b0 + 2, b1 + 2));
+    case MOED_GGML_MXFP4: return _mm512_shuffle_epi8(fp4, nibble_pair(b0 + 1, b1 + 1));
+    default: {  /* Q5_0, Q5_1: the fifth bits, bit i of qh for weight i */
+        const int off = type == MOED_GGML_Q5_1 ? 2 : 0;
+        uint32_t h0, h1;
+        memcpy(&h0, b0 + 2 + off, 4);
+        memcpy(&h1, b1 + 2 + off, 4);
+        const __m512i lo = nibble_pair(b0 + 6 + off, b1 + 6 + off);
+        return _mm512_mask_add_epi8(lo, _cvtu64_mask64((uint64_t)h0 | (uint64_t)h1 << 32), lo, _mm512_set1_epi8(16));
+    }
+    }
+}
+
+static inline void dot_b32_vnni(int type, const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
+                                const float *xsum, int T, float *y, int64_t ldy) {
+    const int bytes = b32_bytes(type);
+    const float offset = type == MOED_GGML_Q8_0 || type == MOED_GGML_IQ4_NL ? 128.0f
+                         : type == MOED_GGML_MXFP4                          ? 12.0f
+                         : type == MOED_GGML_Q4_0                           ? 8.0f
+                         : type == MOED_GGML_Q5_0                           ? 16.0f
+                                                                            : 0.0f;
+    const int has_min = type == MOED_GGML_Q4_1 || type == MOED_GGML_Q5_1;
+    const int64_t groups = K / 32, full = groups / 8 * 8;
+    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bytes));
+    const moed_ggml_dot_fn tail = full < groups ? moed_ggml_dot(type, MOED_ISA_AVX2) : NULL;
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
+        __m512 acc = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        __m256 macc = _mm256_setzero_ps();
+        for (int64_t g = 0; g < full; g += 8) {
+            const uint8_t *b = row + g * bytes;
+            if (t == 0)
+                for (int l = 0; l < 8 * bytes; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, GGML_PF_HINT);
+            const __m256i head = _mm256_i32gather_epi32((const int *)b, at, 1);  /* each block's first 4 bytes */
+            __m256 d;
+            if (type == MOED_GGML_MXFP4) {  /* 2^(e - 128) from the E8M0 byte, e = 0, 1 subnormal */
+                const __m256i e = _mm256_and_si256(head, _mm256_set1_epi32(0xFF));
+                const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+                const __m256i nrm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+                d = _mm256_castsi256_ps(_mm256_blendv_epi8(nrm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+            } else {
+                d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(head));
+            }
+            const __m256 mins = has_min ? _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(head, 16)))
+                                        : _mm256_mul_ps(d, _mm256_set1_ps(-offset));
+            macc = _mm256_fmadd_ps(mins, _mm256_loadu_ps(su + g), macc);
+            const __m512 f8 = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(s + g)));
+            for (int j = 0; j < 4; j++) {
+                const uint8_t *b0 = b + 2 * j * bytes;
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), b32_codes(type, b0, b0 + bytes),
+                                                      _mm512_loadu_si512((const void *)(q + 32 * (g + 2 * j))));
+                if (j & 1)
+                    acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_factors(f8, 2 * j), acc1);
+                else
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_factors(f8, 2 * j), acc);
+            }
+        }
+        float r = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc1)) + hsum8x(macc);
+        if (tail) {  /* the last groups % 8 blocks */
+            float rest;
+            tail(row + full * bytes, K - full * 32, q + full * 32, s + full, su + full, 1, &rest, 1);
+            r += rest;
+        }
+        y[(int64_t)t * ldy] = r;
+    }
+}
+
+#define B32_TYPE(name, type)                                                                               \
+    static void name(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T, \
+                     float *y, int64_t ldy) {                                                              \
+        dot_b32_vnni(type, row, K, xq, xs, xsum, T, y, ldy);                                               \
+    }
+
+B32_TYPE(dot_q4_0, MOED_GGML_Q4_0)
+B32_TYPE(dot_q4_1, MOED_GGML_Q4_1)
+B32_TYPE(dot_q5_0, MOED_GGML_Q5_0)
+B32_TYPE(dot_q5_1, MOED_GGML_Q5_1)
+B32_TYPE(dot_q8_0, MOED_GGML_Q8_0)
+B32_TYPE(dot_iq4_nl, MOED_GGML_IQ4_NL)
+B32_TYPE(dot_mxfp4, MOED_GGML_MXFP4)
+
+/* IQ4_XS: per 256, d, 8 six-bit scales ls (low nibbles in 4 bytes, top 2 bits in a u16) and the
+ * IQ4_NL codes of eight groups of 32 (16 bytes each); w = d (ls - 32) level(q) */
+static void dot_iq4_xs(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                       float *y, int64_t ldy) {
+    const int64_t nb = K / 256, groups = K / 32;
+    const __m512i iq4 = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,
+                                                             (char)153, (char)166, (char)181, (char)197, (char)217,
+                                                             (char)241));
+    const __m256i lo_shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), hi_shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
+        __m512 acc = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        __m256 macc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = row + i * 136;
+            if (t == 0)
+                for (int l = 0; l < 136; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, GGML_PF_HINT);
+            uint16_t sh;
+            uint32_t sl;
+            memcpy(&sh, b + 2, 2);
+            memcpy(&sl, b + 4, 4);
+            const __m256i ls = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)sl), lo_shift), _mm256_set1_epi32(0xF)),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(sh), hi_shift), _mm256_set1_epi32(3)), 4));
+            const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(f16x(b)), _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+            macc = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(-128.0f)), _mm256_loadu_ps(su + 8 * i), macc);
+            const __m512 f8 = _mm512_castps256_ps512(_mm256_mul_ps(scale, _mm256_loadu_ps(s + 8 * i)));
+            for (int j = 0; j < 4; j++) {
+                const uint8_t *q0 = b + 8 + 32 * j;
+                const __m512i codes = _mm512_shuffle_epi8(iq4, nibble_pair(q0, q0 + 16));
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes,
+                                                      _mm512_loadu_si512((const void *)(q + 256 * i + 64 * j)));
+                if (j & 1)
+                    acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_factors(f8, 2 * j), acc1);
+                else
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_factors(f8, 2 * j), acc);
+            }
+        }
+        y[(int64_t)t * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc1)) + hsum8x(macc);
+    }
+}
+
 #pragma GCC pop_options
 
 moed_ggml_dot_fn moed_ggml_dot_avx512vnni(int type) {
@@ -151,6 +345,14 @@ moed_ggml_dot_fn moed_ggml_dot_avx512vnni(int type) {
     case MOED_GGML_Q4_K: return dot_q4_k;
     case MOED_GGML_Q5_K: return dot_q5_k;
     case MOED_GGML_Q6_K: return dot_q6_k;
+    case MOED_GGML_Q4_0: return dot_q4_0;
+    case MOED_GGML_Q4_1: return dot_q4_1;
+    case MOED_GGML_Q5_0: return dot_q5_0;
+    case MOED_GGML_Q5_1: return dot_q5_1;
+    case MOED_GGML_Q8_0: return dot_q8_0;
+    case MOED_GGML_IQ4_NL: return dot_iq4_nl;
+    case MOED_GGML_IQ4_XS: return dot_iq4_xs;
+    case MOED_GGML_MXFP4: return dot_mxfp4;
     default: return NULL;
     }
 }

@@ -48,15 +48,18 @@ def test_the_kept_types_and_their_row_sizes():
 def test_every_isa_matches_the_torch_twin(qtype):
     lib = _lib()
     weights = GGML_QUANT_SIZES[qtype][0]
-    k = 3 * weights if weights == 256 else 7 * weights  # several blocks, an odd count of 32-groups
-    raw = _rows(qtype, 5, k)
-    x = torch.randn(3, k) * torch.linspace(0.1, 3.0, k)
-    want, bound = rows_product_reference(raw, int(qtype), k, x)
-    xq, xs, xsum = quantize_activations(x)
-    for isa in lib.available_isas():
-        got = torch.stack([lib.ggml_dot_one(int(qtype), isa, raw[r], xq, xs, xsum.float()) for r in range(5)], dim=1)
-        err = (got.double() - want).abs()
-        assert bool((err <= 1e-5 * bound + 1e-30).all()), (isa, float((err / bound).max()))
+    # several blocks, an odd count of 32-groups; for the 32-weight types also whole runs of eight
+    # blocks (the AVX-512 kernels' step) with and without a remainder
+    for k in (3 * weights,) if weights == 256 else (7 * weights, 16 * weights, 19 * weights):
+        raw = _rows(qtype, 5, k)
+        x = torch.randn(3, k) * torch.linspace(0.1, 3.0, k)
+        want, bound = rows_product_reference(raw, int(qtype), k, x)
+        xq, xs, xsum = quantize_activations(x)
+        for isa in lib.available_isas():
+            got = torch.stack([lib.ggml_dot_one(int(qtype), isa, raw[r], xq, xs, xsum.float()) for r in range(5)],
+                              dim=1)
+            err = (got.double() - want).abs()
+            assert bool((err <= 1e-5 * bound + 1e-30).all()), (k, isa, float((err / bound).max()))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.IQ4_XS], ids=lambda t: t.name)

@@ -112,6 +112,18 @@ def test_a_layer_in_one_native_call_equals_its_experts_one_by_one(q4_k_m):
     assert torch.allclose(y, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+def test_one_call_runs_one_layer(q4_k_m):
+    if native() is None:
+        pytest.skip("the native CPU kernels are not built")
+    path, _ = q4_k_m
+    bank = load_model(path, experts_dtype="ggml").bank
+    x = torch.randn(1, bank.hidden_size)
+    with pytest.raises(ValueError, match="span layers 1 to 2"):
+        run_routed(bank, x, torch.tensor([[8 + 3, 2 * 8 + 1]], dtype=torch.int32), torch.ones(1, 2))
+    nothing, y = run_routed(bank, x, torch.full((1, 2), -1, dtype=torch.int32), torch.ones(1, 2))
+    assert torch.equal(y, torch.zeros(1, bank.hidden_size))
+
+
 def test_only_gguf_sources_and_kept_types_load_as_ggml(tmp_path):
     path, hf, _ = write_tiny_gguf("qwen3_moe", tmp_path, expert_type=T.F32)
     with pytest.raises(InvalidRequestError, match="is F32; the ggml bank keeps .*Q4_K.*: load it with another"):
