@@ -20,6 +20,16 @@ ROW_TYPES: tuple[int, ...] = (q.Q8_0, q.Q4_0, q.Q4_1, q.Q5_0, q.Q5_1, q.Q2_K, q.
                               q.IQ4_NL, q.IQ4_XS, q.MXFP4)
 
 
+# values per activation scale the kernels of a type need (native/cpu/ggml_rows.h, moed_ggml_act_span):
+# the K-quants' AVX-512 VNNI kernels sum a super-block in integers, so its activations share one scale
+ACT_SPAN: dict[int, int] = {q.Q4_K: 256, q.Q5_K: 256, q.Q6_K: 256}
+
+
+def act_span(ggml_type: int) -> int:
+    """32, or 256 for the types whose kernels take one activation scale per super-block."""
+    return ACT_SPAN.get(int(ggml_type), 32)
+
+
 def row_bytes(ggml_type: int, k: int) -> int:
     """Bytes of one row of ``k`` weights of ``ggml_type`` (``k`` whole blocks)."""
     weights, size = q.block_size(ggml_type)
@@ -46,12 +56,14 @@ def dequantize_rows(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     return q.dequantize(raw.reshape(-1), ggml_type, (rows, k))
 
 
-def rows_product_reference(raw: torch.Tensor, ggml_type: int, k: int, x: torch.Tensor
+def rows_product_reference(raw: torch.Tensor, ggml_type: int, k: int, x: torch.Tensor, span: int | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' product ``x [T, k] @ rows.T`` computed in float64 from the same int8 activations:
+    """The kernels' product ``x [T, k] @ rows.T`` computed in float64 from the same int8 activations
+    (quantised with ``span`` values per scale: the type's ``act_span`` unless given; a call on several
+    matrices quantises once with the largest of theirs):
     ``(y [T, rows], bound [T, rows])``, ``bound`` the sum of the absolute terms (a kernel agrees within
     ~1e-5 of it: only its float32 summation order differs)."""
     w = dequantize_rows(raw, ggml_type, k).double()  # [rows, k]
-    xq, xs, _ = quantize_activations(x.float())
+    xq, xs, _ = quantize_activations(x.float(), span or act_span(ggml_type))
     xa = (xq.double().reshape(x.shape[0], -1, 32) * xs.double()[..., None]).reshape(x.shape[0], k)
     return xa @ w.T, xa.abs() @ w.abs().T

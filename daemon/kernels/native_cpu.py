@@ -260,6 +260,8 @@ class NativeCpu:
         lib.moed_cpu_ggml_moe.restype = c_int
         lib.moed_cpu_ggml_to_bf16.argtypes = [vp, ctypes.POINTER(_GgmlMatrix), vp]
         lib.moed_cpu_ggml_to_bf16.restype = c_int
+        lib.moed_ggml_act_span.argtypes = [c_int]
+        lib.moed_ggml_act_span.restype = c_int
         lib.moed_ggml_dot_one.argtypes = [c_int, c_int, vp, c_i64, vp, vp, vp, c_int, vp]
         lib.moed_ggml_dot_one.restype = c_int
         lib.moed_chain_work_floats.argtypes = [ctypes.POINTER(ChainLayer), c_int, c_int, c_i64]
@@ -542,6 +544,10 @@ class NativeCpu:
         if rc != 0:
             raise ValueError(f"moed_cpu_ggml_to_bf16 refused its arguments (rc {rc})")
         return out
+
+    def ggml_act_span(self, ggml_type: int) -> int:
+        """Values per activation scale the kernels of ``ggml_type`` take (ggml_rows_format.act_span)."""
+        return int(self._lib.moed_ggml_act_span(int(ggml_type)))
 
     def ggml_dot_one(self, ggml_type: int, isa: str, row: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor,
                      xsum: torch.Tensor) -> torch.Tensor:

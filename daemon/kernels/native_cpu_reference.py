@@ -18,12 +18,17 @@ from moed.kernels.mxfp4_format import e2m1_values
 GROUP = 32
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, span: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [T, K]`` float32 -> ``(xq int8 [T, K], xs float32 [T, K/32], xsum [T, K/32])``, bit for bit
-    what ``moed_quantize_act`` makes; ``xsum = xs * sum(xq)`` (the quantised values' sum)."""
+    what ``moed_quantize_act_span`` makes; ``xsum = xs * sum(xq)`` (the quantised values' sum). One
+    scale per ``span`` values (32, or 256 for the K-quant rows: llama.cpp's Q8_K), repeated in each
+    of its 32-groups' ``xs``."""
     t, k = x.shape
+    if span % GROUP or k % span:
+        raise ValueError(f"the span must be a multiple of {GROUP} dividing K, got {span} for K = {k}")
+    g = x.reshape(t, k // span, span)
+    xs = (g.abs().amax(dim=-1) / 127.0).repeat_interleave(span // GROUP, dim=-1)  # the same division as C
     g = x.reshape(t, k // GROUP, GROUP)
-    xs = g.abs().amax(dim=-1) / 127.0  # float32, the same division as the C code
     safe = torch.where(xs > 0, xs, torch.ones_like(xs))
     xq = torch.where(xs[..., None] > 0, torch.round(g / safe[..., None]).clamp(-127, 127), torch.zeros_like(g))
     xq = xq.to(torch.int8)

@@ -1,9 +1,10 @@
 /* The routed experts of one MoE layer whose bank keeps GGUF blocks as stored (the "ggml" bank):
  * one call for N tokens x A slots, as moe.c does for the other banks.
  *
- *   gather   each run expert's tokens; their int8 activations (moed_quantize_act) side by side
+ *   gather   each run expert's tokens; their int8 activations (moed_quantize_act_span: the span the
+ *            gate and up rows need, ggml_rows.h) side by side
  *   phase 1  tasks (expert, gate or up, a stretch of rows): dot products -> g_e, u_e [T_e][I]
- *   phase 2  per expert: biases, activation -> h_e [T_e][I], quantised to int8
+ *   phase 2  per expert: biases, activation -> h_e [T_e][I], quantised to int8 (the down rows' span)
  *   phase 3  tasks (expert, a stretch of down rows) -> o_e [T_e][D] (+ bias), scattered to the slots
  *   merge    y[t] = sum over a ascending of weight[t][a] * out[t][a] over the slots run
  * A task's rows are one contiguous stretch of memory (one stream for the prefetchers). */
@@ -71,8 +72,8 @@ static void phase2(void *ctx, int64_t task, int thread) {
         }
     }
     const int64_t G = j->I / 32;
-    moed_quantize_act(j->h + e->first * j->I, e->T, j->I, j->hq + e->first * j->I, j->hs + e->first * G,
-                      j->hsum + e->first * G);
+    moed_quantize_act_span(j->h + e->first * j->I, e->T, j->I, moed_ggml_act_span(L->down.type),
+                           j->hq + e->first * j->I, j->hs + e->first * G, j->hsum + e->first * G);
 }
 
 static void phase3(void *ctx, int64_t task, int thread) {
@@ -165,11 +166,13 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
         first += ex[k].T;
         k++;
     }
+    const int x_span = moed_ggml_act_span(L->gate.type) > moed_ggml_act_span(L->up.type) ? moed_ggml_act_span(L->gate.type)
+                                                                                      : moed_ggml_act_span(L->up.type);
     for (int64_t s = 0; s < (int64_t)N * A; s++) {
         if (ids[s] < 0) continue;
         int64_t row = next[ids[s]]++;
         slot_of[row] = s;
-        moed_quantize_act(x + (s / A) * D, 1, D, xq + row * D, xs + row * GD, xsum + row * GD);
+        moed_quantize_act_span(x + (s / A) * D, 1, D, x_span, xq + row * D, xs + row * GD, xsum + row * GD);
     }
     free(count);
     j.ex = ex;

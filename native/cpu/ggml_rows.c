@@ -45,6 +45,10 @@ int moed_ggml_block_weights(int type) {
     }
 }
 
+int moed_ggml_act_span(int type) {
+    return type == MOED_GGML_Q4_K || type == MOED_GGML_Q5_K || type == MOED_GGML_Q6_K ? 256 : 32;
+}
+
 int moed_ggml_block_bytes(int type) {
     switch (type) {
     case MOED_GGML_Q4_0: return 18;
@@ -312,13 +316,15 @@ int moed_cpu_ggml_rows(void *h, int count, const moed_ggml_matrix *const *m, con
         if (!dot[i]) return -1;
         first[i + 1] = first[i] + (m[i]->rows + chunk - 1) / chunk;
     }
+    int span = 32;
+    for (int i = 0; i < count; i++) span = moed_ggml_act_span(m[i]->type) > span ? moed_ggml_act_span(m[i]->type) : span;
     size_t groups = (size_t)T * (size_t)(K / 32);
     char *scratch = (char *)moed_pool_scratch(pool, (size_t)T * (size_t)K + 2 * groups * sizeof(float) + 128);
     if (!scratch) return -2;
     /* xq first and 64-byte aligned: the 512-bit activation loads stay within one cache line */
     int8_t *xq = (int8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *xs = (float *)(xq + (size_t)T * (size_t)K), *xsum = xs + groups;
-    moed_quantize_act(x, T, K, xq, xs, xsum);
+    moed_quantize_act_span(x, T, K, span, xq, xs, xsum);
     rows_job j = {m, dot, count, chunk, first, xq, xs, xsum, T, y};
     moed_pool_run(pool, rows_task, &j, first[count]);
     return 0;

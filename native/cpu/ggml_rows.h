@@ -17,8 +17,15 @@
  *   Q6_K   q - 32 in -32..31; d * sc (int8 sc per 16); 0
  *   IQ4_NL level[q] (int8); d; 0                IQ4_XS level[q]; d * (ls - 32) (6-bit ls per 32); 0
  *   MXFP4  2 * e2m1(q) (int8); 2^(e - 128); 0
- * The torch twin (moed.kernels.ggml_rows_reference) multiplies the gguf-decoded rows with the same
- * int8 activations, so the two agree to float rounding. */
+ * The torch twin (moed.kernels.ggml_rows_format.rows_product_reference) multiplies the gguf-decoded
+ * rows with the same int8 activations, so the two agree to float rounding.
+ *
+ * Activation span: Q4_K, Q5_K and Q6_K rows are multiplied with activations that share one scale per
+ * 256 values (llama.cpp's Q8_K; moed_quantize_act_span with span 256, each 32-group's xs the same):
+ * their AVX-512 VNNI kernels then sum a super-block's integer products times its integer scales
+ * (vpdpwssd) and multiply by one float per super-block. The other kernels read per-group scales and
+ * take either form. A caller quantises each input once with the largest span of the matrices that
+ * read it (moed_ggml_act_span). */
 #ifndef MOED_GGML_ROWS_H
 #define MOED_GGML_ROWS_H
 
@@ -59,6 +66,8 @@ typedef void (*moed_ggml_dot_fn)(const uint8_t *row, int64_t K, const int8_t *xq
 
 /* the dot function of (type, isa), or NULL for a type these kernels do not read */
 moed_ggml_dot_fn moed_ggml_dot(int type, int isa);
+/* the values per activation scale a type's kernels need (32 or 256; see above) */
+int moed_ggml_act_span(int type);
 /* weights and bytes per block of a type these kernels read, 0 otherwise */
 int moed_ggml_block_weights(int type);
 int moed_ggml_block_bytes(int type);

@@ -27,16 +27,23 @@ static inline float f16x(const uint8_t *p) {
     return _cvtsh_ss(v);
 }
 
+static inline float hsum8x(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
 static inline uint32_t rd32(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, 4);
     return v;
 }
 
-/* a Q4_K / Q5_K block's eight 6-bit scales (lanes 0-7) and mins (8-15) as floats, from its 12 scale
+/* a Q4_K / Q5_K block's eight 6-bit scales (lanes 0-7) and mins (8-15) as int32, from its 12 scale
  * bytes (three words u0 u1 u2, read as 16 bytes: the block goes on): sub-blocks 0-3 in the low 6 bits
  * of u0 (scales) and u1 (mins); 4-7 in the nibbles of u2 with their top 2 bits in bits 6-7 of u0 / u1 */
-static inline __m512 k_scales_mins(const uint8_t *p) {
+static inline __m512i k_scales_mins(const uint8_t *p) {
     const __m128i v = _mm_loadu_si128((const __m128i *)p);
     const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 0));  /* u0 u1 u2 u2 */
     const __m128i b = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 1, 0));  /* u0 u1 u0 u1 */
@@ -44,15 +51,13 @@ static inline __m512 k_scales_mins(const uint8_t *p) {
     const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)), _mm_set1_epi32(0x0f0f0f0f)),
                                     _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(b, 6), _mm_set1_epi32(0x03030303)), 4));
     const __m128i all = _mm_blend_epi32(lo, hi, 0xC);  /* scales 0-3, mins 0-3, scales 4-7, mins 4-7 */
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi32(all, _MM_SHUFFLE(3, 1, 2, 0))));
+    return _mm512_cvtepu8_epi32(_mm_shuffle_epi32(all, _MM_SHUFFLE(3, 1, 2, 0)));
 }
 
-/* 32 activations of group a in the low half, group b in the high half */
-static inline __m512i two_groups(const int8_t *x, int a, int b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 32 * a))),
-                              _mm256_loadu_si256((const __m256i *)(x + 32 * b)), 1);
-}
-
+/* Q4_K / Q5_K with activations of one scale per super-block (span 256, ggml_rows.h): per 64-weight
+ * chunk c one vpdpbusd (lanes 0-7 group 2c, 8-15 group 2c + 1; |sum| <= 4 * 31 * 127 fits 16 bits)
+ * and one vpdpwssd by the groups' integer scales into the super-block's int32 sums; then one float
+ * multiply-add by d * xs. The min terms, dmin * m_j * xsum_j, are one vector per super-block. */
 static inline void dot_q45_k_vnni(int k5, const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
                                   const float *xsum, int T, float *y, int64_t ldy) {
     const int64_t nb = K / 256, groups = K / 32, bytes = k5 ? 176 : 144;
@@ -60,23 +65,23 @@ static inline void dot_q45_k_vnni(int k5, const uint8_t *row, int64_t K, const i
     /* per 16-bit lane: 0 in the low 256 bits, 4 (nibbles) / 1 (fifth bits) in the high 256 */
     const __m512i nib_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     const __m512i nib_shift2 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);
-    const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
         const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
-        __m512 acc = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
+        __m512 acc = _mm512_setzero_ps();
+        __m256 macc = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = row + i * bytes;
             if (t == 0)
                 for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, GGML_PF_HINT);
-            /* lanes 0-7 d * sc * xs (the groups' factors), 8-15 dmin * m * xsum (the min terms) */
-            const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)rd32(b)));
-            const __m512 xx = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(s + 8 * i)),
-                                                 _mm256_loadu_ps(su + 8 * i), 1);
-            const __m512 f512 = _mm512_mul_ps(_mm512_mul_ps(k_scales_mins(b + 4), _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dd))), xx);
-            macc = _mm512_mask_add_ps(macc, 0xFF00, macc, f512);
+            const __m512i sm = k_scales_mins(b + 4);  /* int32: lanes 0-7 scales, 8-15 mins */
+            const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)rd32(b)));  /* d, dmin */
+            macc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(sm, 1)),
+                                                 _mm256_broadcastss_ps(_mm_movehdup_ps(dd))),
+                                   _mm256_loadu_ps(su + 8 * i), macc);
             const uint8_t *qs = b + (k5 ? 48 : 16);
             const int8_t *x8 = q + i * 256;
+            __m512i isum = _mm512_setzero_si512();
             for (int c = 0; c < 4; c++) {  /* chunk c: groups 2c (low nibbles) and 2c + 1 (high), 64 activations */
                 __m512i codes = _mm512_and_si512(
                     _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c))), nib_shift),
@@ -90,13 +95,11 @@ static inline void dot_q45_k_vnni(int k5, const uint8_t *row, int64_t K, const i
                                                       _mm512_loadu_si512((const void *)(x8 + 64 * c)));
                 const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * c)),
                                                         _mm256_set1_epi32(2 * c + 1), 1);
-                if (c & 1)
-                    acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, f512), acc1);
-                else
-                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, f512), acc);
+                isum = _mm512_dpwssd_epi32(isum, p, _mm512_permutexvar_epi32(pick, sm));  /* scale < 64: [sc, 0] */
             }
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(_mm_cvtss_f32(dd) * s[8 * i]), acc);
         }
-        y[(int64_t)t * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc1)) - _mm512_reduce_add_ps(macc);
+        y[(int64_t)t * ldy] = _mm512_reduce_add_ps(acc) - hsum8x(macc);
     }
 }
 
@@ -117,47 +120,46 @@ static inline __m512i quads(int a, int b, int c, int d) {
 
 /* Q6_K: per 128-weight half h, the 64 ql bytes hold groups 4h, 4h + 1 in their low nibbles and
  * 4h + 2, 4h + 3 in their high ones; the 32 qh bytes' bit pairs 0-3 the top 2 bits of those groups.
- * Codes q in 0..63: sum (q - 32) x = dpbusd(q, x) - dpbusd(32, x), exact. */
+ * Codes q in 0..63: sum (q - 32) x = dpbusd(q, x) - dpbusd(32, x), exact, |sum| <= 4 * 32 * 127 fits
+ * 16 bits. With activations of span 256 (ggml_rows.h) the int8 scale of each 16 weights multiplies
+ * these sums in integers (vpdpwssd) and a super-block ends in one float multiply-add by d * xs. */
 static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
                      float *y, int64_t ldy) {
     (void)xsum;
     const int64_t nb = K / 256, groups = K / 32;
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3), c32 = _mm512_set1_epi8(32);
+    const __m512i low16 = _mm512_set1_epi32(0xFFFF);
     const __m512i shift_lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(0)), _mm256_set1_epi16(2), 1);
     const __m512i shift_hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(4)), _mm256_set1_epi16(6), 1);
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
         const float *s = xs + (int64_t)t * groups;
-        __m512 acc = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        __m512 acc = _mm512_setzero_ps();
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = row + i * 210;
             if (t == 0)
                 for (int l = 0; l < 210; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, GGML_PF_HINT);
-            const __m512 S = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
-                                           _mm512_set1_ps(f16x(b + 208)));
-            const __m512 X = _mm512_castps256_ps512(_mm256_loadu_ps(s + 8 * i));
+            /* the 16 int8 scales as int16 in the low half of each int32 lane (high half zero) */
+            const __m512i S = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))), low16);
             const int8_t *x8 = q + i * 256;
+            __m512i isum = _mm512_setzero_si512();
             for (int h = 0; h < 2; h++) {
                 const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * h));
                 const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
-                for (int part = 0; part < 2; part++) {  /* groups A = 4h + 2 part, B = A + 1 */
-                    const int A = 4 * h + 2 * part, B = A + 1;
+                for (int part = 0; part < 2; part++) {  /* groups A = 4h + 2 part and A + 1: 64 activations */
+                    const int A = 4 * h + 2 * part;
                     const __m512i lo = part ? _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4) : _mm512_and_si512(ql, m4);
                     const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(hb, part ? shift_hi : shift_lo), m2);
                     const __m512i codes = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
-                    const __m512i x = two_groups(x8, A, B);
+                    const __m512i x = _mm512_loadu_si512((const void *)(x8 + 32 * A));
                     const __m512i p = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, x),
                                                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), c32, x));
-                    const __m512 f = _mm512_mul_ps(_mm512_permutexvar_ps(quads(2 * A, 2 * A + 1, 2 * B, 2 * B + 1), S),
-                                                   _mm512_permutexvar_ps(quads(A, A, B, B), X));
-                    if (part)
-                        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc1);
-                    else
-                        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc);
+                    isum = _mm512_dpwssd_epi32(isum, p, _mm512_permutexvar_epi32(quads(2 * A, 2 * A + 1, 2 * A + 2, 2 * A + 3), S));
                 }
             }
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(f16x(b + 208) * s[8 * i]), acc);
         }
-        y[(int64_t)t * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc1));
+        y[(int64_t)t * ldy] = _mm512_reduce_add_ps(acc);
     }
 }
 
@@ -180,13 +182,6 @@ static inline __m512i nibble_pair(const uint8_t *q0, const uint8_t *q1) {
 static inline __m512 pair_factors(__m512 f8, int a) {
     const __m512i i = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(a)), _mm256_set1_epi32(a + 1), 1);
     return _mm512_permutexvar_ps(i, f8);
-}
-
-static inline float hsum8x(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
 }
 
 static inline int b32_bytes(int type) {
@@ -249,11 +244,9 @@ static inline void dot_b32_vnni(int type, const uint8_t *row, int64_t K, const i
                 for (int l = 0; l < 8 * bytes; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, GGML_PF_HINT);
             const __m256i head = _mm256_i32gather_epi32((const int *)b, at, 1);  /* each block's first 4 bytes */
             __m256 d;
-            if (type == MOED_GGML_MXFP4) {  /* 2^(e - 128) from the E8M0 byte, e = 0, 1 subnormal */
+            if (type == MOED_GGML_MXFP4) {  /* 2^(e - 128) from the E8M0 byte (exact, subnormal for e = 0, 1) */
                 const __m256i e = _mm256_and_si256(head, _mm256_set1_epi32(0xFF));
-                const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
-                const __m256i nrm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
-                d = _mm256_castsi256_ps(_mm256_blendv_epi8(nrm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+                d = _mm256_scalef_ps(_mm256_set1_ps(1.0f), _mm256_cvtepi32_ps(_mm256_sub_epi32(e, _mm256_set1_epi32(128))));
             } else {
                 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(head));
             }

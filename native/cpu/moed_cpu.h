@@ -101,6 +101,10 @@ void moed_dense_bf16_avx512(const uint16_t *, const float *, int64_t, int, int64
 
 /* int8 activations of T rows (see above); K % 32 == 0 */
 void moed_quantize_act(const float *x, int T, int64_t K, int8_t *xq, float *xs, float *xsum);
+/* the same with one scale per `span` values (32 or 256, K % span == 0), written to each of its 32-groups'
+ * xs: llama.cpp's Q8_K form for the K-quant kernels, which multiply a super-block's integer sums by its
+ * integer scales before one float multiply (ggml_rows.h) */
+void moed_quantize_act_span(const float *x, int T, int64_t K, int span, int8_t *xq, float *xs, float *xsum);
 
 /* the expert activation of gate g and up u: 0 silu(g) * u; 1 gpt-oss's clamped SwiGLU */
 static inline float moed_activate(int kind, float g, float u, float alpha, float limit) {

@@ -11,7 +11,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from helpers.gguf_writer import random_blocks
-from moed.kernels.ggml_rows_format import ROW_TYPES, dequantize_rows, row_bytes, rows_product_reference
+from moed.kernels.ggml_rows_format import ROW_TYPES, act_span, dequantize_rows, row_bytes, rows_product_reference
 from moed.kernels.native_cpu import native
 from moed.kernels.native_cpu_reference import quantize_activations
 from moed.kernels import gguf_quants as q
@@ -54,12 +54,28 @@ def test_every_isa_matches_the_torch_twin(qtype):
         raw = _rows(qtype, 5, k)
         x = torch.randn(3, k) * torch.linspace(0.1, 3.0, k)
         want, bound = rows_product_reference(raw, int(qtype), k, x)
-        xq, xs, xsum = quantize_activations(x)
+        xq, xs, xsum = quantize_activations(x, act_span(qtype))
         for isa in lib.available_isas():
             got = torch.stack([lib.ggml_dot_one(int(qtype), isa, raw[r], xq, xs, xsum.float()) for r in range(5)],
                               dim=1)
             err = (got.double() - want).abs()
             assert bool((err <= 1e-5 * bound + 1e-30).all()), (k, isa, float((err / bound).max()))
+
+
+def test_mxfp4_scales_at_the_bottom_of_the_range():
+    """E8M0 exponents 0 and 1 are subnormal floats (2^-128, 2^-127): every ISA reads them exactly."""
+    lib = _lib()
+    k = 19 * 32
+    raw = _rows(T.MXFP4, 5, k).reshape(-1, 17).clone()
+    raw[:, 0] = torch.arange(raw.shape[0]) % 4  # exponents 0, 1, 2, 3
+    raw = raw.reshape(5, -1)
+    x = torch.randn(2, k) * 1e30  # products of normal size
+    want, bound = rows_product_reference(raw, int(T.MXFP4), k, x)
+    assert float(bound.min()) > 0
+    xq, xs, xsum = quantize_activations(x)
+    for isa in lib.available_isas():
+        got = torch.stack([lib.ggml_dot_one(int(T.MXFP4), isa, raw[r], xq, xs, xsum.float()) for r in range(5)], dim=1)
+        assert bool(((got.double() - want).abs() <= 1e-5 * bound).all()), isa
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.IQ4_XS], ids=lambda t: t.name)
@@ -72,6 +88,26 @@ def test_several_matrices_in_one_call_on_the_pool(qtype):
         want, bound = rows_product_reference(raw, t, k, x)
         assert y.shape == (2, raw.shape[0])
         assert bool(((y.double() - want).abs() <= 1e-5 * bound + 1e-30).all())
+
+
+def test_the_k_quants_take_one_activation_scale_per_super_block():
+    lib = _lib()
+    assert {q.type_name(t) for t in TYPES if act_span(t) == 256} == {"Q4_K", "Q5_K", "Q6_K"}
+    for t in TYPES:
+        assert lib.ggml_act_span(int(t)) == act_span(t), t.name
+    x = torch.randn(2, 512) * torch.linspace(0.1, 3.0, 512)
+    xq, xs, xsum = quantize_activations(x, 256)
+    assert torch.equal(xs[:, :8], xs[:, :1].expand(2, 8)) and not torch.equal(xs[:, 7], xs[:, 8])
+    assert torch.equal(xq.view(2, 2, 256).abs().amax(-1).to(torch.int32), torch.full((2, 2), 127, dtype=torch.int32))
+    # a call on several matrices quantises once with the largest span: the 32-weight rows take it too
+    mats = [(_rows(T.Q4_K, 9, 512, seed=1), int(T.Q4_K)), (_rows(T.Q8_0, 5, 512, seed=2), int(T.Q8_0)),
+            (_rows(T.IQ4_NL, 3, 512, seed=3), int(T.IQ4_NL))]
+    for (raw, t), y in zip(mats, lib.ggml_rows(mats, x)):
+        want, bound = rows_product_reference(raw, t, 512, x, span=256)
+        assert bool(((y.double() - want).abs() <= 1e-5 * bound).all()), q.type_name(t)
+        if t != int(T.Q4_K):  # with its own span the twin is another product
+            other, _ = rows_product_reference(raw, t, 512, x)
+            assert not bool(((y.double() - other).abs() <= 1e-5 * bound).all())
 
 
 def test_the_twin_reads_what_gguf_decodes():
