@@ -233,7 +233,6 @@ SCALAR_DOT(dot_iq4_xs, MOED_GGML_IQ4_XS)
 SCALAR_DOT(dot_mxfp4, MOED_GGML_MXFP4)
 
 moed_ggml_dot_fn moed_ggml_dot_avx2(int type);  /* ggml_rows_avx2.c: NULL where it has none */
-int moed_cpu_detected_isa(void);                /* moe.c */
 
 moed_ggml_dot_fn moed_ggml_dot_avx512vnni(int type);  /* ggml_rows_avx512.c: NULL where it has none */
 

@@ -24,6 +24,7 @@ typedef struct {
 } moed_bank;
 
 int moed_cpu_isa(void);
+int moed_cpu_detected_isa(void);  /* what the CPU supports; moed_cpu_isa() may be set lower */
 int moed_cpu_moe(void *h, const moed_bank *b, const float *x, int N, int A, const int32_t *flat_ids,
                  const float *weights, float *per_slot, float *y);
 int moed_cpu_dense_bf16_many(void *h, int count, const uint16_t *const *W, const int64_t *N, int64_t K,

@@ -1,0 +1,60 @@
+/* One ggml row kernel in isolation: GB/s of one thread over rows that stay in L2 (the kernel's compute
+ * rate, no memory stall) and over rows streamed from DRAM. Not part of CI.
+ *
+ *   gcc -O3 -std=c11 -pthread -Inative/cpu -o /tmp/ggml_rows_isolated benchmarks/ggml_rows_isolated.c \
+ *       native/cpu/[a-z]*.c -lm
+ *   /tmp/ggml_rows_isolated TYPE_ID [ISA 0-3] [K 2048]      # e.g. 12 (Q4_K) 3 (AVX-512 VNNI)
+ *
+ * Random bytes (with denormals flushed) stand in for the blocks: only the time is read. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "ggml_rows.h"
+#include "moed_api.h"
+#include "moed_cpu.h"
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static double rate(moed_ggml_dot_fn f, const uint8_t *w, int64_t rows, int64_t rb, int64_t K, const int8_t *xq,
+                   const float *xs, const float *xsum, float *y, int reps) {
+    for (int64_t r = 0; r < rows; r++) f(w + r * rb, K, xq, xs, xsum, 1, y + r, 1);
+    double t0 = now();
+    for (int k = 0; k < reps; k++)
+        for (int64_t r = 0; r < rows; r++) f(w + r * rb, K, xq, xs, xsum, 1, y + r, 1);
+    return (double)rows * (double)rb * reps / (now() - t0) / 1e9;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s TYPE_ID [ISA] [K]\n", argv[0]);
+        return 2;
+    }
+    _mm_setcsr(_mm_getcsr() | 0x8040);
+    const int type = atoi(argv[1]), isa = argc > 2 ? atoi(argv[2]) : moed_cpu_detected_isa();
+    const int64_t K = argc > 3 ? atoll(argv[3]) : 2048;
+    const int bw = moed_ggml_block_weights(type);
+    moed_ggml_dot_fn f = bw && K % bw == 0 && isa <= moed_cpu_detected_isa() ? moed_ggml_dot(type, isa) : NULL;
+    if (!f) {
+        fprintf(stderr, "no kernel for type %d, ISA %d, K %lld\n", type, isa, (long long)K);
+        return 1;
+    }
+    const int64_t rb = K / bw * moed_ggml_block_bytes(type), hot = 256, cold = (1LL << 30) / rb;
+    uint8_t *w = malloc((size_t)(rb * cold));
+    float *x = malloc(sizeof(float) * K), *xs = malloc(sizeof(float) * K / 32), *xsum = malloc(sizeof(float) * K / 32);
+    int8_t *xq = aligned_alloc(64, (size_t)((K + 63) / 64 * 64));
+    float *y = malloc(sizeof(float) * cold);
+    if (!w || !x || !xs || !xsum || !xq || !y) return 1;
+    for (int64_t i = 0; i < rb * cold; i++) w[i] = (uint8_t)rand();
+    for (int64_t i = 0; i < K; i++) x[i] = (float)(rand() % 2001 - 1000) / 100.0f;
+    moed_quantize_act_span(x, 1, K, moed_ggml_act_span(type), xq, xs, xsum);
+    printf("type %d, ISA %d, K %lld: in L2 %.1f GB/s, from DRAM %.1f GB/s (one thread)\n", type, isa, (long long)K,
+           rate(f, w, hot, rb, K, xq, xs, xsum, y, 2000), rate(f, w, cold, rb, K, xq, xs, xsum, y, 2));
+    return 0;
+}
