@@ -30,6 +30,13 @@ def _make(name: str, opts: dict[str, Any]) -> Device:
     return _CLASSES[name](**{k: v for k, v in opts.items() if k in mine})
 
 
+def cpu_only(name: str | None = "auto") -> bool:
+    """Whether device ``name`` runs everything on the CPU: "cpu", or "auto" on a machine where torch
+    sees no CUDA GPU (a load then picks the CPU's expert bank: ``model_loader.load_model(cpu_only=)``)."""
+    name = "auto" if name is None else str(name).strip().lower()
+    return name == "cpu" or (name == "auto" and not CudaDevice.available())
+
+
 def select_device(name: str | None = "auto", **opts: Any) -> Device:
     """The device called ``name`` (None means "auto"), built with the ``opts`` it takes.
 

@@ -16,7 +16,7 @@ import torch
 from moed.cache.expert_dtypes import LOAD_DTYPES
 from moed.cache import q8_0
 from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE, KV_TYPES
-from moed.devices.select import DEVICE_NAMES
+from moed.devices.select import DEVICE_NAMES, cpu_only
 from moed.engine.engine_loop import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK
 from moed.engine.kv_manager import kv_pool_tokens
 from moed.engine.runtime import DEFAULT_CONTEXT
@@ -131,7 +131,7 @@ def plan_load(path: Path, options, *, available_bytes: int | None = None) -> Loa
     kv_type = getattr(options, "kv_type", None)
     if kv_type is not None and kv_type not in KV_TYPES:
         raise InvalidRequestError(f"kv_type {quoted(kv_type)}: choose one of {', '.join(KV_TYPES)}")
-    est = estimate_load(path, options.experts_dtype, options.weights_dtype)
+    est = estimate_load(path, options.experts_dtype, options.weights_dtype, cpu_only=cpu_only(device))
     if kv_type is not None:
         est = replace(est, kv_dtype=KV_TYPES[kv_type])
         if kv_type == "q8_0":

@@ -8,6 +8,7 @@ from typing import Callable
 
 from moed.errors import InvalidRequestError
 from moed.config import EngineConfig
+from moed.devices.select import cpu_only
 from moed.experts.executor_factory import build_executor
 from moed.models.moe_transformer import MoeTransformer, device_mode_blocker
 from moed.text.tokenizer import Tokenizer
@@ -70,12 +71,9 @@ def _tokenizer_of(loaded: LoadedModel) -> Tokenizer | None:
 def open_runtime(path: str | Path, *, experts_dtype: str | None = None, verify: bool = False,
                  progress: Callable[[int, int], None] | None = None, engine: EngineConfig | None = None,
                  trace_out: str | Path | None = None, weights_dtype: str = "auto") -> ModelRuntime:
-    import torch
-
     engine = engine or EngineConfig(device="cpu")
-    cpu_only = engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available())
     loaded = load_model(path, experts_dtype=experts_dtype, verify=verify, progress=progress,
-                        weights_dtype=weights_dtype, cpu_only=cpu_only)
+                        weights_dtype=weights_dtype, cpu_only=cpu_only(engine.device))
     compile_expert_kernels(loaded.bank)
     executor = build_executor(loaded.bank, engine, trace_out=trace_out)
     device = model_device(executor, engine, loaded.weights)

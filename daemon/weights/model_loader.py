@@ -60,6 +60,14 @@ def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bo
     return loaded
 
 
+def _bank_dtype(checkpoint, kind: str, experts_dtype: str | None, cpu_only: bool) -> str:
+    """The bank a Hugging Face or GGUF load builds: the one asked for, else on a CPU-only machine a GGUF
+    file's experts as stored where another bank would re-quantise them, else the checkpoint's default."""
+    if experts_dtype is None and kind == "gguf" and cpu_only and checkpoint.prefers_ggml():
+        return GGML_BANK
+    return experts_dtype or checkpoint.default_bank_dtype()
+
+
 def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights_dtype: str,
           cpu_only: bool = False) -> LoadedModel:
     kind = source_kind(path)
@@ -77,9 +85,7 @@ def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights
                     "to change the expert format")
         return _load_ftw_model(path, verify, progress)
     checkpoint = open_checkpoint(path)
-    if experts_dtype is None and kind == "gguf" and cpu_only and checkpoint.prefers_ggml():
-        experts_dtype = GGML_BANK
-    bank_dtype = experts_dtype or checkpoint.default_bank_dtype()
+    bank_dtype = _bank_dtype(checkpoint, kind, experts_dtype, cpu_only)
     if kind == "gguf":  # nothing the file holds changes silently (issue #31)
         for line in checkpoint.type_changes(bank_dtype, packed=weights_dtype == "auto"):
             log.warning("%s: %s", path.name, line)
@@ -221,15 +227,18 @@ def read_json(path: Path) -> dict:
         raise ModelFormatError(f"{path}: cannot read JSON ({exc})") from None
 
 
-def estimate_load(path: str | Path, experts_dtype: str | None = None, weights_dtype: str = "auto") -> LoadBytes:
+def estimate_load(path: str | Path, experts_dtype: str | None = None, weights_dtype: str = "auto",
+                  cpu_only: bool = False) -> LoadBytes:
     """Host RAM a load will need at its peak, from file headers only (checked before loading).
 
     FTW: the tensors as stored (non-expert weights widened when ``weights_dtype`` is fp32).
     Hugging Face / GGUF: non-expert weights in their run-time dtype, the bank in the dtype it will
-    have, and the working set of one chunk of experts being converted."""
+    have (``cpu_only`` as ``load_model``'s), and the working set of one chunk of experts being converted."""
     path = Path(path)
-    if source_kind(path) != "ftw":
-        return checkpoint_load_bytes(open_checkpoint(path), experts_dtype, weights_dtype)
+    kind = source_kind(path)
+    if kind != "ftw":
+        checkpoint = open_checkpoint(path)
+        return checkpoint_load_bytes(checkpoint, _bank_dtype(checkpoint, kind, experts_dtype, cpu_only), weights_dtype)
     index = read_ftw_index(path)
     weights = bank = 0
     for t in index.tensors.values():

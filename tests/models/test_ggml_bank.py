@@ -159,3 +159,18 @@ def test_on_the_cpu_a_file_the_default_bank_would_re_quantise_loads_as_stored(q4
     assert load_model(q8_path, cpu_only=True).bank.dtype == "q8"
     q4k_path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path / "q4k", expert_type=T.Q4_K, weight_type=T.Q8_0, **DIMS)
     assert load_model(q4k_path, cpu_only=True).bank.dtype == "int4"
+
+
+def test_the_load_estimate_counts_the_bank_the_load_builds(q4_k_m):
+    """The memory check before a load sizes the bank the load will build: on a CPU-only machine a
+    Q4_K_M file's experts as stored, not the int4 bank a device load would make."""
+    from moed.engine.load_plan import plan_load
+    from moed.engine.model_manager import LoadOptions
+    from moed.weights.model_loader import estimate_load
+
+    path, _ = q4_k_m
+    est = estimate_load(path, cpu_only=True)
+    assert est.bank_dtype == "ggml" and est.bank_bytes == load_model(path, cpu_only=True).bank.nbytes()
+    assert estimate_load(path).bank_dtype == "int4"
+    plan = plan_load(path, LoadOptions(context_length=256, device="cpu"))
+    assert plan.bank_dtype == "ggml" and plan.bank_bytes == est.bank_bytes
