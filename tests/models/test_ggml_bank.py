@@ -174,3 +174,14 @@ def test_the_load_estimate_counts_the_bank_the_load_builds(q4_k_m):
     assert estimate_load(path).bank_dtype == "int4"
     plan = plan_load(path, LoadOptions(context_length=256, device="cpu"))
     assert plan.bank_dtype == "ggml" and plan.bank_bytes == est.bank_bytes
+
+
+def test_converting_such_a_file_to_ftw_says_how_to_keep_its_types(q4_k_m, tmp_path, caplog):
+    from moed.weights.converter import convert_model
+
+    path, _ = q4_k_m
+    with caplog.at_level("WARNING", logger="moed.weights"):
+        convert_model(path, tmp_path / "out.ftw")
+    said = [r.getMessage() for r in caplog.records]
+    assert any("stored as Q6_K" in m for m in said), said  # the re-quantised down layers, named
+    assert any("to keep this file's types, run the GGUF file itself" in m for m in said), said
