@@ -47,7 +47,7 @@ def _random_bank(hidden: int, inter: int, dtype: str, bank_bytes: int, seed: int
 
 GGML_PREFIX = "ggml:"  # ggml:Q4_K ... one GGUF block type kept as stored (the ggml bank)
 # the fp16 fields of each kept type's block (byte offsets): set to small values so the random blocks
-# hold finite, moderate weights; MXFP4's e8m0 exponent (byte 0) gets 2^0
+# hold finite, moderate weights; MXFP4's e8m0 exponent (byte 0) gets 2^0, NVFP4's E4M3 scales 1.0
 _FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
                 "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
@@ -84,6 +84,8 @@ def _random_ggml_bank(hidden: int, inter: int, dtype: str, bank_bytes: int, seed
         blocks = raw.view(-1, bsize)
         if name == "MXFP4":
             blocks[:, 0] = 127
+        if name == "NVFP4":  # its four E4M3 scales: 0x38 is 1.0
+            blocks[:, 0:4] = 0x38
         for off in _FP16_FIELDS.get(name, ()):
             blocks[:, off:off + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
         tensors[f"{kind}.0"], types[f"{kind}.0"] = raw, ggml_type

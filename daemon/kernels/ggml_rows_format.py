@@ -17,7 +17,7 @@ from moed.kernels import gguf_quants as q
 
 # the GGUF types the ggml bank keeps (the kernels in native/cpu/ggml_rows.c read each)
 ROW_TYPES: tuple[int, ...] = (q.Q8_0, q.Q4_0, q.Q4_1, q.Q5_0, q.Q5_1, q.Q2_K, q.Q3_K, q.Q4_K, q.Q5_K, q.Q6_K,
-                              q.IQ4_NL, q.IQ4_XS, q.MXFP4)
+                              q.IQ4_NL, q.IQ4_XS, q.MXFP4, q.NVFP4)
 
 
 # values per activation scale the kernels of a type need (native/cpu/ggml_rows.h, moed_ggml_act_span):

@@ -28,7 +28,7 @@ _BLOCK_SIZES: dict[int, tuple[int, int]] = {int(t): size for t, size in GGML_QUA
 F32, F16, BF16 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)
 Q8_0, Q4_0, Q4_1 = int(GGMLQuantizationType.Q8_0), int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1)
 Q4_K, Q5_K, Q6_K = int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K), int(GGMLQuantizationType.Q6_K)
-MXFP4 = int(GGMLQuantizationType.MXFP4)
+MXFP4, NVFP4 = int(GGMLQuantizationType.MXFP4), int(GGMLQuantizationType.NVFP4)
 Q5_0, Q5_1 = int(GGMLQuantizationType.Q5_0), int(GGMLQuantizationType.Q5_1)
 Q2_K, Q3_K = int(GGMLQuantizationType.Q2_K), int(GGMLQuantizationType.Q3_K)
 IQ4_NL, IQ4_XS = int(GGMLQuantizationType.IQ4_NL), int(GGMLQuantizationType.IQ4_XS)
@@ -36,7 +36,7 @@ IQ4_NL, IQ4_XS = int(GGMLQuantizationType.IQ4_NL), int(GGMLQuantizationType.IQ4_
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 SUPPORTED_TYPES: tuple[int, ...] = (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
-                                    IQ4_NL, IQ4_XS, MXFP4)
+                                    IQ4_NL, IQ4_XS, MXFP4, NVFP4)
 
 
 class UnsupportedGgufType(ValueError):
@@ -155,6 +155,14 @@ def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+def _ue4m3_half(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4's scale bytes ``uint8`` -> float32, gguf's ``NVFP4.ue4m3_to_fp32``: unsigned E4M3 (bit 7
+    ignored, bias 7, subnormal at exponent 0) times 1/2; the byte 0x7F (NaN) is 0."""
+    e, m = ((x >> 3) & 0x0F).to(torch.int32), (x & 7).to(torch.float32)
+    value = torch.where(e == 0, m * 2.0 ** -10, (m + 8) * torch.exp2((e - 11).to(torch.float32)))
+    return torch.where(x == 0x7F, torch.zeros_like(value), value)
+
+
 def _q4_k_codes(qs: torch.Tensor) -> torch.Tensor:
     """Q4_K / Q5_K's 128 low-nibble bytes ``[NB, 128]`` -> codes ``uint8 [NB, 8, 32]`` (sub-block, weight):
     32-byte chunk c holds sub-block 2c in its low nibbles and 2c + 1 in its high ones."""
@@ -229,6 +237,9 @@ def _dequant_blocks(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
     if ggml_type == MXFP4:  # e e8m0, qs[16] (two E2M1 codes): w = kvalue(code) * 2**(e - 128)
         # ggml doubles the E2M1 table and halves the scale: the product is the OCP e2m1 * 2**(e - 127).
         return torch.mul(_mxfp4_doubled(_nibbles(b[:, 1:])), _e8m0_half(b[:, 0:1]))
+    if ggml_type == NVFP4:  # d ue4m3[4], qs[32] (8 bytes per 16: low nibbles 0-7, high 8-15): w = d_h/2 * kvalue
+        codes = _mxfp4_doubled(_nibbles(b[:, 4:].reshape(-1, 4, 8)))  # [NB, 4, 16]
+        return torch.mul(codes, _ue4m3_half(b[:, 0:4]).unsqueeze(-1)).view(-1, 64)
     if ggml_type == Q4_K:  # d, dmin fp16, scales[12], qs[128]: w = d * sc_j * q - dmin * m_j
         ds, dm = _q4_k_params(b)
         w = torch.mul(_q4_k_codes(b[:, 16:]), ds.unsqueeze(-1))  # [NB, 8, 32]

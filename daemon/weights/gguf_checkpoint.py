@@ -56,14 +56,16 @@ REPACKED_BANK = {q.Q8_0: "q8", q.MXFP4: "mxfp4", q.Q4_0: "int4", q.Q4_1: "int4",
 # (5-6 bits -> q8: its 255 levels re-quantise them well under their own step; 2-3 bits and the
 # non-linear IQ4 levels -> int4, which keeps the file's size class: q8 would double an IQ4_XS model)
 DEFAULT_BANK = {q.F32: "fp32", q.F16: "fp32", q.BF16: "bf16", **REPACKED_BANK, q.Q5_K: "q8", q.Q6_K: "q8",
-                q.Q5_0: "q8", q.Q5_1: "q8", q.Q2_K: "int4", q.Q3_K: "int4", q.IQ4_NL: "int4", q.IQ4_XS: "int4"}
+                q.Q5_0: "q8", q.Q5_1: "q8", q.Q2_K: "int4", q.Q3_K: "int4", q.IQ4_NL: "int4", q.IQ4_XS: "int4",
+                q.NVFP4: "int4"}
 _REPACKERS = {"q8": q.to_q8_bank, "mxfp4": q.to_mxfp4_bank, "int4": q.to_int4_bank}
 _QUANTISERS = {"q8": quantize_q8, "mxfp4": quantize_mxfp4, "int4": quantize_int4}
 # bank tensor suffixes, in the order the repackers and quantisers return them (cache/host_bank.py)
 _PACKED_PARTS = {"q8": ("qs", "d"), "mxfp4": ("fp4", "e8m0"), "int4": ("q", "scale", "min")}
 # stored type of a 2-D weight that goes through linear() -> the PackedLinear dtype it loads as
 PACKED_LINEAR = {q.Q8_0: "q8", q.Q4_0: "int4", q.Q4_1: "int4", q.Q4_K: "int4", q.Q5_K: "q8", q.Q6_K: "q8",
-                 q.Q5_0: "q8", q.Q5_1: "q8", q.Q2_K: "q8", q.Q3_K: "q8", q.IQ4_NL: "q8", q.IQ4_XS: "q8"}
+                 q.Q5_0: "q8", q.Q5_1: "q8", q.Q2_K: "q8", q.Q3_K: "q8", q.IQ4_NL: "q8", q.IQ4_XS: "q8",
+                 q.NVFP4: "q8"}
 # canonical names (after "model.layers.{i}.") of the weights layers/linear.py's linear() multiplies
 # with: the router (linear_f32, F32 in GGUF files) and the [1, D] shared-expert gate are not packed
 _LINEAR_WEIGHTS = frozenset({

@@ -40,6 +40,8 @@ int moed_ggml_block_weights(int type) {
     case MOED_GGML_Q2_K: case MOED_GGML_Q3_K: case MOED_GGML_Q4_K: case MOED_GGML_Q5_K: case MOED_GGML_Q6_K:
     case MOED_GGML_IQ4_XS:
         return 256;
+    case MOED_GGML_NVFP4:
+        return 64;
     default:
         return 0;
     }
@@ -58,6 +60,7 @@ int moed_ggml_block_bytes(int type) {
     case MOED_GGML_Q8_0: return 34;
     case MOED_GGML_IQ4_NL: return 18;
     case MOED_GGML_MXFP4: return 17;
+    case MOED_GGML_NVFP4: return 36;
     case MOED_GGML_Q2_K: return 84;
     case MOED_GGML_Q3_K: return 110;
     case MOED_GGML_Q4_K: return 144;
@@ -109,6 +112,18 @@ static void decode_group(int type, const uint8_t *b, int g, int8_t c[32], float 
             c[i + 16] = e2m1_doubled[b[1 + i] >> 4];
         }
         sc[0] = sc[1] = d;
+        return;
+    }
+    case MOED_GGML_NVFP4: {  /* scales d[4], then 8 bytes per 16 weights: low nibbles 0-7, high 8-15 */
+        for (int h = 0; h < 2; h++) {
+            const int sub = 2 * g + h;
+            const uint8_t *qs = b + 4 + 8 * sub;
+            for (int i = 0; i < 8; i++) {
+                c[16 * h + i] = e2m1_doubled[qs[i] & 0xF];
+                c[16 * h + 8 + i] = e2m1_doubled[qs[i] >> 4];
+            }
+            sc[h] = moed_ue4m3_half(b[sub]);
+        }
         return;
     }
     case MOED_GGML_Q4_K: case MOED_GGML_Q5_K: {
@@ -231,6 +246,7 @@ SCALAR_DOT(dot_q6_k, MOED_GGML_Q6_K)
 SCALAR_DOT(dot_iq4_nl, MOED_GGML_IQ4_NL)
 SCALAR_DOT(dot_iq4_xs, MOED_GGML_IQ4_XS)
 SCALAR_DOT(dot_mxfp4, MOED_GGML_MXFP4)
+SCALAR_DOT(dot_nvfp4, MOED_GGML_NVFP4)
 
 moed_ggml_dot_fn moed_ggml_dot_avx2(int type);  /* ggml_rows_avx2.c: NULL where it has none */
 
@@ -259,6 +275,7 @@ moed_ggml_dot_fn moed_ggml_dot(int type, int isa) {
     case MOED_GGML_IQ4_NL: return dot_iq4_nl;
     case MOED_GGML_IQ4_XS: return dot_iq4_xs;
     case MOED_GGML_MXFP4: return dot_mxfp4;
+    case MOED_GGML_NVFP4: return dot_nvfp4;
     default: return NULL;
     }
 }

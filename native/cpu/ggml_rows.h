@@ -17,6 +17,7 @@
  *   Q6_K   q - 32 in -32..31; d * sc (int8 sc per 16); 0
  *   IQ4_NL level[q] (int8); d; 0                IQ4_XS level[q]; d * (ls - 32) (6-bit ls per 32); 0
  *   MXFP4  2 * e2m1(q) (int8); 2^(e - 128); 0
+ *   NVFP4  2 * e2m1(q) (int8); ue4m3(d_h) / 2 (an unsigned E4M3 scale per 16, 4 per 64-weight block); 0
  * The torch twin (moed.kernels.ggml_rows_format.rows_product_reference) multiplies the gguf-decoded
  * rows with the same int8 activations, so the two agree to float rounding.
  *
@@ -35,7 +36,8 @@
 enum {
     MOED_GGML_Q4_0 = 2, MOED_GGML_Q4_1 = 3, MOED_GGML_Q5_0 = 6, MOED_GGML_Q5_1 = 7, MOED_GGML_Q8_0 = 8,
     MOED_GGML_Q2_K = 10, MOED_GGML_Q3_K = 11, MOED_GGML_Q4_K = 12, MOED_GGML_Q5_K = 13, MOED_GGML_Q6_K = 14,
-    MOED_GGML_IQ4_NL = 20, MOED_GGML_IQ4_XS = 23, MOED_GGML_MXFP4 = 39, MOED_GGML_NUM_TYPES = 40
+    MOED_GGML_IQ4_NL = 20, MOED_GGML_IQ4_XS = 23, MOED_GGML_MXFP4 = 39, MOED_GGML_NVFP4 = 40,
+    MOED_GGML_NUM_TYPES = 41
 };
 
 typedef struct {
@@ -71,5 +73,17 @@ int moed_ggml_act_span(int type);
 /* weights and bytes per block of a type these kernels read, 0 otherwise */
 int moed_ggml_block_weights(int type);
 int moed_ggml_block_bytes(int type);
+
+/* NVFP4's scale byte as gguf.quants' NVFP4.ue4m3_to_fp32 reads it: unsigned E4M3 (bit 7 ignored, bias 7,
+ * subnormal for exponent 0) times 1/2 (the codes are doubled E2M1 values); the byte 0x7F (NaN) reads as 0,
+ * 0xFF as 240 (gguf's test is on the whole byte) */
+static inline float moed_ue4m3_half(uint8_t x) {
+    const uint32_t v = x & 0x7Fu;
+    if (x == 0x7F) return 0.0f;
+    if (v < 8) return (float)v * 0.0009765625f;  /* m * 2^-10 */
+    union { uint32_t u; float f; } r;
+    r.u = (v + (119u << 3)) << 20;  /* (1 + m / 8) * 2^(e - 8) */
+    return r.f;
+}
 
 #endif

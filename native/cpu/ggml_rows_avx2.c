@@ -321,6 +321,42 @@ static void dot_mxfp4(const uint8_t *row, int64_t K, const int8_t *xq, const flo
     }
 }
 
+/* NVFP4: per 64 weights four unsigned-E4M3 scales, then 8 bytes per 16 weights (low nibbles weights
+ * 0-7, high 8-15); w = ue4m3(d_h) / 2 * (2 e2m1(q)). Each half block is one group of 32: its two
+ * 16-weight runs rearranged into weight order by one unpack of the 8-byte halves */
+static void dot_nvfp4(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t nb = K / 64, groups = K / 32;
+    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                           0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups;
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = row + i * 36;
+            if (t == 0 && (i & 1) == 0) prefetch_block(b, 72);
+            for (int h = 0; h < 2; h++) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(b + 4 + 16 * h));
+                const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+                const __m256i codes = _mm256_shuffle_epi8(
+                    table, _mm256_setr_m128i(_mm_unpacklo_epi64(lo, hi), _mm_unpackhi_epi64(lo, hi)));
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(q + 64 * i + 32 * h));
+                const __m256 p = _mm256_cvtepi32_ps(sdot(codes, x));
+                const float sg = s[2 * i + h];
+                const __m256 f = halves(moed_ue4m3_half(b[2 * h]) * sg, moed_ue4m3_half(b[2 * h + 1]) * sg);
+                if (h)
+                    acc1 = _mm256_fmadd_ps(p, f, acc1);
+                else
+                    acc = _mm256_fmadd_ps(p, f, acc);
+            }
+        }
+        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1));
+    }
+}
+
 /* IQ4_XS: 8 sub-blocks of 32, w = d (ls - 32) level(q) */
 static void dot_iq4_xs(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
                        float *y, int64_t ldy) {
@@ -522,6 +558,7 @@ moed_ggml_dot_fn moed_ggml_dot_avx2(int type) {
     case MOED_GGML_Q5_0: return dot_q5_0;
     case MOED_GGML_Q5_1: return dot_q5_1;
     case MOED_GGML_MXFP4: return dot_mxfp4;
+    case MOED_GGML_NVFP4: return dot_nvfp4;
     case MOED_GGML_IQ4_XS: return dot_iq4_xs;
     case MOED_GGML_Q2_K: return dot_q2_k;
     case MOED_GGML_Q3_K: return dot_q3_k;

@@ -1,4 +1,5 @@
-/* AVX-512 VNNI kernels of the GGUF block rows (ggml_rows.h) for Q4_K, Q5_K and Q6_K, the types of most files:
+/* AVX-512 VNNI kernels of the GGUF block rows (ggml_rows.h) for Q4_K, Q5_K and Q6_K, the types of most files
+ * (and the 32-weight types, IQ4_XS and NVFP4, below):
  * four groups of 32 per pair of 512-bit `vpdpbusd` (64 unsigned codes x 64 int8 activations -> 16 int32
  * sums, lanes 0-7 one group, 8-15 another), where the AVX2 kernel needs two instructions per group.
  * The arithmetic is the AVX2 kernel's (ggml_rows_avx2.c), in another order of float additions. */
@@ -288,6 +289,75 @@ B32_TYPE(dot_q8_0, MOED_GGML_Q8_0)
 B32_TYPE(dot_iq4_nl, MOED_GGML_IQ4_NL)
 B32_TYPE(dot_mxfp4, MOED_GGML_MXFP4)
 
+/* NVFP4 (ggml_rows.h): one 64-weight block per vpdpbusd. Its 32 code bytes split into low and high
+ * nibbles ([lo | hi]) and one qword permute puts the 64 codes in weight order (16-weight run s: the low
+ * nibbles of bytes 8s..8s+7, then their high ones); the magnitudes 2|e2m1| are looked up and each sign
+ * bit negates its activation instead, so lanes 4s..4s+3 sum run s (|sum| <= 4 * 12 * 127). */
+static inline __m512i nvfp4_sums(const uint8_t *b, const int8_t *x64) {
+    const __m512i mag = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12));
+    const __m512i nib_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    __m512i z = _mm512_and_si512(
+        _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 4))), nib_shift),
+        _mm512_set1_epi8(0x0F));
+    z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), z);
+    const __m512i x = _mm512_loadu_si512((const void *)x64);
+    const __m512i sx = _mm512_mask_sub_epi8(x, _mm512_test_epi8_mask(z, _mm512_set1_epi8(0x08)), _mm512_setzero_si512(), x);
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_shuffle_epi8(mag, z), sx);
+}
+
+/* 16 E4M3 scale bytes (4 blocks) as ue4m3 / 256 floats: a byte's low 7 bits shifted left by 7 are an
+ * fp16 of its value / 256, subnormals included; the byte 0x7F (NaN) reads as 0 (0xFF does not) */
+static inline __m512 nvfp4_scales(__m128i bytes) {
+    const __m256i w = _mm256_cvtepu8_epi16(bytes);
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(w, _mm256_set1_epi16(0x7F));
+    return _mm512_cvtph_ps(_mm256_maskz_slli_epi16((__mmask16)~nan, _mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+}
+
+/* Four blocks a step: their 16 scales decoded in one vector, times 128 (ue4m3 / 2) and the xs of their
+ * eight groups, then spread over each block's lanes. */
+static void dot_nvfp4(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t nb = K / 64, groups = K / 32, full = nb / 4 * 4;
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512 half = _mm512_set1_ps(128.0f);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups;
+        __m512 acc = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i < nb; i += 4) {
+            const uint8_t *b = row + i * 36;
+            const int n = i < full ? 4 : (int)(nb - i);
+            if (t == 0)
+                for (int l = 0; l < 144; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, GGML_PF_HINT);
+            __m128i sc = _mm_cvtsi32_si128((int)rd32(b));
+            __m256 s8 = _mm256_castps128_ps256(_mm_loadu_ps(s + 2 * i));
+            if (n == 4) {
+                sc = _mm_insert_epi32(_mm_insert_epi32(_mm_insert_epi32(sc, (int)rd32(b + 36), 1), (int)rd32(b + 72), 2),
+                                      (int)rd32(b + 108), 3);
+                s8 = _mm256_loadu_ps(s + 2 * i);
+            } else {  /* the last nb % 4 blocks */
+                uint32_t w[4] = {0, 0, 0, 0};
+                for (int j = 0; j < n; j++) w[j] = rd32(b + 36 * j);
+                sc = _mm_loadu_si128((const __m128i *)w);
+                s8 = _mm256_maskz_loadu_ps((__mmask8)((1u << (2 * n)) - 1), s + 2 * i);
+            }
+            const __m512 f16 = _mm512_mul_ps(_mm512_mul_ps(nvfp4_scales(sc), half),
+                                             _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(s8)));
+            for (int j = 0; j < n; j++) {
+                const __m512i p = nvfp4_sums(b + 36 * j, q + 64 * (i + j));
+                const __m512 f = _mm512_permutexvar_ps(quads(4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3), f16);
+                if (j & 1)
+                    acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc1);
+                else
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc);
+            }
+        }
+        y[(int64_t)t * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc1));
+    }
+}
+
 /* IQ4_XS: per 256, d, 8 six-bit scales ls (low nibbles in 4 bytes, top 2 bits in a u16) and the
  * IQ4_NL codes of eight groups of 32 (16 bytes each); w = d (ls - 32) level(q) */
 static void dot_iq4_xs(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
@@ -346,6 +416,7 @@ moed_ggml_dot_fn moed_ggml_dot_avx512vnni(int type) {
     case MOED_GGML_IQ4_NL: return dot_iq4_nl;
     case MOED_GGML_IQ4_XS: return dot_iq4_xs;
     case MOED_GGML_MXFP4: return dot_mxfp4;
+    case MOED_GGML_NVFP4: return dot_nvfp4;
     default: return NULL;
     }
 }

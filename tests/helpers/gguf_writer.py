@@ -127,6 +127,8 @@ def random_blocks(qtype: T, shape: tuple[int, ...], rng: np.random.Generator) ->
     start, count = scales
     values = rng.uniform(0.001, 0.02, size=(blocks.shape[0], count)).astype(np.float16)
     blocks[:, start:start + 2 * count] = values.view(np.uint8)
+    if qtype == T.NVFP4:  # four unsigned E4M3 scales per block, 2^-4 .. 2^1 (bit 7 random: ignored)
+        blocks[:, 0:4] = rng.integers(24, 64, size=(blocks.shape[0], 4)) | (rng.integers(0, 2, size=(blocks.shape[0], 4)) << 7)
     return blocks.reshape(*shape[:-1], shape[-1] // elems * size)
 
 

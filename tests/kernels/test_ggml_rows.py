@@ -36,7 +36,7 @@ def _lib():
 
 def test_the_kept_types_and_their_row_sizes():
     assert {q.type_name(t) for t in ROW_TYPES} == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
-                                                  "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
+                                                  "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4"}
     for t in TYPES:
         weights, size = GGML_QUANT_SIZES[t]
         assert row_bytes(int(t), 3 * weights) == 3 * size
@@ -50,7 +50,7 @@ def test_every_isa_matches_the_torch_twin(qtype):
     weights = GGML_QUANT_SIZES[qtype][0]
     # several blocks, an odd count of 32-groups; for the 32-weight types also whole runs of eight
     # blocks (the AVX-512 kernels' step) with and without a remainder
-    for k in (3 * weights,) if weights == 256 else (7 * weights, 16 * weights, 19 * weights):
+    for k in (3 * weights,) if weights == 256 else (5 * weights, 6 * weights, 7 * weights, 16 * weights, 19 * weights):
         raw = _rows(qtype, 5, k)
         x = torch.randn(3, k) * torch.linspace(0.1, 3.0, k)
         want, bound = rows_product_reference(raw, int(qtype), k, x)
@@ -76,6 +76,32 @@ def test_mxfp4_scales_at_the_bottom_of_the_range():
     for isa in lib.available_isas():
         got = torch.stack([lib.ggml_dot_one(int(T.MXFP4), isa, raw[r], xq, xs, xsum.float()) for r in range(5)], dim=1)
         assert bool(((got.double() - want).abs() <= 1e-5 * bound).all()), isa
+
+
+def _nvfp4_every_scale_byte(rows: int, k: int) -> torch.Tensor:
+    """NVFP4 rows whose scale bytes run through all 256 values: zero, subnormals, 0x7F (NaN: reads as 0),
+    bit 7 set (ignored, so 0xFF is 240) and the largest."""
+    raw = _rows(T.NVFP4, rows, k).reshape(-1, 36).clone()
+    raw[:, 0:4] = (torch.arange(raw.shape[0] * 4) % 256).to(torch.uint8).view(-1, 4)
+    return raw.reshape(rows, -1)
+
+
+def test_nvfp4_scales_of_every_byte_value():
+    """Every scale byte reads as gguf.quants reads it, in the twin and in every ISA's kernel."""
+    import gguf
+
+    lib = _lib()
+    k = 7 * 64
+    raw = _nvfp4_every_scale_byte(10, k)  # 280 blocks: every byte value at least once
+    ref = gguf.quants.dequantize(raw.numpy(), T.NVFP4)
+    assert torch.equal(dequantize_rows(raw, int(T.NVFP4), k), torch.from_numpy(np.asarray(ref, dtype=np.float32)))
+    x = torch.randn(2, k)
+    want, bound = rows_product_reference(raw, int(T.NVFP4), k, x)
+    xq, xs, xsum = quantize_activations(x)
+    for isa in lib.available_isas():
+        got = torch.stack([lib.ggml_dot_one(int(T.NVFP4), isa, raw[r], xq, xs, xsum.float()) for r in range(10)], dim=1)
+        assert bool(((got.double() - want).abs() <= 1e-5 * bound + 1e-30).all()), isa
+    assert torch.equal(lib.ggml_to_bf16(raw, int(T.NVFP4), k), dequantize_rows(raw, int(T.NVFP4), k).bfloat16())
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.IQ4_XS], ids=lambda t: t.name)

@@ -185,3 +185,21 @@ def test_converting_such_a_file_to_ftw_says_how_to_keep_its_types(q4_k_m, tmp_pa
     said = [r.getMessage() for r in caplog.records]
     assert any("stored as Q6_K" in m for m in said), said  # the re-quantised down layers, named
     assert any("to keep this file's types, run the GGUF file itself" in m for m in said), said
+
+
+def test_an_nvfp4_file_keeps_its_blocks_and_runs_as_the_reference(tmp_path):
+    """llama.cpp's NVFP4 (E2M1 codes, an unsigned E4M3 scale per 16) loads block for block on the CPU
+    and the model is transformers' on the gguf-decoded weights; for a device it is re-quantised to int4
+    and the load says so (issue #33)."""
+    path, _, model = write_tiny_gguf("qwen3_moe", tmp_path, expert_type=T.NVFP4, weight_type=T.Q8_0, **DIMS)
+    load_dequantised_into(model, "qwen3_moe", path)
+    bank = load_model(path, cpu_only=True).bank
+    assert bank.dtype == "ggml" and set(bank.row_types.values()) == {int(T.NVFP4)}
+    assert bank.nbytes() == sum(t.n_bytes for t in gguf.GGUFReader(str(path)).tensors if "_exps." in t.name)
+    runtime = open_runtime(path, experts_dtype="ggml", weights_dtype="fp32")
+    try:
+        with without_native_kernels():
+            assert_matches_reference(runtime, model, tol=1e-3, tokens_equal=True, steps=8, seed=3)
+    finally:
+        runtime.close()
+    assert load_model(path).bank.dtype == "int4"

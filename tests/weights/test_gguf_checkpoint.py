@@ -189,7 +189,8 @@ def test_k_quant_experts_without_an_int4_form_come_as_exact_float_rows_for_q8(tm
 
 
 @pytest.mark.parametrize("expert_type, bank_dtype", [(T.Q5_0, "q8"), (T.Q5_1, "q8"), (T.Q2_K, "int4"),
-                                                     (T.Q3_K, "int4"), (T.IQ4_NL, "int4"), (T.IQ4_XS, "int4")])
+                                                     (T.Q3_K, "int4"), (T.IQ4_NL, "int4"), (T.IQ4_XS, "int4"),
+                                                     (T.NVFP4, "int4")])
 def test_types_without_a_bank_form_load_re_quantised_and_say_so(tmp_path, expert_type, bank_dtype, caplog):
     """Q5_0/Q5_1, Q2_K/Q3_K and the IQ4 types decode bit for bit as gguf.quants does (test_gguf_quants.py)
     and are re-quantised into the closest bank; the load warns, naming the tensors and both types."""

@@ -25,9 +25,10 @@ EXPERT_SHAPE = (4, 64, 512)  # [E, rows, K], K holding two K-quant super-blocks 
 SHAPES = [EXPERT_SHAPE, (96, 256), (3, 256), (512,), (2, 3, 2, 256)]
 QUANTISABLE = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4]
 # types gguf cannot quantise (or not quickly): random bytes with finite fp16 scales instead
-K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.NVFP4]
 FP16_FIELDS = {T.Q4_K: [(0, 2), (2, 4)], T.Q5_K: [(0, 2), (2, 4)], T.Q6_K: [(208, 210)], T.Q2_K: [(80, 82), (82, 84)],
-               T.Q3_K: [(108, 110)], T.IQ4_NL: [(0, 2)], T.IQ4_XS: [(0, 2)]}
+               T.Q3_K: [(108, 110)], T.IQ4_NL: [(0, 2)], T.IQ4_XS: [(0, 2)],
+               T.NVFP4: []}  # NVFP4: every byte is a valid E4M3 scale
 
 
 def _torch_bytes(a: np.ndarray) -> torch.Tensor:
