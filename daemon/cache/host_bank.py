@@ -26,7 +26,9 @@ intermediate size, G = INT4_GROUP_SIZE = 32, the group size of every packed form
   ``l`` and matrix ``M`` in (gate, up, down), ``M.{l}`` uint8 ``[E, rows, row_bytes]``, each expert
   the GGUF tensor's rows of blocks (gate/up: I rows of D weights; down: D rows of I weights), in
   the GGML type ``row_types["M.{l}"]`` (a layer's matrices may differ, as a Q4_K_M file's Q6_K
-  down in some layers). Addressed by layer, not by flat id; CPU kernels only.
+  down in some layers). Addressed by layer, not by flat id; CPU kernels only. Optional
+  ``M.{l}.scale`` float32 ``[E]``: a factor per expert on that matrix's outputs (an NVFP4
+  checkpoint's per-tensor global scale; its blocks stay as stored).
 - optional biases (gpt-oss), always float32: ``gate_up_bias`` ``[N, 2I]``, ``down_bias``
   ``[N, D]``.
 """
@@ -90,6 +92,10 @@ class ExpertBank:
         """A ggml bank's ``kind`` (gate, up or down) of one MoE layer: ``(uint8 [E, rows, row_bytes], GGML type)``."""
         name = f"{kind}.{moe_layer}"
         return self.tensors[name], self.row_types[name]
+
+    def ggml_scale(self, kind: str, moe_layer: int) -> torch.Tensor | None:
+        """A ggml bank matrix's factor per expert (float32 ``[E]``, on the outputs), or None (1)."""
+        return self.tensors.get(f"{kind}.{moe_layer}.scale")
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())

@@ -366,7 +366,8 @@ def ggml_expert_gemm(bank: ExpertBank, flat_id: int, x: torch.Tensor) -> torch.T
 
     def times(kind: str, k: int, a: torch.Tensor) -> torch.Tensor:
         t, ggml_type = bank.ggml_matrix(kind, layer)
-        return torch.matmul(a, lib.ggml_to_bf16(t[expert], ggml_type, k).T)[:rows].float()
+        out = torch.matmul(a, lib.ggml_to_bf16(t[expert], ggml_type, k).T)[:rows].float()
+        return _ggml_scaled(out, bank, kind, layer, expert)
 
     h = torch.cat([times("gate", bank.hidden_size, padded), times("up", bank.hidden_size, padded)], dim=1)
     if "gate_up_bias" in bank.tensors:
@@ -378,6 +379,13 @@ def ggml_expert_gemm(bank: ExpertBank, flat_id: int, x: torch.Tensor) -> torch.T
     if "down_bias" in bank.tensors:
         y = y + bank.tensors["down_bias"][flat_id]
     return y
+
+
+def _ggml_scaled(out: torch.Tensor, bank: ExpertBank, kind: str, layer: int, expert: int) -> torch.Tensor:
+    """A ggml-bank matrix's outputs times its factor for ``expert`` (an NVFP4 checkpoint's global
+    scale, host_bank.py), as the native kernels apply it: before the biases."""
+    scale = bank.ggml_scale(kind, layer)
+    return out if scale is None else out * scale[expert]
 
 
 def _run_ggml(bank: ExpertBank, flat_id: int, x: torch.Tensor) -> torch.Tensor:
@@ -396,10 +404,11 @@ def _run_ggml(bank: ExpertBank, flat_id: int, x: torch.Tensor) -> torch.Tensor:
     for kind, k in (("gate", bank.hidden_size), ("up", bank.hidden_size), ("down", bank.intermediate_size)):
         t, ggml_type = bank.ggml_matrix(kind, layer)
         mats[kind] = dequantize_rows(t[expert], ggml_type, k)  # [rows, k] float32
-    h = torch.cat([x @ mats["gate"].T, x @ mats["up"].T], dim=1)
+    h = torch.cat([_ggml_scaled(x @ mats["gate"].T, bank, "gate", layer, expert),
+                   _ggml_scaled(x @ mats["up"].T, bank, "up", layer, expert)], dim=1)
     if "gate_up_bias" in bank.tensors:
         h = h + bank.tensors["gate_up_bias"][flat_id]
-    y = apply_activation(h, bank.activation) @ mats["down"].T
+    y = _ggml_scaled(apply_activation(h, bank.activation) @ mats["down"].T, bank, "down", layer, expert)
     if "down_bias" in bank.tensors:
         y = y + bank.tensors["down_bias"][flat_id]
     return y

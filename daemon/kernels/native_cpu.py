@@ -72,7 +72,8 @@ class _GgmlLayer(ctypes.Structure):
     """native/cpu/ggml_moe.c moed_ggml_layer: one MoE layer of a ggml bank."""
     _fields_ = [("gate", _GgmlMatrix), ("up", _GgmlMatrix), ("down", _GgmlMatrix), ("E", ctypes.c_int64),
                 ("act_kind", ctypes.c_int32), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
-                ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p)]
+                ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p),
+                ("gate_scale", ctypes.c_void_p), ("up_scale", ctypes.c_void_p), ("down_scale", ctypes.c_void_p)]
 
 
 def ggml_layer(bank, moe_layer: int) -> _GgmlLayer:
@@ -89,10 +90,16 @@ def ggml_layer(bank, moe_layer: int) -> _GgmlLayer:
     gu = bank.tensors.get("gate_up_bias")
     dn = bank.tensors.get("down_bias")
     act = bank.activation
+    scales = [bank.ggml_scale(kind, moe_layer) for kind in ("gate", "up", "down")]
+    for kind, s in zip(("gate", "up", "down"), scales):
+        if s is not None and (s.dtype != torch.float32 or tuple(s.shape) != (e,) or not s.is_contiguous()):
+            raise ValueError(f"ggml bank {kind}.{moe_layer}.scale: {s.dtype} {tuple(s.shape)} is not contiguous "
+                             f"float32 [{e}]")
     return _GgmlLayer(*mats, e, 0 if act.kind == "silu" else 1, act.alpha,
                       act.limit if math.isfinite(act.limit) else 3.0e38,
                       None if gu is None else gu.data_ptr() + moe_layer * e * gu.shape[1] * 4,
-                      None if dn is None else dn.data_ptr() + moe_layer * e * dn.shape[1] * 4)
+                      None if dn is None else dn.data_ptr() + moe_layer * e * dn.shape[1] * 4,
+                      *[None if s is None else s.data_ptr() for s in scales])
 
 
 def _moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, per_slot: torch.Tensor | None,

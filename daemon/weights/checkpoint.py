@@ -104,9 +104,9 @@ def checkpoint_load_bytes(checkpoint: Checkpoint, experts_dtype: str | None, wei
             continue
         specs = bank_tensor_specs(dtype, checkpoint.num_bank_rows, d, inter, moe.has_expert_bias)
         by_dtype[dtype] = sum(math.prod(shape) * tdtype.itemsize for shape, tdtype in specs.values())
-    ggml_nbytes = getattr(checkpoint, "ggml_bank_nbytes", None)  # GGUF only: its expert tensors as stored
+    ggml_nbytes = checkpoint.ggml_bank_nbytes()  # a GGUF file's expert tensors as stored, an NVFP4 checkpoint's
     if ggml_nbytes is not None:
-        by_dtype[GGML_BANK] = ggml_nbytes()
+        by_dtype[GGML_BANK] = ggml_nbytes
     bank_dtype = experts_dtype or checkpoint.default_bank_dtype()
     chunk = min(CHUNK_EXPERTS, moe.num_experts) * 3 * d * inter * 4 * 2  # float32 rows + their conversion
     embed = "model.embed_tokens.weight"

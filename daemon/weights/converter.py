@@ -42,10 +42,10 @@ def convert_model(src: str | Path, dst: str | Path, *, experts_dtype: str | None
     config = checkpoint.config
     experts_dtype = experts_dtype or checkpoint.default_bank_dtype()
     check_bank_dtype(config, experts_dtype)
-    for line in getattr(checkpoint, "type_changes", lambda *a, **k: [])(experts_dtype, packed=False):  # GGUF only
+    for line in checkpoint.type_changes(experts_dtype, packed=False):
         log.warning("%s: %s", src.name, line)
-    if getattr(checkpoint, "prefers_ggml", lambda: False)():
-        log.warning("%s: FTW holds moed's own expert banks; to keep this file's types, run the GGUF file itself "
+    if checkpoint.prefers_ggml():
+        log.warning("%s: FTW holds moed's own expert banks; to keep this checkpoint's types, run it itself "
                     "(`moed generate --model %s`: on a CPU-only machine its experts load as stored)", src.name, src)
     moe = config.moe
     # non-expert weights keep the checkpoint's dtype (a bf16 model's FTW holds bf16 attention weights).

@@ -16,7 +16,7 @@ from moed.errors import ModelFormatError, UnsupportedModelError, quoted
 SCALE_SUFFIX = "_scale_inv"  # "x.weight" -> "x.weight_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SUPPORTED = ("fp8 (block-scaled float8_e4m3fn, as DeepSeek-V3 / Qwen3-FP8 ship), "
-             "mxfp4 (gpt-oss's MXFP4 experts)")
+             "mxfp4 (gpt-oss's MXFP4 experts), compressed-tensors NVFP4 / MXFP8, modelopt NVFP4")
 MXFP4_METHOD = "mxfp4"  # handled by hf_checkpoint (experts only): not an FP8 layout
 
 
@@ -31,8 +31,8 @@ def fp8_config_of(raw_config: dict, where: str) -> Fp8Config | None:
     if q is None:
         return None
     method = q.get("quant_method") if isinstance(q, dict) else None
-    if method == MXFP4_METHOD:
-        return None
+    if method in (MXFP4_METHOD, "compressed-tensors", "modelopt"):
+        return None  # read by hf_checkpoint and weights/micro_scaled.py
     if method != "fp8":
         raise UnsupportedModelError(f"{where}: quantization_config.quant_method {quoted(method)} is not supported "
                                     f"(supported: {SUPPORTED}); use an unquantized (bf16) checkpoint")

@@ -15,12 +15,15 @@ from pathlib import Path
 
 import torch
 
-from moed.errors import ModelFormatError, quoted
+from moed.cache.expert_dtypes import EXPERT_DTYPES, GGML_BANK
+from moed.cache.host_bank import ExpertActivation, ExpertBank
+from moed.errors import InvalidRequestError, ModelFormatError, quoted
 from moed.models.families import Family, family_of, parse_model_config
 from moed.models.model_config import ModelConfig
 from moed.weights.expert_chunk import ExpertChunk
 from moed.weights.file_checks import require_regular_file
 from moed.weights.fp8_blocks import FP8_DTYPES, MXFP4_METHOD, SCALE_SUFFIX, dequantize_fp8_blocks, fp8_config_of
+from moed.weights.micro_scaled import MicroScaled, keeps_ggml_rows, micro_scaled_of
 from moed.weights.safetensors_files import SafetensorsFiles
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -54,8 +57,9 @@ class HfCheckpoint:
         self.fp8 = fp8_config_of(self.raw_config, where)
         quant = self.raw_config.get("quantization_config")
         self.is_mxfp4 = isinstance(quant, dict) and quant.get("quant_method") == MXFP4_METHOD
+        self.micro: MicroScaled | None = micro_scaled_of(self.raw_config, self.path, where)  # NVFP4 / MXFP8
         self.source = SafetensorsFiles(self.path)
-        self.weight_keys = _canonical_keys(self.config, self.family, self.source.keys())  # canonical -> HF
+        self.weight_keys = _canonical_keys(self.config, self.family, self.source.keys(), self.micro)  # canonical -> HF
 
     @property
     def num_bank_rows(self) -> int:
@@ -69,6 +73,9 @@ class HfCheckpoint:
             return "mxfp4"
         if self.fp8 is not None:
             return "bf16"
+        micro = self._micro_experts()
+        if micro is not None:  # MXFP8 is bf16 exactly; NVFP4 becomes int4 where the ggml bank does not keep it
+            return "bf16" if micro.kind == "mxfp8" else "int4"
         stored = self._expert_storage_dtype()
         return "bf16" if stored == torch.bfloat16 else "fp32"
 
@@ -81,15 +88,111 @@ class HfCheckpoint:
                 return self.source.dtype(key) if key in self.source else None
         return None
 
+    def _micro_experts(self) -> MicroScaled | None:
+        """The NVFP4 / MXFP8 layout when the routed experts are stored in it."""
+        if self.micro is None:
+            return None
+        key = self._first_expert_key()
+        return self.micro if key is not None and self.micro.is_quantised(self.source, self.micro.data_key(key)) \
+            else None
+
+    def _first_expert_key(self) -> str | None:
+        names = self.family.names
+        for layer in range(self.config.num_layers):
+            if self.config.moe_layers[layer] and not names.fused_down:
+                return names.moe_prefix.format(i=layer) + "." + names.expert_down.format(e=0)
+        return None
+
+    def _data_key(self, key: str) -> str:
+        return self.micro.data_key(key) if self.micro is not None else key
+
+    def prefers_ggml(self) -> bool:
+        """Whether the ggml bank keeps the routed experts as stored: NVFP4 experts whose rows fill whole
+        llama.cpp NVFP4 blocks (kernels/nvfp4_format.py); every other bank re-quantises them."""
+        micro = self._micro_experts()
+        d, inter = self.config.hidden_size, self.config.moe.intermediate_size
+        return micro is not None and micro.kind == "nvfp4" and keeps_ggml_rows(d) and keeps_ggml_rows(inter)
+
+    def ggml_bank_nbytes(self) -> int | None:
+        """Bytes of the ggml bank (NVFP4 rows and a float32 factor per expert matrix), None without one."""
+        if not self.prefers_ggml():
+            return None
+        d, inter = self.config.hidden_size, self.config.moe.intermediate_size
+        per_expert = 3 * d * inter // 64 * 36 + 3 * 4
+        return self.num_bank_rows * per_expert
+
+    def ggml_bank(self, activation: ExpertActivation) -> ExpertBank:
+        """NVFP4 routed experts kept block for block: each expert matrix's codes and E4M3 scales moved
+        into llama.cpp NVFP4 rows (no value changes), its per-tensor factor kept beside them
+        (``{kind}.{layer}.scale``, applied to the outputs by the kernels)."""
+        if not self.prefers_ggml():
+            raise InvalidRequestError(
+                f"--experts-dtype {GGML_BANK} keeps a GGUF file's own block types or an NVFP4 checkpoint's blocks; "
+                f"{self.path} is a Hugging Face directory without NVFP4 experts in whole 64-weight blocks: choose one "
+                f"of {', '.join(EXPERT_DTYPES)}")
+        from moed.kernels.gguf_quants import NVFP4 as GGML_NVFP4
+
+        config, names, moe = self.config, self.family.names, self.config.moe
+        d, inter, num_experts = config.hidden_size, moe.intermediate_size, moe.num_experts
+        tensors: dict[str, torch.Tensor] = {}
+        types: dict[str, int] = {}
+        for layer in range(config.num_layers):
+            if not config.moe_layers[layer]:
+                continue
+            ml = config.moe_layer_index(layer)
+            prefix = names.moe_prefix.format(i=layer) + "."
+            for kind, pattern, rows, k in (("gate", names.expert_gate, inter, d), ("up", names.expert_up, inter, d),
+                                           ("down", names.expert_down, d, inter)):
+                bank = torch.empty(num_experts, rows, k // 64 * 36, dtype=torch.uint8)
+                scale = torch.empty(num_experts, dtype=torch.float32)
+                for e in range(num_experts):
+                    key = self._data_key(prefix + pattern.format(e=e))
+                    if not self._quantised(key) or self._shape(key) != (rows, k):
+                        raise ModelFormatError(f"{self.path}: expert tensor {quoted(key)} is not an NVFP4 weight of "
+                                               f"shape [{rows}, {k}] like the layer's others")
+                    bank[e], scale[e] = self.micro.ggml_rows(self.source, key)
+                tensors[f"{kind}.{ml}"], types[f"{kind}.{ml}"] = bank, GGML_NVFP4
+                tensors[f"{kind}.{ml}.scale"] = scale
+        return ExpertBank(num_moe_layers=config.num_moe_layers, num_experts=num_experts, hidden_size=d,
+                          intermediate_size=inter, dtype=GGML_BANK, activation=activation, tensors=tensors,
+                          row_types=types)
+
+    def type_changes(self, bank_dtype: str, packed: bool = True) -> list[str]:
+        """What a load in ``bank_dtype`` changes in an NVFP4 / MXFP8 checkpoint, one line per kind of change
+        (nothing changes silently, as for GGUF files); ``packed`` is accepted for the GGUF interface."""
+        micro = self.micro
+        if micro is None:
+            return []
+        lines = []
+        experts = self._micro_experts()
+        lossless = {"nvfp4": (GGML_BANK, "fp32"), "mxfp8": ("bf16", "fp32")}
+        if experts is not None and bank_dtype not in lossless[micro.kind]:
+            lines.append(f"the routed experts stored as {micro.label} are converted into the {bank_dtype} expert "
+                         f"bank, which changes their values" + (": moed keeps NVFP4 experts as stored on the CPU (ggml bank) only"
+                                    if micro.kind == "nvfp4" else ""))
+        linears = [name for name, key in self.weight_keys.items() if self._quantised(key)]
+        if linears and micro.kind == "nvfp4":
+            shown = ", ".join(linears[:2]) + (f" and {len(linears) - 2} more" if len(linears) > 2 else "")
+            lines.append(f"{len(linears)} non-expert weight(s) stored as {micro.label} ({shown}) are decoded to bf16 "
+                         "(one rounding of each value): moed keeps no NVFP4 form for them yet")
+        return lines
+
+    def _quantised(self, key: str) -> bool:
+        return self.micro is not None and self.micro.is_quantised(self.source, key)
+
+    def _shape(self, key: str) -> tuple[int, ...]:
+        return self.micro.shape(self.source, key) if self._quantised(key) else self.source.shape(key)
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: self.source.shape(key) for name, key in self.weight_keys.items()}
+        return {name: self._shape(key) for name, key in self.weight_keys.items()}
 
     def weight_dtype(self, name: str) -> torch.dtype:
         """The dtype a non-expert weight is kept in: the checkpoint's own when it is float32, bf16 or
-        fp16 (computed with float32 accumulation, see layers/linear.py), bf16 for FP8 weights (their
-        block scales applied), else float32."""
-        stored = self.source.dtype(self.weight_keys[name])
-        if stored in FP8_DTYPES:
+        fp16 (computed with float32 accumulation, see layers/linear.py), bf16 for FP8, MXFP8 and NVFP4
+        weights (their scales applied; exact but for NVFP4's per-tensor factor), else float32."""
+        key = self.weight_keys[name]
+        stored = self.source.dtype(key)
+        if stored in FP8_DTYPES or self._quantised(key):
             return torch.bfloat16
         return stored if stored in NATIVE_WEIGHT_DTYPES else torch.float32
 
@@ -99,6 +202,8 @@ class HfCheckpoint:
 
     def _read(self, key: str) -> torch.Tensor:
         """A tensor as float32 (FP8 block scales applied), or in its own dtype when that is bf16/fp16/fp32."""
+        if self._quantised(key):
+            return self.micro.read(self.source, key)
         stored = self.source.dtype(key)
         if stored not in FP8_DTYPES:
             return self.source.get(key, None if stored in NATIVE_WEIGHT_DTYPES else torch.float32)
@@ -192,10 +297,11 @@ class HfCheckpoint:
         return self.source.get(key, None)
 
     def _shaped(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        key = self._data_key(key)
         if key not in self.source:
             raise ModelFormatError(
                 f"{self.path}: expert tensor {quoted(key)} is missing (config.json expects shape {list(shape)})")
-        got = self.source.shape(key)
+        got = self._shape(key)
         if got != shape:
             raise ModelFormatError(
                 f"{self.path}: tensor {quoted(key)} has shape {list(got)} but config.json implies {list(shape)}; "
@@ -203,8 +309,10 @@ class HfCheckpoint:
         return self._read(key).float()
 
 
-def _canonical_keys(config: ModelConfig, family: Family, keys: list[str]) -> dict[str, str]:
-    """Canonical non-expert weight name -> the HF tensor that holds it (routed experts excluded)."""
+def _canonical_keys(config: ModelConfig, family: Family, keys: list[str], micro: MicroScaled | None = None
+                    ) -> dict[str, str]:
+    """Canonical non-expert weight name -> the HF tensor that holds it (routed experts excluded; an
+    NVFP4 / MXFP8 weight's scales are read with it)."""
     names = family.names
     renames = {names.router + ".weight": "router.weight"}
     if names.router_bias:
@@ -217,10 +325,13 @@ def _canonical_keys(config: ModelConfig, family: Family, keys: list[str]) -> dic
     if names.shared_gate:
         renames[names.shared_gate + ".weight"] = "shared_gate.weight"
     mapping: dict[str, str] = {}
-    for key in keys:
+    for hf_key in keys:
+        key = micro.canonical(hf_key) if micro is not None else hf_key
+        if key is None:
+            continue  # an NVFP4 / MXFP8 scale: read with its weight
         if names.skip_prefixes and key.startswith(names.skip_prefixes):
             continue  # a vision tower, multi-token prediction: not used for text generation
-        hf_key = key
+        name = key
         if names.language_prefix and key.startswith(names.language_prefix):
             key = "model." + key[len(names.language_prefix):]  # its canonical name
         match = _LAYER.match(key)
@@ -231,8 +342,8 @@ def _canonical_keys(config: ModelConfig, family: Family, keys: list[str]) -> dic
             continue  # FP8 block scales are read with their weights
         if layer is not None and config.moe_layers[layer]:
             prefix = names.moe_prefix.format(i=layer) + "."
-            if hf_key.startswith(prefix):
-                rel = hf_key[len(prefix):]
+            if name.startswith(prefix):
+                rel = name[len(prefix):]
                 if rel in renames:
                     mapping[f"model.layers.{layer}.mlp.{renames[rel]}"] = hf_key
                 # routed experts (rel starts with "experts.") are read by expert_chunks

@@ -62,8 +62,9 @@ def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bo
 
 def _bank_dtype(checkpoint, kind: str, experts_dtype: str | None, cpu_only: bool) -> str:
     """The bank a Hugging Face or GGUF load builds: the one asked for, else on a CPU-only machine a GGUF
-    file's experts as stored where another bank would re-quantise them, else the checkpoint's default."""
-    if experts_dtype is None and kind == "gguf" and cpu_only and checkpoint.prefers_ggml():
+    file's (or an NVFP4 checkpoint's) experts as stored where another bank would re-quantise them,
+    else the checkpoint's default."""
+    if experts_dtype is None and kind != "ftw" and cpu_only and checkpoint.prefers_ggml():
         return GGML_BANK
     return experts_dtype or checkpoint.default_bank_dtype()
 
@@ -71,10 +72,9 @@ def _bank_dtype(checkpoint, kind: str, experts_dtype: str | None, cpu_only: bool
 def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights_dtype: str,
           cpu_only: bool = False) -> LoadedModel:
     kind = source_kind(path)
-    if experts_dtype == GGML_BANK and kind != "gguf":
-        raise InvalidRequestError(f"--experts-dtype {GGML_BANK} keeps a GGUF file's own block types; {path} is "
-                                  f"{'an FTW directory' if kind == 'ftw' else 'a Hugging Face directory'}: choose one "
-                                  f"of {', '.join(EXPERT_DTYPES)}")
+    if experts_dtype == GGML_BANK and kind == "ftw":
+        raise InvalidRequestError(f"--experts-dtype {GGML_BANK} keeps a GGUF file's own block types or an NVFP4 "
+                                  f"checkpoint's blocks; {path} is an FTW directory: choose one of {', '.join(EXPERT_DTYPES)}")
     if kind == "ftw":
         if experts_dtype is not None:
             index = read_ftw_index(path)
@@ -86,7 +86,7 @@ def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights
         return _load_ftw_model(path, verify, progress)
     checkpoint = open_checkpoint(path)
     bank_dtype = _bank_dtype(checkpoint, kind, experts_dtype, cpu_only)
-    if kind == "gguf":  # nothing the file holds changes silently (issue #31)
+    if kind in ("gguf", "hf"):  # nothing the file holds changes silently (issue #31)
         for line in checkpoint.type_changes(bank_dtype, packed=weights_dtype == "auto"):
             log.warning("%s: %s", path.name, line)
     if bank_dtype == GGML_BANK:

@@ -4,8 +4,8 @@
  *   gather   each run expert's tokens; their int8 activations (moed_quantize_act_span: the span the
  *            gate and up rows need, ggml_rows.h) side by side
  *   phase 1  tasks (expert, gate or up, a stretch of rows): dot products -> g_e, u_e [T_e][I]
- *   phase 2  per expert: biases, activation -> h_e [T_e][I], quantised to int8 (the down rows' span)
- *   phase 3  tasks (expert, a stretch of down rows) -> o_e [T_e][D] (+ bias), scattered to the slots
+ *   phase 2  per expert: scales, biases, activation -> h_e [T_e][I], quantised to int8 (the down rows' span)
+ *   phase 3  tasks (expert, a stretch of down rows) -> o_e [T_e][D] (x scale, + bias), scattered to the slots
  *   merge    y[t] = sum over a ascending of weight[t][a] * out[t][a] over the slots run
  * A task's rows are one contiguous stretch of memory (one stream for the prefetchers). */
 #include <math.h>
@@ -63,10 +63,11 @@ static void phase2(void *ctx, int64_t task, int thread) {
     const run_expert *e = &j->ex[task];
     const moed_ggml_layer *L = j->L;
     const float *b = L->gate_up_bias ? L->gate_up_bias + e->expert * 2 * j->I : NULL;
+    const float sg = L->gate_scale ? L->gate_scale[e->expert] : 1.0f, su = L->up_scale ? L->up_scale[e->expert] : 1.0f;
     for (int t = 0; t < e->T; t++) {
         const int64_t row = (e->first + t) * j->I;
         for (int64_t i = 0; i < j->I; i++) {
-            float g = j->g[row + i], u = j->u[row + i];
+            float g = j->g[row + i] * sg, u = j->u[row + i] * su;
             if (b) { g += b[i]; u += b[j->I + i]; }
             j->h[row + i] = moed_activate(L->act_kind, g, u, L->alpha, L->limit);
         }
@@ -189,12 +190,15 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
     moed_pool_run(pool, phase1, &j, (int64_t)nex * j.t1);
     moed_pool_run(pool, phase2, &j, nex);
     moed_pool_run(pool, phase3, &j, (int64_t)nex * j.t3);
-    /* down bias, scatter to the slots */
+    /* down scale and bias, scatter to the slots */
     for (int i = 0; i < nex; i++) {
         const float *b = L->down_bias ? L->down_bias + ex[i].expert * D : NULL;
+        const float sd = L->down_scale ? L->down_scale[ex[i].expert] : 1.0f;
         for (int t = 0; t < ex[i].T; t++) {
             int64_t row = ex[i].first + t;
             float *out = o + row * D;
+            if (L->down_scale)
+                for (int64_t c = 0; c < D; c++) out[c] *= sd;
             if (b)
                 for (int64_t c = 0; c < D; c++) out[c] += b[c];
             if (per_slot) memcpy(per_slot + slot_of[row] * D, out, sizeof(float) * (size_t)D);

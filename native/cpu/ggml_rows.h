@@ -55,6 +55,9 @@ typedef struct {
     float alpha, limit;
     const float *gate_up_bias;        /* [E][2I] (gate, then up) or NULL */
     const float *down_bias;           /* [E][D] or NULL */
+    /* [E] or NULL (1): a factor per expert on each matrix's outputs, before the biases (an NVFP4
+     * checkpoint's per-tensor global scale: its blocks stay as stored, the factor multiplies after) */
+    const float *gate_scale, *up_scale, *down_scale;
 } moed_ggml_layer;
 
 /* ids [N][A]: the layer's expert of each slot (-1: not run here); per_slot [N][A][D] and y [N][D]

@@ -128,7 +128,7 @@ def test_only_gguf_sources_and_kept_types_load_as_ggml(tmp_path):
     path, hf, _ = write_tiny_gguf("qwen3_moe", tmp_path, expert_type=T.F32)
     with pytest.raises(InvalidRequestError, match="is F32; the ggml bank keeps .*Q4_K.*: load it with another"):
         load_model(path, experts_dtype="ggml")
-    with pytest.raises(InvalidRequestError, match="ggml keeps a GGUF file's own block types; .* is a Hugging Face"):
+    with pytest.raises(InvalidRequestError, match="keeps a GGUF file.s own block types or an NVFP4 checkpoint.s blocks; .* is a Hugging Face"):
         load_model(hf, experts_dtype="ggml")
 
 
@@ -184,7 +184,7 @@ def test_converting_such_a_file_to_ftw_says_how_to_keep_its_types(q4_k_m, tmp_pa
         convert_model(path, tmp_path / "out.ftw")
     said = [r.getMessage() for r in caplog.records]
     assert any("stored as Q6_K" in m for m in said), said  # the re-quantised down layers, named
-    assert any("to keep this file's types, run the GGUF file itself" in m for m in said), said
+    assert any("to keep this checkpoint's types, run it itself" in m for m in said), said
 
 
 def test_an_nvfp4_file_keeps_its_blocks_and_runs_as_the_reference(tmp_path):
