@@ -43,6 +43,36 @@ class UnsupportedGgufType(ValueError):
     """A GGUF tensor is stored in a GGML type this module does not read."""
 
 
+_DECODED: tuple[int, ...] | None = None
+
+
+def decoded_types() -> tuple[int, ...]:
+    """GGML types with no torch decoder here that the ``gguf`` package's reference (numpy) decodes:
+    IQ1-IQ3, TQ1_0/TQ2_0, Q8_1, ... are read through it (slower, the same values); found once by
+    asking it to decode one zero block of each type."""
+    global _DECODED
+    if _DECODED is None:
+        import numpy as np
+        from gguf import quants as reference
+
+        found = []
+        for t in GGMLQuantizationType:
+            if int(t) in SUPPORTED_TYPES or t not in GGML_QUANT_SIZES:
+                continue
+            try:
+                reference.dequantize(np.zeros((1, GGML_QUANT_SIZES[t][1]), dtype=np.uint8), t)
+            except (NotImplementedError, ValueError, TypeError, KeyError, AttributeError):
+                continue
+            found.append(int(t))
+        _DECODED = tuple(found)
+    return _DECODED
+
+
+def readable(ggml_type: int) -> bool:
+    """Whether ``dequantize`` reads the type (its own decoders or the ``gguf`` package's)."""
+    return int(ggml_type) in SUPPORTED_TYPES or int(ggml_type) in decoded_types()
+
+
 def type_name(ggml_type: int) -> str:
     """``"Q4_K"`` for 12; ``"type 99"`` for an id ggml does not define."""
     return _TYPE_NAMES.get(int(ggml_type), f"type {int(ggml_type)}")
@@ -54,11 +84,12 @@ def _supported_names() -> str:
 
 def _check_supported(ggml_type: int, what: str) -> int:
     ggml_type = int(ggml_type)
-    if ggml_type not in SUPPORTED_TYPES:
+    if not readable(ggml_type):
         raise UnsupportedGgufType(
             f"{what}: GGML type {type_name(ggml_type)} (id {ggml_type}) is not supported; moed reads "
-            f"{_supported_names()}. Convert the model with llama.cpp's llama-quantize to one of those "
-            "(e.g. Q4_K_M or Q8_0)")
+            f"{_supported_names()} and, through the gguf package, "
+            f"{', '.join(type_name(t) for t in decoded_types())}. Convert the model with llama.cpp's "
+            "llama-quantize to one of those (e.g. Q4_K_M or Q8_0)")
     return ggml_type
 
 
@@ -283,9 +314,17 @@ def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> tor
     elems = block_size(ggml_type)[0]
     out = torch.empty((b.shape[0], elems), dtype=torch.float32, device=b.device)
     step = max(1, DEQUANT_SLICE // elems)
+    decode = _dequant_blocks if ggml_type in SUPPORTED_TYPES else _reference_blocks
     for start in range(0, b.shape[0], step):
-        out[start:start + step] = _dequant_blocks(b[start:start + step], ggml_type)
+        out[start:start + step] = decode(b[start:start + step], ggml_type)
     return out.view(shape)
+
+
+def _reference_blocks(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """Blocks ``uint8 [NB, bytes]`` of a type only the ``gguf`` package decodes -> float32 ``[NB, elems]``."""
+    from gguf import quants as reference
+
+    return torch.from_numpy(reference.dequantize(b.cpu().numpy(), GGMLQuantizationType(ggml_type)).astype("float32"))
 
 
 def _expert_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...], accepted: tuple[int, ...],
@@ -293,7 +332,7 @@ def _expert_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...], ac
     """Check an expert tensor ``[E, R, K]`` of an ``accepted`` type; its blocks ``uint8 [E, R, K/block, bytes]``."""
     ggml_type = _check_supported(ggml_type, f"{what}: expert tensor of shape {tuple(shape)}")
     if ggml_type not in accepted:
-        raise ValueError(f"{what} takes {', '.join(type_name(t) for t in accepted)} expert tensors, "
+        raise UnsupportedGgufType(f"{what} takes {', '.join(type_name(t) for t in accepted)} expert tensors, "
                          f"got {type_name(ggml_type)}")
     if len(shape) != 3:
         raise ValueError(f"{what}: an expert tensor must be 3-D [experts, rows, K], got shape {tuple(shape)}")

@@ -185,7 +185,7 @@ class GgufCheckpoint:
         if not counts:
             return "fp32"
         ranked = sorted(counts, key=lambda t: (counts[t], q.block_size(t)[1] / q.block_size(t)[0]))
-        return DEFAULT_BANK[ranked[-1]]
+        return DEFAULT_BANK.get(ranked[-1], "int4")  # a type only gguf decodes (IQ1-IQ3, TQ): 4 bits
 
     def type_changes(self, bank_dtype: str | None = None, *, packed: bool = True) -> list[str]:
         """What loading changes about the stored tensors, one line per (stored type, loaded form): routed
@@ -446,10 +446,11 @@ class GgufCheckpoint:
             raise ModelFormatError(f"{self.path}: tensor {quoted(name)} is missing; the file is incomplete or was not "
                                    f"written by llama.cpp's converter for {self.arch}")
         info = self.file.tensor(name)
-        if info.ggml_type not in q.SUPPORTED_TYPES:
+        if not q.readable(info.ggml_type):
             raise ModelFormatError(
                 f"{self.path}: tensor {quoted(name)} is stored as {info.type_name}, which moed does not read "
-                f"(it reads {', '.join(q.type_name(t) for t in q.SUPPORTED_TYPES)}); {REQUANTISE}")
+                f"(it reads {', '.join(q.type_name(t) for t in (*q.SUPPORTED_TYPES, *q.decoded_types()))}); "
+                f"{REQUANTISE}")
         return info
 
 

@@ -323,14 +323,41 @@ def test_a_dense_llama_file_is_refused_as_not_moe(tmp_path):
         GgufCheckpoint(path)
 
 
-def test_an_unsupported_tensor_type_is_refused(tmp_path):
-    path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path, tensor_types={"blk.1.ffn_down_exps.weight": T.IQ2_XXS},
+def test_a_type_only_gguf_decodes_is_read_through_it_and_the_load_says_so(tmp_path):
+    """IQ1-IQ3 and TQ types have no decoder or kernel of moed's own: the gguf package's reference decodes
+    them, the experts go into the nearest bank and every load names the tensors and both types
+    (issue #31); the model is transformers' on the gguf-decoded weights."""
+    from helpers.gguf_writer import load_dequantised_into
+    from helpers.native_switch import without_native_kernels
+    from helpers.reference_parity import assert_matches_reference
+    from moed.engine.runtime import open_runtime
+
+    name = "blk.1.ffn_down_exps.weight"
+    path, _, model = write_tiny_gguf("qwen3_moe", tmp_path, expert_type=T.Q4_K, weight_type=T.Q8_0,
+                                     tensor_types={name: T.IQ2_XXS}, **K_QUANT_DIMS)
+    checkpoint = GgufCheckpoint(path)
+    raw = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == name)
+    want = gguf.quants.dequantize(np.asarray(raw.data), T.IQ2_XXS)
+    assert np.array_equal(checkpoint._dequantized(name).numpy(), want.reshape(checkpoint._dequantized(name).shape))
+    lines = checkpoint.type_changes("int4")
+    assert any("stored as IQ2_XXS" in s and name in s and "int4 expert bank" in s for s in lines), lines
+    load_dequantised_into(model, "qwen3_moe", path)
+    runtime = open_runtime(path, experts_dtype="fp32", weights_dtype="fp32")
+    try:
+        with without_native_kernels():
+            assert_matches_reference(runtime, model.eval(), tol=1e-3, steps=4)
+    finally:
+        runtime.close()
+
+
+def test_a_type_nothing_decodes_is_refused(tmp_path):
+    path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path, tensor_types={"blk.1.ffn_down_exps.weight": T.Q8_K},
                                  **K_QUANT_DIMS)
     with pytest.raises(ModelFormatError) as info:
         GgufCheckpoint(path)
     message = str(info.value)
     assert "\n" not in message and str(path) in message
-    assert "'blk.1.ffn_down_exps.weight' is stored as IQ2_XXS" in message and "llama-quantize" in message
+    assert "'blk.1.ffn_down_exps.weight' is stored as Q8_K" in message and "llama-quantize" in message
 
 
 def test_a_dense_qwen2moe_layer_is_refused(tmp_path):

@@ -138,12 +138,22 @@ def test_nbytes() -> None:
         gq.nbytes(int(T.Q8_0), ())
 
 
+def test_types_only_gguf_decodes_go_through_it() -> None:
+    assert {"IQ2_XXS", "IQ3_S", "IQ1_M", "TQ2_0"} <= {gq.type_name(t) for t in gq.decoded_types()}
+    rng = np.random.default_rng(0)
+    for qtype in (T.IQ2_XXS, T.IQ3_S):
+        blocks = rng.integers(0, 256, size=(5, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+        blocks[:, 0:2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+        got = gq.dequantize(torch.from_numpy(blocks.reshape(-1)), int(qtype), (5, 256))
+        assert np.array_equal(got.numpy(), ref_quants.dequantize(blocks, qtype).reshape(5, 256))
+
+
 def test_unsupported_type_names_it_and_the_supported_ones() -> None:
     with pytest.raises(gq.UnsupportedGgufType) as info:
-        gq.dequantize(torch.zeros(66, dtype=torch.uint8), int(T.IQ2_XXS), (256,))
+        gq.dequantize(torch.zeros(292, dtype=torch.uint8), int(T.Q8_K), (256,))
     assert isinstance(info.value, ValueError)
     message = str(info.value)
-    assert "IQ2_XXS" in message and all(gq.type_name(t) in message for t in gq.SUPPORTED_TYPES)
+    assert "Q8_K" in message and all(gq.type_name(t) in message for t in gq.SUPPORTED_TYPES + gq.decoded_types())
     with pytest.raises(gq.UnsupportedGgufType, match="type 99"):
         gq.dequantize(torch.zeros(4, dtype=torch.uint8), 99, (1,))
     with pytest.raises(gq.UnsupportedGgufType, match="type 99"):
