@@ -55,22 +55,33 @@ def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, *, times: torch.
     return (values * group.unsqueeze(-1)).reshape(n, -1)
 
 
-def to_ggml_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """A checkpoint's NVFP4 codes and scales -> llama.cpp NVFP4 rows uint8 ``[N, K/64 * 36]``, the same
-    values times the same per-tensor factor. K must be a multiple of 64; a NaN scale is refused."""
+def to_ggml_nvfp4(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A checkpoint's NVFP4 codes and scales -> llama.cpp NVFP4 rows uint8 ``[N, K/64 * 36]`` (into ``out``
+    when given), the same values times the same per-tensor factor. K must be a multiple of 64; a NaN
+    scale is refused."""
     n, half = packed.shape
     k = 2 * half
     if k % GGML_NVFP4_BLOCK:
         raise ValueError(f"NVFP4 rows of {k} weights do not fill whole {GGML_NVFP4_BLOCK}-weight blocks")
+    nb = k // GGML_NVFP4_BLOCK
     sbytes = scale.contiguous().view(torch.uint8)
     if bool(((sbytes & 0x7F) == E4M3_NAN).any()):
         raise ValueError("an NVFP4 scale is NaN (E4M3 0x7F)")
-    codes = nvfp4_codes(packed).view(n, k // NVFP4_GROUP, NVFP4_GROUP)
-    codes = codes ^ ((sbytes >> 7) << 3).unsqueeze(-1)  # a negative scale's sign moves onto its codes
-    runs = codes.view(n, k // GGML_NVFP4_BLOCK, 4, 2, 8)
-    qs = (runs[:, :, :, 0, :] | (runs[:, :, :, 1, :] << 4)).reshape(n, k // GGML_NVFP4_BLOCK, 32)
-    scales = (sbytes & 0x7F).view(n, k // GGML_NVFP4_BLOCK, 4)
-    return torch.cat([scales, qs], dim=-1).reshape(n, -1).contiguous()
+    out = torch.empty(n, nb * 36, dtype=torch.uint8) if out is None else out
+    blocks = out.view(n, nb, 36)
+    # per 16 weights, 8 bytes: the checkpoint's byte i holds weights 2i (low) and 2i + 1 (high); ggml's
+    # byte j holds j (low) and 8 + j (high). With lo = bytes 0-3 (weights 0-7), hi = bytes 4-7:
+    # ggml byte 2i = lo[i] low | hi[i] low << 4, byte 2i + 1 = lo[i] high >> 4 | hi[i] high
+    runs = packed.reshape(n, k // NVFP4_GROUP, 2, 4)
+    negative = sbytes >> 7
+    if bool(negative.any()):
+        runs = runs ^ (negative * 0x88).view(n, -1, 1, 1)  # a negative scale's sign moves onto its codes
+    lo, hi = runs[:, :, 0].reshape(n, nb, 4, 4), runs[:, :, 1].reshape(n, nb, 4, 4)  # [row, block, run, i]
+    qs = blocks[:, :, 4:].unflatten(2, (4, 4, 2))  # [row, block, run, i, even/odd byte]
+    torch.bitwise_or(lo & 0x0F, hi << 4, out=qs[..., 0])
+    torch.bitwise_or(lo >> 4, hi & 0xF0, out=qs[..., 1])
+    torch.bitwise_and(sbytes.view(n, nb, 4), 0x7F, out=blocks[:, :, :4])
+    return out
 
 
 def dequantize_mxfp8(fp8: torch.Tensor, e8m0: torch.Tensor) -> torch.Tensor:

@@ -144,15 +144,13 @@ class HfCheckpoint:
             for kind, pattern, rows, k in (("gate", names.expert_gate, inter, d), ("up", names.expert_up, inter, d),
                                            ("down", names.expert_down, d, inter)):
                 bank = torch.empty(num_experts, rows, k // 64 * 36, dtype=torch.uint8)
-                scale = torch.empty(num_experts, dtype=torch.float32)
-                for e in range(num_experts):
-                    key = self._data_key(prefix + pattern.format(e=e))
+                keys = [self._data_key(prefix + pattern.format(e=e)) for e in range(num_experts)]
+                for key in keys:
                     if not self._quantised(key) or self._shape(key) != (rows, k):
                         raise ModelFormatError(f"{self.path}: expert tensor {quoted(key)} is not an NVFP4 weight of "
                                                f"shape [{rows}, {k}] like the layer's others")
-                    bank[e], scale[e] = self.micro.ggml_rows(self.source, key)
+                tensors[f"{kind}.{ml}.scale"] = self.micro.ggml_rows(self.source, keys, bank)
                 tensors[f"{kind}.{ml}"], types[f"{kind}.{ml}"] = bank, GGML_NVFP4
-                tensors[f"{kind}.{ml}.scale"] = scale
         return ExpertBank(num_moe_layers=config.num_moe_layers, num_experts=num_experts, hidden_size=d,
                           intermediate_size=inter, dtype=GGML_BANK, activation=activation, tensors=tensors,
                           row_types=types)

@@ -86,19 +86,26 @@ class MicroScaled:
             return dequantize_nvfp4(data, scale, divided_by=self._scalar(source, base + "_global_scale"))
         return dequantize_nvfp4(data, scale, times=self._scalar(source, base + "_scale_2"))
 
-    def ggml_rows(self, source: SafetensorsFiles, key: str) -> tuple[torch.Tensor, float]:
-        """An NVFP4 weight as llama.cpp NVFP4 rows ``uint8 [N, K/64 * 36]`` and the float32 factor its
-        outputs take (1/g or ModelOpt's s2): the same values, without loss."""
-        base = key[:-len("_packed")] if key.endswith(".weight_packed") else key
-        data, scale = self._checked(source, key, base)
-        if self.producer == CT_METHOD:
-            factor = 1.0 / float(self._scalar(source, base + "_global_scale"))
-        else:
-            factor = float(self._scalar(source, base + "_scale_2"))
+    def ggml_rows(self, source: SafetensorsFiles, keys: list[str], out: torch.Tensor) -> torch.Tensor:
+        """NVFP4 weights of one shape (a layer's experts of one kind) as llama.cpp NVFP4 rows into ``out``
+        ``uint8 [len(keys), N, K/64 * 36]``, the same values without loss; returns the float32 factor
+        each one's outputs take (1/g, or ModelOpt's s2), ``[len(keys)]``."""
+        n, k = self.shape(source, keys[0])
+        data = torch.empty(len(keys), n, k // 2, dtype=torch.uint8)
+        scales = torch.empty(len(keys), n, k // NVFP4_GROUP, dtype=torch.float8_e4m3fn)
+        factors = torch.empty(len(keys), dtype=torch.float32)
+        for i, key in enumerate(keys):
+            base = key[:-len("_packed")] if key.endswith(".weight_packed") else key
+            data[i], scales[i] = self._checked(source, key, base)
+            if self.producer == CT_METHOD:
+                factors[i] = 1.0 / self._scalar(source, base + "_global_scale").float()
+            else:
+                factors[i] = self._scalar(source, base + "_scale_2")
         try:
-            return to_ggml_nvfp4(data, scale), factor
+            to_ggml_nvfp4(data.view(-1, k // 2), scales.view(-1, k // NVFP4_GROUP), out.view(len(keys) * n, -1))
         except ValueError as exc:
-            raise ModelFormatError(f"{source.entries[key].file}: {quoted(key)}: {exc}") from None
+            raise ModelFormatError(f"{source.path}: {quoted(keys[0].rsplit('.', 3)[0])}: {exc}") from None
+        return factors
 
     def _checked(self, source: SafetensorsFiles, key: str, base: str) -> tuple[torch.Tensor, torch.Tensor]:
         where = f"{source.entries[key].file}: {quoted(key)}"
