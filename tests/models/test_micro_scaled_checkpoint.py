@@ -229,3 +229,19 @@ def test_each_layout_converts_and_matches_its_reference(checkpoints, tmp_path, c
                                      what=f"{family} {layout} ftw")
         finally:
             runtime.close()
+
+
+def test_a_modelopt_export_with_only_hf_quant_config_is_nvfp4(checkpoints, tmp_path):
+    """Older ModelOpt exports say NVFP4 only in hf_quant_config.json; config.json has no quantization_config."""
+    from moed.weights.micro_scaled import MicroScaled
+
+    _, paths, _ = checkpoints
+    bare = _edited(paths["modelopt"], tmp_path / "bare")
+    config = json.loads((bare / "config.json").read_text())
+    del config["quantization_config"]
+    (bare / "config.json").write_text(json.dumps(config))
+    checkpoint = HfCheckpoint(bare)
+    assert checkpoint.micro == MicroScaled("nvfp4", "modelopt") and checkpoint.prefers_ggml()
+    (bare / "hf_quant_config.json").write_text("not json")
+    with pytest.raises(ModelFormatError, match="hf_quant_config.json: not a ModelOpt quantization file"):
+        HfCheckpoint(bare)
