@@ -70,3 +70,9 @@ class AttentionConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer picks each query's top
+    # ``index_topk`` keys (0: every key, no indexer)
+    index_topk: int = 0
+    index_num_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleaved: bool = False  # GLM-5 rotates the indexer's pairs (x0, x1)...; V3.2 its halves

@@ -14,13 +14,18 @@ from moed.layers.layer_config import AttentionConfig
 from moed.layers.norms import rms_norm
 from moed.layers.paged_attention import attend_paged
 from moed.layers.rotary import RotaryEmbedding
+from moed.layers.sparse_indexer import LightningIndexer
 from moed.runner.forward_batch import ForwardBatch
 
 
 class MlaAttention:
     def __init__(self, cfg: AttentionConfig, weights: dict[str, torch.Tensor], prefix: str, layer: int,
-                 rotary: RotaryEmbedding, window: int | None, eps: float) -> None:
+                 rotary: RotaryEmbedding, window: int | None, eps: float, *, index_source: int | None = None) -> None:
+        """``index_source`` (sparse attention): the layer whose lightning indexer picks this layer's keys (this
+        one's own ``{prefix}.indexer``, or an earlier layer's in the same step)."""
         self.cfg, self.layer, self.rotary, self.eps = cfg, layer, rotary, eps
+        self.index_source = index_source
+        self.indexer = (LightningIndexer(cfg, weights, f"{prefix}.indexer") if index_source == layer else None)
         get = lambda name: weights.get(f"{prefix}.{name}")  # noqa: E731
         self.q_proj = get("q_proj.weight")
         self.q_a, self.q_a_bias, self.q_a_norm = get("q_a_proj.weight"), get("q_a_proj.bias"), get("q_a_layernorm.weight")
@@ -32,21 +37,25 @@ class MlaAttention:
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
-    def cache_entries_for(cfg: AttentionConfig) -> dict[str, tuple[int, ...]]:
-        """Per-token KV-cache entries: the compressed latent and the shared rotary key."""
-        return {"latent": (cfg.kv_lora_rank,), "k_rot": (cfg.qk_rope_head_dim,)}
+    def cache_entries_for(cfg: AttentionConfig, *, indexer: bool = False) -> dict[str, tuple[int, ...]]:
+        """Per-token KV-cache entries: the compressed latent and the shared rotary key (and the lightning
+        indexer's key on a layer that runs one)."""
+        entries = {"latent": (cfg.kv_lora_rank,), "k_rot": (cfg.qk_rope_head_dim,)}
+        return {**entries, **LightningIndexer.cache_entries_for(cfg)} if indexer else entries
 
     def cache_entries(self) -> dict[str, tuple[int, ...]]:
-        return self.cache_entries_for(self.cfg)
+        return self.cache_entries_for(self.cfg, indexer=self.indexer is not None)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         cfg = self.cfg
         bsz, steps, _ = x.shape
+        q_resid = None
         if self.q_a is None:
             q = linear(x, self.q_proj)
         else:
-            q = linear(rms_norm(linear(x, self.q_a, self.q_a_bias), self.q_a_norm, self.eps), self.q_b)
+            q_resid = rms_norm(linear(x, self.q_a, self.q_a_bias), self.q_a_norm, self.eps)
+            q = linear(q_resid, self.q_b)
         q = q.view(bsz, steps, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim).transpose(1, 2)
         q_pass, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)  # [B, H, T, *]
         compressed = linear(x, self.kv_a, self.kv_a_bias)
@@ -56,6 +65,7 @@ class MlaAttention:
         k_rot = self.rotary.apply(k_rot[:, None], *cos_sin)[:, 0]  # [B, T, Rr], shared by all heads
         cache.write(self.layer, "latent", latent, batch)
         cache.write(self.layer, "k_rot", k_rot, batch)
+        chosen = None if self.index_source is None else self._choose(x, q_resid, batch, cache, cos_sin)
         # each sequence with a few new tokens (decode) attends the latent cache itself; longer ones (prefill)
         # expand it through kv_b, where that is the faster form
         absorb = not isinstance(self.kv_b, PackedLinear)
@@ -66,30 +76,54 @@ class MlaAttention:
         for seqs, absorbed in ((short, True), (long, False)):
             if not seqs:
                 continue
+            picked = None if chosen is None else [chosen[i] for i in seqs]
             if len(seqs) == count:  # every sequence: attend in the step's own layout
                 part = self._attend(q_pass, q_rot, latent.dtype, batch, cache, seqs, batch.rows, batch.offsets,
-                                    absorbed)
+                                    absorbed, picked)
             else:  # some: their tokens gathered into one packed row, and the result put back in place
                 places = _places(batch, seqs)
                 lengths = [batch.lengths[i] for i in seqs]
                 offsets = [sum(lengths[:j]) for j in range(len(seqs))]
                 sub = self._attend(_take(q_pass, places), _take(q_rot, places), latent.dtype, batch, cache, seqs,
-                                   [0] * len(seqs), offsets, absorbed)
+                                   [0] * len(seqs), offsets, absorbed, picked)
                 part = torch.zeros(bsz * steps, sub.shape[-1], dtype=sub.dtype, device=sub.device)
                 part[places] = sub[0]
                 part = part.view(bsz, steps, -1)
             out = part if out is None else out + part
         return linear(out, self.wo, self.bo)
 
+    def _choose(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch, cache: KVCache,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor | None]:
+        """Sparse attention: each sequence's key positions per query (LightningIndexer.select), from this layer's
+        indexer (its keys cached first), or the ones its source layer chose earlier in this step."""
+        key = ("dsa_chosen", self.index_source)
+        if self.indexer is None:
+            return batch.memo[key]
+        indexer = self.indexer
+        cache.write(self.layer, "index_k", indexer.keys(x, cos_sin), batch)
+        q, w = indexer.queries(x, q_resid, cos_sin)
+
+        def read_keys(seq: int, j0: int, j1: int) -> torch.Tensor:
+            return cache.read_range(self.layer, "index_k", batch, seq, j0, j1, torch.float32)
+
+        chosen = []
+        for seq in range(len(batch.lengths)):
+            row, off, start, n = batch.segment(seq)
+            chosen.append(indexer.select(q[row, off:off + n], w[row, off:off + n], read_keys, seq, start))
+        batch.memo[key] = chosen
+        return chosen
+
     def _attend(self, q_pass: torch.Tensor, q_rot: torch.Tensor, dtype: torch.dtype, batch: ForwardBatch,
-                cache: KVCache, seqs: list[int], rows: list[int], offsets: list[int], absorbed: bool) -> torch.Tensor:
+                cache: KVCache, seqs: list[int], rows: list[int], offsets: list[int], absorbed: bool,
+                chosen: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """Attention of the sequences ``seqs`` of the step, whose queries ``q_pass / q_rot [R, H, T, *]`` are at
-        ``rows`` / ``offsets`` -> ``[R, T, H * Dv]``."""
+        ``rows`` / ``offsets`` -> ``[R, T, H * Dv]``; ``chosen``: their keys per query (sparse attention)."""
         cfg = self.cfg
         heads, nope, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         starts, lengths = [batch.starts[i] for i in seqs], [batch.lengths[i] for i in seqs]
         if absorbed:
-            return self._absorbed_attention(q_pass, q_rot, dtype, batch, cache, seqs, starts, lengths, rows, offsets)
+            return self._absorbed_attention(q_pass, q_rot, dtype, batch, cache, seqs, starts, lengths, rows, offsets,
+                                            chosen)
 
         def read_kv(local: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
             # one block of the sequence's latent cache expanded through kv_b: keys [H, kb, Rn + Rr], values [H, kb, Dv]
@@ -102,7 +136,7 @@ class MlaAttention:
         query = torch.cat([q_pass, q_rot], dim=-1)  # [R, H, T, Rn + Rr]
         # a block of keys costs H x (Rn + Rr + Dv) floats per key once expanded: smaller blocks than MHA's
         return attend_paged(query, read_kv, starts, lengths, cfg.scaling, value_dim=dv, key_block=MLA_KEY_BLOCK,
-                            rows=rows, offsets=offsets)
+                            rows=rows, offsets=offsets, chosen=chosen)
 
     def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b split per head into W_uk [H, Rn, C] and W_uv [H, Dv, C] (views of the weight when it already
@@ -115,7 +149,7 @@ class MlaAttention:
 
     def _absorbed_attention(self, q_pass: torch.Tensor, q_rot: torch.Tensor, dtype: torch.dtype, batch: ForwardBatch,
                             cache: KVCache, seqs: list[int], starts: list[int], lengths: list[int], rows: list[int],
-                            offsets: list[int]) -> torch.Tensor:
+                            offsets: list[int], chosen: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """Attention on the latent cache itself (DeepSeek's "absorbed" form, for decode): the nope part of each
         query goes through W_uk into the latent space, so every key is [latent | k_rot] shared by all heads
         (one KV head) and every value the latent; the per-head output leaves through W_uv. Reads L x (C + Rr)
@@ -132,7 +166,7 @@ class MlaAttention:
             return torch.cat([lat, rot], dim=-1)[None], lat[None]  # one KV head
 
         out_lat = attend_paged(query, read_kv, starts, lengths, cfg.scaling, value_dim=cfg.kv_lora_rank, rows=rows,
-                               offsets=offsets)
+                               offsets=offsets, chosen=chosen)
         out_lat = out_lat.view(bsz, steps, heads, cfg.kv_lora_rank)
         return torch.einsum("bthc,hvc->bthv", out_lat, w_uv).reshape(bsz, steps, heads * cfg.v_head_dim)
 

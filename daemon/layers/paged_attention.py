@@ -25,11 +25,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from moed.layers.sparse_indexer import selection_mask
+
 KEY_BLOCK = 4096  # keys per block before the new tokens (MHA: 4096 x Hk x (Dk + Dv) floats, ~8 MB at 4 x 128)
 QUERY_TILE = 1024  # new tokens attended together: their own keys form a causal square of at most this side
 # where blocks run block_reference (not the CPU's flash kernel: CUDA today), the scores of one block are
 # materialised: query tiles and key blocks shrink so that H x n x kb stays under this many floats
 REFERENCE_SCORES = 1 << 24
+FLASH_MASK_MIN = 1 << 12  # a masked block of at least this many n x kb places runs the CPU flash kernel
 
 # read_kv(seq, j0, j1) -> (keys [Hk, j1 - j0, Dk], values [Hk, j1 - j0, Dv]) of keys j0..j1-1 of that sequence
 ReadKV = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -59,22 +62,34 @@ def block_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if k.shape[0] == 1 and q.shape[0] > 1 and mask is None and not causal:
+    if k.shape[0] == 1 and q.shape[0] > 1 and not causal:
         # one KV head (MLA on its latent cache) and every key visible: the heads are just more queries of
         # that head, so the block is one [H * n, kb] product instead of H thin ones
         # the explicit product (block_reference): the block's scores are [H * n, kb] (bounded by the key
         # block), and two GEMMs beat the CPU flash kernel here (it pads v to k's width and tiles for many
         # queries per head: DeepSeek-V3 at 8k keys, float32, 2 cores: 12 vs 25 ms)
+        # (a mask [n, kb] is the same for every head: repeated per head's rows)
         heads, n = q.shape[0], q.shape[1]
-        out, lse = block_reference(q.reshape(1, heads * n, q.shape[-1]), k, v, scale)
+        out, lse = block_reference(q.reshape(1, heads * n, q.shape[-1]), k, v, scale,
+                                   None if mask is None else mask.repeat(heads, 1))
         return out.reshape(heads, n, out.shape[-1]), lse.reshape(heads, n)
-    if mask is None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype:
+    if (mask is None or mask.shape[0] * mask.shape[1] >= FLASH_MASK_MIN) and q.device.type == "cpu" \
+            and q.dtype == k.dtype == v.dtype:
         dim, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
         if q.shape[-1] != dim or dv != dim:  # the kernel wants one head size (MLA: 192 for q/k, 128 for v):
             q, k, v = (F.pad(t, (0, dim - t.shape[-1])) for t in (q, k, v))  # zeros change no score
+        # a mask (sliding window, sparse attention) goes in additive, [n, kb] for every head
+        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), 0.0, causal, scale=scale)
-        return out[0, ..., :dv], lse[0].to(out.dtype)
+            q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), 0.0, causal,
+            attn_mask=None if bias is None else bias[None, None], scale=scale)
+        out, lse = out[0, ..., :dv], lse[0].to(out.dtype)
+        if mask is not None:  # the kernel gives a query that sees no key of the block lse 0: it must be -inf
+            blind = ~mask.any(dim=1)
+            if bool(blind.any()):
+                lse = lse.masked_fill(blind[None], float("-inf"))
+                out = out.masked_fill(blind[None, :, None], 0.0)
+        return out, lse
     return block_reference(q, k, v, scale, mask, causal)
 
 
@@ -90,9 +105,10 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: t
 
 def attend_row(q: torch.Tensor, read_kv: ReadKV, row: int, start: int, scale: float, *, window: int | None = None,
                sinks: torch.Tensor | None = None, value_dim: int | None = None,
-               key_block: int | None = None) -> torch.Tensor:
+               key_block: int | None = None, chosen: torch.Tensor | None = None) -> torch.Tensor:
     """q [H, n, Dk] of one sequence whose first new token is at position ``start`` (its keys 0..start+n-1 are
-    in the pool, the new ones included) -> [H, n, Dv]."""
+    in the pool, the new ones included) -> [H, n, Dv]. ``chosen`` [n, K]: the only key positions each query
+    may attend (sparse attention; still causal)."""
     heads, n = q.shape[0], q.shape[1]
     end = start + n
     lo = 0 if window is None else max(0, start - window + 1)
@@ -109,6 +125,11 @@ def attend_row(q: torch.Tensor, read_kv: ReadKV, row: int, start: int, scale: fl
                 positions = torch.arange(start, end, device=q.device)[:, None]
             keys = torch.arange(j0, j1, device=q.device)[None, :]
             mask, causal = (keys <= positions) & (keys > positions - window), False
+        if chosen is not None:
+            picked = selection_mask(chosen, j0, j1)
+            if causal:  # the new tokens' own keys: query i sees keys 0..i of the square
+                picked &= torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            mask, causal = picked if mask is None else mask & picked, False
         part, part_lse = _block(q, k, v, scale, mask, causal)
         out, lse = (part, part_lse) if out is None else _merge(out, lse, part, part_lse)
         j0 = j1
@@ -124,13 +145,14 @@ def attend_row(q: torch.Tensor, read_kv: ReadKV, row: int, start: int, scale: fl
 def attend_paged(q: torch.Tensor, read_kv: ReadKV, starts: list[int], lengths: list[int], scale: float, *,
                  window: int | None = None, sinks: torch.Tensor | None = None, value_dim: int,
                  key_block: int | None = None, rows: list[int] | None = None,
-                 offsets: list[int] | None = None) -> torch.Tensor:
+                 offsets: list[int] | None = None, chosen: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """q [R, H, T, Dk] -> [R, T, H * Dv], zeros where no sequence is. Sequence i has ``lengths[i]`` new tokens
     from position ``starts[i]`` (their keys already in the pool) at places ``offsets[i]..`` of tensor row
     ``rows[i]`` (default: row i from place 0, the padded layout; ForwardBatch.segment). ``read_kv`` is called
     with the sequence's index. Each sequence's new tokens are attended in query tiles of QUERY_TILE: a tile's
     keys are everything before it (in blocks of ``key_block``, default KEY_BLOCK: callers whose blocks cost
-    more per key pass less) and its own causal square."""
+    more per key pass less) and its own causal square. ``chosen[i]`` (sparse attention): sequence i's key
+    positions per query, [n, K], or None (every key)."""
     num_rows, heads, steps, _ = q.shape
     out = torch.zeros(num_rows, steps, heads * value_dim, dtype=q.dtype, device=q.device)
     tile, key_block = QUERY_TILE, key_block or KEY_BLOCK
@@ -139,11 +161,13 @@ def attend_paged(q: torch.Tensor, read_kv: ReadKV, starts: list[int], lengths: l
         key_block = max(16, min(key_block, REFERENCE_SCORES // (heads * tile) // 16 * 16))
     rows = list(range(len(starts))) if rows is None else rows
     offsets = [0] * len(starts) if offsets is None else offsets
+    chosen = [None] * len(starts) if chosen is None else chosen
     for seq, (row, off, start, n) in enumerate(zip(rows, offsets, starts, lengths)):
         for a in range(0, n, tile):
             b = min(n, a + tile)
+            picked = None if chosen[seq] is None else chosen[seq][a:b]
             o = attend_row(q[row, :, off + a:off + b], read_kv, seq, start + a, scale, window=window, sinks=sinks,
-                           value_dim=value_dim, key_block=key_block)
+                           value_dim=value_dim, key_block=key_block, chosen=picked)
             out[row, off + a:off + b] = o.transpose(0, 1).reshape(b - a, heads * value_dim)
     return out
 

@@ -93,9 +93,17 @@ class RotaryEmbedding:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, R]; cos/sin [B, T, R/2]."""
-        cos, sin = cos[:, None], sin[:, None]
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x[..., : self.dim // 2], x[..., self.dim // 2:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return rotate(x, cos, sin, interleaved=self.interleaved)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
+    """x [B, H, T, R] rotated by cos/sin [B, T, R/2]: pairs (x0, x1), (x2, x3)... when ``interleaved``, else the
+    halves (x_i, x_{i + R/2}). Interleaved pairs come out as [evens | odds] (as transformers' interleaved rope):
+    the same for queries and keys, so their products are the model's."""
+    cos, sin = cos[:, None], sin[:, None]
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -183,6 +183,56 @@ def _parse_deepseek_v3(cfg: dict) -> ModelConfig:
                  interleaved=bool(cfg.get("rope_interleave", True)))
 
 
+def _parse_deepseek_v32(cfg: dict) -> ModelConfig:
+    """DeepSeek-V3.2: DeepSeek-V3's MLA (always with a q LoRA) and experts, plus DeepSeek Sparse Attention: a
+    lightning indexer per layer picks each query's ``index_topk`` keys (its rotary on halves)."""
+    return _sparse_mla(cfg, rope_interleaved=False, indexer_layers=())
+
+
+def _parse_glm_moe_dsa(cfg: dict) -> ModelConfig:
+    """GLM-5 (``glm_moe_dsa``): DeepSeek-V3.2's layers with the indexer's rotary on pairs, and "shared" layers
+    that reuse the top-k keys of the indexer layer before them (``indexer_types``, or the pattern / frequency
+    fields it is derived from)."""
+    n = require(cfg, "num_hidden_layers")
+    types = cfg.get("indexer_types")
+    if types is None:
+        pattern = cfg.get("index_topk_pattern")
+        if pattern is not None:
+            letters = {"F": "full", "S": "shared"}
+            types = [letters.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+        else:
+            freq = max(int(cfg.get("index_topk_freq", 1) or 1), 1)
+            offset = int(cfg.get("index_skip_topk_offset", 2))
+            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in ("full", "shared") for t in types):
+        raise ModelFormatError(f"config.json: indexer_types must give full or shared for each of the {n} layers")
+    if types[0] != "full":
+        raise ModelFormatError("config.json: indexer_types[0] must be full (a shared layer reuses an earlier "
+                               "layer's indexer)")
+    return _sparse_mla(cfg, rope_interleaved=True, indexer_layers=tuple(t == "full" for t in types))
+
+
+def _sparse_mla(cfg: dict, *, rope_interleaved: bool, indexer_layers: tuple[bool, ...]) -> ModelConfig:
+    for key in ("q_lora_rank", "index_topk", "index_n_heads", "index_head_dim"):
+        require(cfg, key)
+    rope_dim = require(cfg, "qk_rope_head_dim")
+    if cfg["index_head_dim"] < rope_dim:
+        raise ModelFormatError(f"config.json: index_head_dim={cfg['index_head_dim']} is smaller than "
+                               f"qk_rope_head_dim={rope_dim} (the indexer rotates that many dims of each head)")
+    # the MLA attention always rotates pairs (its rope_interleave field is gone from these configs)
+    base = _parse_deepseek_v3(dict(cfg, rope_interleave=True))
+    n = base.num_layers
+    types = cfg.get("mlp_layer_types")
+    moe_layers = base.moe_layers
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n or any(t not in ("dense", "sparse") for t in types):
+            raise ModelFormatError(f"config.json: mlp_layer_types must give dense or sparse for each of the {n} layers")
+        moe_layers = tuple(t == "sparse" for t in types)
+    attention = dataclasses.replace(base.attention, index_topk=cfg["index_topk"], index_num_heads=cfg["index_n_heads"],
+                                    index_head_dim=cfg["index_head_dim"], index_rope_interleaved=rope_interleaved)
+    return dataclasses.replace(base, attention=attention, moe_layers=moe_layers, indexer_layers=indexer_layers)
+
+
 def _sigmoid_group_moe(cfg: dict, n: int) -> tuple[MoeConfig, tuple[bool, ...]]:
     """DeepSeek-V3 / GLM-4-MoE experts: sigmoid scores with a correction bias, group-limited top-k,
     routed scaling, shared experts; the first ``first_k_dense_replace`` layers dense."""
@@ -288,6 +338,12 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("deepseek_v3", _parse_deepseek_v3, FamilyNames(
         moe_prefix="model.layers.{i}.mlp", router="gate", score_bias="gate.e_score_correction_bias",
         shared="shared_experts")),
+    "deepseek_v32": Family("deepseek_v32", _parse_deepseek_v32, FamilyNames(
+        moe_prefix="model.layers.{i}.mlp", router="gate", score_bias="gate.e_score_correction_bias",
+        shared="shared_experts")),
+    "glm_moe_dsa": Family("glm_moe_dsa", _parse_glm_moe_dsa, FamilyNames(
+        moe_prefix="model.layers.{i}.mlp", router="gate", score_bias="gate.e_score_correction_bias",
+        shared="shared_experts")),
     "glm4_moe": Family("glm4_moe", _parse_glm4_moe, FamilyNames(
         moe_prefix="model.layers.{i}.mlp", router="gate", score_bias="gate.e_score_correction_bias",
         shared="shared_experts")),
@@ -311,6 +367,8 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "GptOssForCausalLM": "gpt_oss",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Qwen3NextForCausalLM": "qwen3_next",

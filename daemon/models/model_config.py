@@ -37,7 +37,21 @@ class ModelConfig:
     linear_attention: DeltaNetConfig | None = None
     linear_layers: tuple[bool, ...] = ()
     norm_offset: float = 0.0  # Qwen3-Next's RMSNorms scale by (offset + w)
+    # sparse attention (attention.index_topk > 0): per layer, whether it runs its own indexer (True) or reuses
+    # the top-k keys of the nearest indexer layer before it (GLM-5's "shared" layers); empty: every layer runs one
+    indexer_layers: tuple[bool, ...] = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def has_indexer(self, layer: int) -> bool:
+        """Whether ``layer`` runs its own lightning indexer (sparse attention only)."""
+        return bool(self.attention.index_topk) and (not self.indexer_layers or self.indexer_layers[layer])
+
+    def index_source(self, layer: int) -> int:
+        """The layer whose indexer picks ``layer``'s keys (itself, or the nearest indexer layer before it)."""
+        source = layer
+        while not self.has_indexer(source):
+            source -= 1
+        return source
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.linear_layers) and self.linear_layers[layer]

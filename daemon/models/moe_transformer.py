@@ -59,16 +59,19 @@ class MoeTransformer:
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
         self.lm_head = weights["model.embed_tokens.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
-        attention_cls = MlaAttention if config.attention.kind == "mla" else MhaAttention
         self.layers = []
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}"
             if config.is_linear(i):
                 attention = LinearAttentionBlock(
                     GatedDeltaNet(config.linear_attention, weights, f"{prefix}.linear_attn"), i)
+            elif config.attention.kind == "mla":
+                attention = MlaAttention(config.attention, weights, f"{prefix}.self_attn", i, self.rotary,
+                                         config.sliding_windows[i], config.rms_norm_eps,
+                                         index_source=config.index_source(i) if config.attention.index_topk else None)
             else:
-                attention = attention_cls(config.attention, weights, f"{prefix}.self_attn", i, self.rotary,
-                                          config.sliding_windows[i], config.rms_norm_eps)
+                attention = MhaAttention(config.attention, weights, f"{prefix}.self_attn", i, self.rotary,
+                                         config.sliding_windows[i], config.rms_norm_eps)
             if config.moe_layers[i]:
                 mlp = MoeLayer(config.moe, weights, f"{prefix}.mlp", config.moe_layer_index(i), executor)
             else:
@@ -205,10 +208,14 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: 
             )
 
 
-def kv_cache_entries(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The per-token KV entries of one attention layer (name -> shape), from the config alone."""
-    attention_cls = MlaAttention if config.attention.kind == "mla" else MhaAttention
-    return attention_cls.cache_entries_for(config.attention)
+def kv_cache_entries(config: ModelConfig, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+    """The per-token KV entries of attention layer ``layer`` (default: the largest layer's), name -> shape,
+    from the config alone."""
+    if config.attention.kind != "mla":
+        return MhaAttention.cache_entries_for(config.attention)
+    if layer is None:
+        layer = next((i for i in range(config.num_layers) if config.has_indexer(i)), 0)
+    return MlaAttention.cache_entries_for(config.attention, indexer=config.has_indexer(layer))
 
 
 def kv_cache_bytes(config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -216,8 +223,8 @@ def kv_cache_bytes(config: ModelConfig, num_slots: int, max_len: int, dtype: tor
     scales), from the config alone (checked before a load; whole blocks per slot; a hybrid model's linear
     layers keep none)."""
     tokens = -(-max_len // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
-    attention_layers = sum(not config.is_linear(i) for i in range(config.num_layers))
-    return kv_bytes_per_token([kv_cache_entries(config)] * attention_layers, dtype) * num_slots * tokens
+    layers = [kv_cache_entries(config, i) for i in range(config.num_layers) if not config.is_linear(i)]
+    return kv_bytes_per_token(layers, dtype) * num_slots * tokens
 
 
 def _offset_norm(name: str) -> bool:

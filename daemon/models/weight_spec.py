@@ -17,7 +17,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.is_linear(i):
             shapes.update(_linear_attention_shapes(config, f"{p}.linear_attn"))
         else:
-            shapes.update(_attention_shapes(config, f"{p}.self_attn"))
+            shapes.update(_attention_shapes(config, f"{p}.self_attn", i))
         if config.moe_layers[i]:
             m = f"{p}.mlp"
             shapes[f"{m}.router.weight"] = (moe.num_experts, d)
@@ -53,7 +53,7 @@ def _mlp_shapes(prefix: str, d: int, inter: int) -> dict[str, tuple[int, ...]]:
             f"{prefix}.down_proj.weight": (d, inter)}
 
 
-def _attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+def _attention_shapes(config: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:
     d, att = config.hidden_size, config.attention
     if att.kind == "mla":
         qk = att.qk_nope_head_dim + att.qk_rope_head_dim
@@ -75,6 +75,12 @@ def _attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]
                 shapes[f"{p}.q_a_proj.bias"] = (att.q_lora_rank,)
         if att.has_o_bias:
             shapes[f"{p}.o_proj.bias"] = (d,)
+        if config.has_indexer(layer):  # sparse attention's lightning indexer
+            x = f"{p}.indexer"
+            shapes.update({f"{x}.wq_b.weight": (att.index_num_heads * att.index_head_dim, att.q_lora_rank),
+                           f"{x}.wk.weight": (att.index_head_dim, d), f"{x}.k_norm.weight": (att.index_head_dim,),
+                           f"{x}.k_norm.bias": (att.index_head_dim,),
+                           f"{x}.weights_proj.weight": (att.index_num_heads, d)})
         return shapes
     q_out, kv_out = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
     q_rows = 2 * q_out if att.gated else q_out  # a gated q_proj also gives the gate

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next",
-            "qwen3_5_moe_text")
+            "qwen3_5_moe_text", "deepseek_v32", "glm_moe_dsa")
 
 COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
@@ -41,6 +41,17 @@ def tiny_config(family: str):
                                    first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                                    qk_rope_head_dim=8, head_dim=8, v_head_dim=16, n_shared_experts=1,
                                    routed_scaling_factor=2.5)
+    if family in ("deepseek_v32", "glm_moe_dsa"):
+        # DeepSeek Sparse Attention: each query keeps its 8 best keys (the parity prompts are 5, 9 and 13 tokens
+        # and decode runs 32 more); 8 indexer heads make exact ties between key scores rare
+        sparse = dict(COMMON, intermediate_size=96, moe_intermediate_size=64, num_key_value_heads=4,
+                      n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                      q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                      n_shared_experts=1, routed_scaling_factor=2.5, index_topk=8, index_n_heads=8,
+                      index_head_dim=16)
+        if family == "deepseek_v32":
+            return tf.DeepseekV32Config(**sparse)
+        return tf.GlmMoeDsaConfig(**sparse, indexer_types=["full", "shared", "full"])
     if family == "gpt_oss":
         return tf.GptOssConfig(**COMMON, intermediate_size=64, num_key_value_heads=2, head_dim=16,
                                num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
