@@ -242,6 +242,18 @@ class KVCache:
             return q8_0.dequantize(out, take(self.layers[layer][name + q8_0.SCALE_SUFFIX]), dtype or torch.float32)
         return out if dtype is None else out.to(dtype)
 
+    def read_positions(self, layer: int, name: str, batch, row: int, positions: torch.Tensor,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``[P, ...]``: the keys at ``positions`` (int64 [P], on the step's device, inside what the row's block
+        table covers) of one row, in ``dtype`` (sparse attention's chosen keys)."""
+        bs = self.block_size
+        flat = self._row_blocks(batch, row)[positions // bs] * bs + positions % bs
+        take = lambda store: store.view(-1, *store.shape[2:]).index_select(0, flat)  # noqa: E731
+        out = take(self.layers[layer][name])
+        if self.quantized:
+            return q8_0.dequantize(out, take(self.layers[layer][name + q8_0.SCALE_SUFFIX]), dtype or torch.float32)
+        return out if dtype is None else out.to(dtype)
+
     def write(self, layer: int, name: str, values: torch.Tensor, batch) -> None:
         """values [R, T, ...]: store each sequence's new tokens at their positions (cast to the pool's dtype)."""
         store = self.layers[layer][name]

@@ -12,7 +12,7 @@ from moed.layers.linear import linear
 from moed.layers.packed_linear import PackedLinear
 from moed.layers.layer_config import AttentionConfig
 from moed.layers.norms import rms_norm
-from moed.layers.paged_attention import attend_paged
+from moed.layers.paged_attention import attend_keys, attend_paged
 from moed.layers.rotary import RotaryEmbedding
 from moed.layers.sparse_indexer import LightningIndexer
 from moed.runner.forward_batch import ForwardBatch
@@ -165,10 +165,37 @@ class MlaAttention:
             rot = cache.read_range(self.layer, "k_rot", batch, seqs[local], j0, j1, dtype)  # [kb, Rr]
             return torch.cat([lat, rot], dim=-1)[None], lat[None]  # one KV head
 
-        out_lat = attend_paged(query, read_kv, starts, lengths, cfg.scaling, value_dim=cfg.kv_lora_rank, rows=rows,
-                               offsets=offsets, chosen=chosen)
+        # sparse attention: a sequence whose queries attend chosen keys reads those keys alone (K of them per
+        # query, not its whole cache); the others (no query sees more than K keys) attend the pool as usual
+        chosen = chosen or [None] * len(seqs)
+        dense_lengths = [0 if c is not None else n for c, n in zip(chosen, lengths)]
+        out_lat = attend_paged(query, read_kv, starts, dense_lengths, cfg.scaling, value_dim=cfg.kv_lora_rank,
+                               rows=rows, offsets=offsets)
+        for local, picked in enumerate(chosen):
+            if picked is not None:
+                row, off, n = rows[local], offsets[local], lengths[local]
+                part = self._attend_chosen(query[row, :, off:off + n], dtype, batch, cache, seqs[local], starts[local],
+                                           picked)
+                out_lat[row, off:off + n] = part.transpose(0, 1).reshape(n, heads * cfg.kv_lora_rank)
         out_lat = out_lat.view(bsz, steps, heads, cfg.kv_lora_rank)
         return torch.einsum("bthc,hvc->bthv", out_lat, w_uv).reshape(bsz, steps, heads * cfg.v_head_dim)
+
+
+    def _attend_chosen(self, query: torch.Tensor, dtype: torch.dtype, batch: ForwardBatch, cache: KVCache, seq: int,
+                       start: int, chosen: torch.Tensor) -> torch.Tensor:
+        """Absorbed attention of one sequence's n new tokens (query [H, n, C + Rr]) over the K keys each chose
+        (``chosen`` [n, K]) -> [H, n, C]. The n x K positions are gathered from the pool as they are (no dedup:
+        no host sync for a variable count); query i sees its own K of them, up to its position (a query that sees
+        at most K keys chose 0..K-1, and the later ones are dropped)."""
+        n, k = chosen.shape
+        end = start + n
+        flat = chosen.reshape(-1).clamp(max=end - 1)  # positions past the new tokens: read as the last, masked
+        lat = cache.read_positions(self.layer, "latent", batch, seq, flat, dtype)  # [n * K, C]
+        rot = cache.read_positions(self.layer, "k_rot", batch, seq, flat, dtype)  # [n * K, Rr]
+        positions = torch.arange(start, end, device=chosen.device)[:, None]
+        own = torch.eye(n, dtype=torch.bool, device=chosen.device).repeat_interleave(k, dim=1)  # [n, n * K]
+        mask = own & (chosen.reshape(1, -1) <= positions)
+        return attend_keys(query, torch.cat([lat, rot], dim=-1)[None], lat[None], self.cfg.scaling, mask)
 
 
 def _places(batch: ForwardBatch, seqs: list[int]) -> torch.Tensor:

@@ -172,6 +172,13 @@ def attend_paged(q: torch.Tensor, read_kv: ReadKV, starts: list[int], lengths: l
     return out
 
 
+def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Queries q [H, n, Dk] over one gathered set of keys k [Hk, U, Dk] / values v [Hk, U, Dv], ``mask`` [n, U]
+    (True: visible; None: all) -> [H, n, Dv] (sparse attention's chosen keys)."""
+    return _block(q, k, v, scale, mask, False)[0]
+
+
 def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The whole-matrix oracle (tests): q [B, H, T, Dh], k [B, Hk, L, Dh], v [B, Hk, L, Dv], mask [B, 1, T, L]
@@ -200,4 +207,4 @@ def dense_mask(starts: list[int], lengths: list[int], steps: int, num_keys: int,
     return mask[:, None]
 
 
-__all__ = ["KEY_BLOCK", "QUERY_TILE", "attend_paged", "attend_row", "block_reference", "attend_dense", "dense_mask"]
+__all__ = ["KEY_BLOCK", "QUERY_TILE", "attend_keys", "attend_paged", "attend_row", "block_reference", "attend_dense", "dense_mask"]

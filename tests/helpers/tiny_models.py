@@ -43,11 +43,12 @@ def tiny_config(family: str):
                                    routed_scaling_factor=2.5)
     if family in ("deepseek_v32", "glm_moe_dsa"):
         # DeepSeek Sparse Attention: each query keeps its 8 best keys (the parity prompts are 5, 9 and 13 tokens
-        # and decode runs 32 more); 8 indexer heads make exact ties between key scores rare
+        # and decode runs 32 more). Two keys can tie exactly (at 0, when a query's head weights are all negative and
+        # few keys score above 0): 16 indexer heads make that rare enough
         sparse = dict(COMMON, intermediate_size=96, moe_intermediate_size=64, num_key_value_heads=4,
                       n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
                       q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                      n_shared_experts=1, routed_scaling_factor=2.5, index_topk=8, index_n_heads=8,
+                      n_shared_experts=1, routed_scaling_factor=2.5, index_topk=8, index_n_heads=16,
                       index_head_dim=16)
         if family == "deepseek_v32":
             return tf.DeepseekV32Config(**sparse)
