@@ -16,7 +16,8 @@ for its grammar)::
 
 Families and their syntax: qwen3_moe (Hermes ``<tool_call>`` + ``<think>``, and Qwen3-Coder's XML
 calls in the same block), qwen2_moe (Hermes), gpt_oss (harmony channels), deepseek_v3 (its
-tool-call tokens + ``<think>``), mixtral (``[TOOL_CALLS]``); every other family gets the plain
+tool-call tokens + ``<think>``), deepseek_v32 (DSML invokes + ``<think>``), glm4_moe and glm_moe_dsa
+(``<tool_call>`` with ``<arg_key>`` / ``<arg_value>`` pairs + ``<think>``), mixtral (``[TOOL_CALLS]``); every other family gets the plain
 parser (all text, no tools). A model whose template cannot render tools (or whose family has no
 tool syntax) gets the generic format of ``moed.text.generic_tools`` instead: every model can take tools.
 """
@@ -30,6 +31,8 @@ from moed.text.chat_template import template_renders_tools
 from moed.text.generic_tools import GenericToolParser
 from moed.text.output_parsers.base import OutputEvent, OutputParser, ToolCall
 from moed.text.output_parsers.deepseek import DeepSeekParser
+from moed.text.output_parsers.dsml import DsmlParser
+from moed.text.output_parsers.glm import GlmParser
 from moed.text.output_parsers.harmony import HarmonyParser
 from moed.text.output_parsers.hermes import HermesParser, Qwen3Parser
 from moed.text.output_parsers.mistral import MistralParser
@@ -43,6 +46,9 @@ _PARSERS: dict[str, type[OutputParser]] = {
     "qwen2_moe": HermesParser,
     "gpt_oss": HarmonyParser,
     "deepseek_v3": DeepSeekParser,
+    "deepseek_v32": DsmlParser,
+    "glm4_moe": GlmParser,
+    "glm_moe_dsa": GlmParser,
     "mixtral": MistralParser,
 }
 TOOL_FAMILIES = frozenset(_PARSERS)  # families with a tool-call syntax

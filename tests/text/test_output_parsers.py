@@ -352,7 +352,7 @@ def test_prompt_opens_reasoning():
 
 
 def test_every_tool_family_has_a_case():
-    assert TOOL_FAMILIES == {c[0] for c in CASES if c[3][2]} | {"qwen2_moe"}
+    assert TOOL_FAMILIES == {c[0] for c in CASES if c[3][2]} | {"qwen2_moe"} | {c[0] for c in XML_CASES}
 
 
 def test_finish_is_final():
@@ -399,3 +399,141 @@ def test_qwen3_coder_malformed_and_unfinished():
     events = run(parser, list(cut))
     assert parser.tool_calls == [] and [c.arguments for c in parser.incomplete_tool_calls] == ['{"path": "src/a.py"']
     assert summarize(events, parser) == ("", "", [])
+
+
+# -- GLM-4.5 .. GLM-5 (<arg_key>/<arg_value>) and DeepSeek-V3.2 / V4 (DSML) calls --------------------------------
+# Raw values: a string as written, everything else as JSON (GLM's templates use tojson; DSML marks string="false").
+# Written as the families' own chat templates / encoding scripts render an assistant turn with these calls.
+GLM_SCHEMAS = {"write_file": {"type": "object", "properties": {
+    "path": {"type": "string"}, "content": {"type": "string"}, "mode": {"type": "integer"},
+    "opts": {"type": "object"}}}}
+WRITE_ARGS = {"path": "src/a.py", "content": "if x < 3 and \"</arg\" != x:\n    pass\n", "mode": 420,
+              "opts": {"force": True, "tags": ["a", "b"]}}
+
+
+def glm_call(name: str, args: dict, sep: str = "\n") -> str:
+    pairs = "".join(f"<arg_key>{k}</arg_key>{sep}<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>{sep}"
+                    for k, v in args.items())
+    return f"<tool_call>{name}{sep}{pairs}</tool_call>"
+
+
+DSML = "｜DSML｜"
+
+
+def dsml_calls(calls: list[tuple[str, dict]], section: str = "function_calls") -> str:
+    invokes = []
+    for name, args in calls:
+        params = [f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
+                  f'{v if isinstance(v, str) else json.dumps(v)}</{DSML}parameter>' for k, v in args.items()]
+        invokes.append(f'<{DSML}invoke name="{name}">\n' + "\n".join(params) + f"\n</{DSML}invoke>")
+    return f"\n\n<{DSML}{section}>\n" + "\n".join(invokes) + f"\n</{DSML}{section}>"
+
+
+XML_CASES = [
+    ("glm4_moe", {},  # GLM-4.5: newlines after the name and between the pairs
+     "<think>The user wants the weather, then a file.</think>\nChecking.\n" + glm_call("get_weather", WEATHER_ARGS)
+     + "\n" + glm_call("write_file", WRITE_ARGS) + "<|observation|>",
+     ("Checking.\n", "The user wants the weather, then a file.", [("get_weather", WEATHER_ARGS),
+                                                                  ("write_file", WRITE_ARGS)])),
+    ("glm_moe_dsa", {"starts_in_reasoning": True},  # GLM-4.7 / GLM-5: back to back, <think> opened by the prompt
+     "Weather first.</think>" + glm_call("get_weather", WEATHER_ARGS, sep="") + glm_call("get_time", {}, sep=""),
+     ("", "Weather first.", [("get_weather", WEATHER_ARGS), ("get_time", {})])),
+    ("glm4_moe", {},
+     "<think></think>Tags like <tool and <arg_key> in prose stay text: a < b.<|user|>",
+     ("Tags like <tool and <arg_key> in prose stay text: a < b.", "", [])),
+    ("deepseek_v32", {"starts_in_reasoning": True},
+     "Two lookups are needed.</think>I'll look both up." + dsml_calls([("get_weather", WEATHER_ARGS),
+                                                                        ("write_file", WRITE_ARGS)])
+     + "<｜end▁of▁sentence｜>",
+     ("I'll look both up.\n\n", "Two lookups are needed.", [("get_weather", WEATHER_ARGS),
+                                                             ("write_file", WRITE_ARGS)])),
+    ("deepseek_v32", {},  # chat mode (the prompt closed </think>), DeepSeek-V4's section name
+     "Done." + dsml_calls([("get_time", TIME_ARGS)], section="tool_calls") + "\nAfter.",
+     ("Done.\n\nAfter.", "", [("get_time", TIME_ARGS)])),
+]
+XML_MARKERS = {
+    "glm4_moe": ["<tool_call>", "</tool_call>", "<arg_value>", "</arg_value>", "<think>", "</think>", "<|user|>",
+                 "<|observation|>"],
+    "deepseek_v32": [f"<{DSML}", f"</{DSML}", "<think>", "<｜end▁of▁sentence｜>"],
+}
+XML_MARKERS["glm_moe_dsa"] = XML_MARKERS["glm4_moe"]
+
+
+@pytest.mark.parametrize("family, options, output, expected", XML_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(XML_CASES)])
+def test_glm_and_dsml_calls_in_any_split(family, options, output, expected):
+    rng = random.Random(len(output))
+    splits = [[output], list(output)] + [random_splits(output, rng) for _ in range(20)]
+    splits += [[output[:i], output[i:]] for i in range(1, len(output))]
+    for chunks in splits:
+        parser = output_parser_for(family, tools=True, tool_parameters=GLM_SCHEMAS, **options)
+        got = summarize(run(parser, chunks), parser)
+        assert got == expected, f"split {chunks[:6]}..."
+        for marker in XML_MARKERS[family]:
+            assert marker not in got[0] and marker not in got[1] or marker in expected[0] + expected[1]
+
+
+@pytest.mark.parametrize("family, output", [(c[0], c[2]) for c in XML_CASES if c[3][2]])
+def test_glm_and_dsml_arguments_stream_pair_by_pair(family, output):
+    """The name goes out with the first pair, and each later pair is its own piece, before the call closes."""
+    parser = output_parser_for(family, tools=True, tool_parameters=GLM_SCHEMAS,
+                               starts_in_reasoning="<think>" not in output and "</think>" in output)
+    named_at, pieces = None, 0
+    close = "</tool_call>" if family != "deepseek_v32" else f"</{DSML}invoke>"
+    for i, ch in enumerate(output):
+        for e in parser.feed(ch):
+            if e.kind == "tool_call" and e.name and named_at is None:
+                named_at = i
+            pieces += bool(e.arguments_delta)
+    parser.finish()
+    assert named_at is not None and named_at < output.index(close)
+    assert pieces > len(parser.tool_calls)
+
+
+def test_values_without_a_schema_are_json_when_they_parse():
+    output = glm_call("f", {"n": 7, "s": "plain", "o": {"a": 1}})
+    parser = output_parser_for("glm4_moe", tools=True)
+    assert summarize(run(parser, [output]), parser)[2] == [("f", {"n": 7, "s": "plain", "o": {"a": 1}})]
+    # the schema wins: a string parameter keeps "7" a string
+    parser = output_parser_for("glm4_moe", tools=True, tool_parameters={"f": {"properties": {"n": {"type": "string"}}}})
+    assert summarize(run(parser, [output]), parser)[2][0][1]["n"] == "7"
+    # DSML: string="true" is a string whatever it looks like; string="false" is JSON
+    dsml = dsml_calls([("f", {"n": "7", "m": 7})])
+    parser = output_parser_for("deepseek_v32", tools=True)
+    assert summarize(run(parser, [dsml]), parser)[2] == [("f", {"n": "7", "m": 7})]
+
+
+@pytest.mark.parametrize("family, block", [
+    ("glm4_moe", "<tool_call>get_weather\n<arg_value>Paris</arg_value>\n</tool_call>"),
+    ("glm4_moe", "<tool_call>\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"),
+    ("glm4_moe", "<tool_call>get_weather\n{\"city\": \"Paris\"}\n</tool_call>"),
+    ("deepseek_v32", f'<{DSML}function_calls>\n<{DSML}invoke name="get_weather">\n<{DSML}arg>Paris</{DSML}arg>\n'
+                     f"</{DSML}invoke>\n</{DSML}function_calls>"),
+])
+def test_glm_and_dsml_malformed_calls_come_out_as_text(family, block):
+    for chunks in ([block], list(block)):
+        parser = output_parser_for(family, tools=True)
+        text, _, calls = summarize(run(parser, ["Before. ", *chunks]), parser)
+        assert calls == [] and parser.tool_calls == [] and not parser.saw_tool_call
+        shown = block if family != "deepseek_v32" else block[block.index(f'<{DSML}invoke'):block.index(f"\n</{DSML}f")]
+        assert text == "Before. " + shown
+
+
+@pytest.mark.parametrize("family, output, sent", [
+    ("glm4_moe", "<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n<arg_key>content"
+                 "</arg_key>\n<arg_value>abc", '{"path": "a.py"'),
+    ("deepseek_v32", f'<{DSML}function_calls>\n<{DSML}invoke name="write_file">\n<{DSML}parameter name="path" '
+                     f'string="true">a.py</{DSML}parameter>\n<{DSML}parameter name="content" string="true">ab',
+     '{"path": "a.py"'),
+])
+def test_glm_and_dsml_unfinished_calls_are_incomplete(family, output, sent):
+    parser = output_parser_for(family, tools=True)
+    events = run(parser, list(output))
+    assert parser.tool_calls == [] and [c.arguments for c in parser.incomplete_tool_calls] == [sent]
+    assert summarize(events, parser) == ("", "", [])
+
+
+def test_glm_and_dsml_prompts_open_reasoning():
+    assert prompt_opens_reasoning("glm_moe_dsa", "<|user|>hi<|assistant|><think>")
+    assert prompt_opens_reasoning("deepseek_v32", "<｜User｜>hi<｜Assistant｜><think>")
+    assert not prompt_opens_reasoning("deepseek_v32", "<｜User｜>hi<｜Assistant｜></think>")

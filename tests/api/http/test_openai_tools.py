@@ -48,6 +48,16 @@ READ_TOOL = {"type": "function", "function": {"name": "read_file", "description"
 # the model ends its turn in the middle of a call's arguments
 CUT_CALL = 'Let me see.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
 
+# GLM-5's and DeepSeek-V3.2's own call syntax, as their templates render a call (reasoning first)
+GLM_CALL = ("<think>Read it first.</think>Reading.<tool_call>read_file<arg_key>path</arg_key><arg_value>src/main.py"
+            "</arg_value><arg_key>limit</arg_key><arg_value>40</arg_value><arg_key>follow</arg_key>"
+            "<arg_value>true</arg_value></tool_call>")
+DSML_CALL = ("<think>Read it first.</think>Reading.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"read_file\">\n"
+             "<｜DSML｜parameter name=\"path\" string=\"true\">src/main.py</｜DSML｜parameter>\n"
+             "<｜DSML｜parameter name=\"limit\" string=\"false\">40</｜DSML｜parameter>\n"
+             "<｜DSML｜parameter name=\"follow\" string=\"false\">true</｜DSML｜parameter>\n"
+             "</｜DSML｜invoke>\n</｜DSML｜function_calls>")
+
 
 def answer(prompt: str) -> str:
     if "Cut short" in prompt:
@@ -70,6 +80,9 @@ def daemon(tmp_path_factory):
     d.plain = plain
     add_scripted_model(d, "coder", ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("coder")),
                                                      lambda prompt: CODER_CALL))
+    for name, family, output in (("glm5", "glm_moe_dsa", GLM_CALL), ("dsv32", "deepseek_v32", DSML_CALL)):
+        add_scripted_model(d, name, ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp(name)),
+                                                      lambda prompt, output=output: output, family=family))
     d.thinker = ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("thinker"), THINKING_TEMPLATE), answer)
     add_scripted_model(d, "thinker", d.thinker)
     d.model = model
@@ -243,3 +256,23 @@ def test_responses_function_call_output_without_its_call_is_a_400(client):
             {"role": "user", "content": "hi"},
             {"type": "function_call_output", "call_id": "call_x", "output": "21"}])
     assert "call_x" in err.value.body["message"]
+
+
+@pytest.mark.parametrize("model", ["glm5", "dsv32"])
+def test_glm5_and_deepseek_v32_calls_reach_both_apis_whole_and_streamed(daemon, client, model):
+    want = {"path": "src/main.py", "limit": 40, "follow": True}
+    reply = client.chat.completions.create(model=model, messages=ASK, tools=[READ_TOOL])
+    choice = reply.choices[0]
+    [call] = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.function.name == "read_file"
+    assert json.loads(call.function.arguments) == want
+    assert choice.message.content.strip() == "Reading." and "Read it first." in str(choice.message.model_extra)
+    chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=[READ_TOOL], stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "read_file"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == want
+    message = daemon.anthropic().messages.create(model=model, max_tokens=1000, messages=ASK, tools=[{
+        "name": "read_file", "description": "Read a file", "input_schema": READ_TOOL["function"]["parameters"]}])
+    [use] = [b for b in message.content if b.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and use.name == "read_file" and use.input == want
+    assert [b.thinking for b in message.content if b.type == "thinking"] == ["Read it first."]
