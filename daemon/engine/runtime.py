@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -11,10 +12,13 @@ from moed.config import EngineConfig
 from moed.devices.select import cpu_only
 from moed.experts.executor_factory import build_executor
 from moed.models.moe_transformer import MoeTransformer, device_mode_blocker
+from moed.text.builtin_templates import builtin_template
 from moed.text.tokenizer import Tokenizer
 from moed.weights.model_loader import LoadedModel, load_model
 
 DEFAULT_CONTEXT = 4096
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,10 +66,19 @@ def model_device(executor, engine: EngineConfig, weights: dict):
 
 
 def _tokenizer_of(loaded: LoadedModel) -> Tokenizer | None:
-    """A directory's tokenizer.json, or the one a GGUF file's metadata describes; None without either."""
+    """A directory's tokenizer.json, or the one a GGUF file's metadata describes; None without either. A
+    tokenizer without a chat template gets moed's template of the family where it has one (DeepSeek-V3.2)."""
     if loaded.tokenizer_files is not None:
-        return Tokenizer.from_files(loaded.tokenizer_files, where=str(loaded.path))
-    return Tokenizer(loaded.path) if (Path(loaded.path) / "tokenizer.json").is_file() else None
+        tokenizer = Tokenizer.from_files(loaded.tokenizer_files, where=str(loaded.path))
+    elif (Path(loaded.path) / "tokenizer.json").is_file():
+        tokenizer = Tokenizer(loaded.path)
+    else:
+        return None
+    builtin = builtin_template(loaded.config.family)
+    if tokenizer.chat_template is None and builtin is not None:
+        tokenizer.adopt_chat_template(*builtin)
+        log.info("%s: no chat template in the checkpoint; using %s", loaded.path, builtin[1])
+    return tokenizer
 
 
 def open_runtime(path: str | Path, *, experts_dtype: str | None = None, verify: bool = False,

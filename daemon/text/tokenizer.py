@@ -287,6 +287,11 @@ class Tokenizer:
                  "unk_token": self.unk_token}
         return {k: v for k, v in named.items() if v is not None}
 
+    def adopt_chat_template(self, template: str, source: str) -> None:
+        """Use ``template`` as the default chat template (a tokenizer that came without one)."""
+        self.chat_templates = {**self.chat_templates, "default": template}
+        self.chat_template, self.chat_template_source = template, source
+
     @property
     def tool_chat_template(self) -> str | None:
         """The template that renders a request with tools: the "tool_use" one when the model has it."""
