@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="bank dtype of the routed experts (default: the checkpoint's own precision, as for generate)")
     conv.add_argument("--force", action="store_true", help="replace dst if it exists")
 
+    from moed.cli.fit_cmd import add_fit_command
+
+    add_fit_command(sub)
     from moed.cli.service_cmd import add_service_command
 
     add_service_command(sub)
@@ -154,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             from moed.cli.launch_cmd import run_launch
 
             return run_launch(args, daemon_address(args))
+        if args.command == "fit":
+            from moed.cli.fit_cmd import run_fit
+            return run_fit(args)
         if args.command == "service":
             from moed.cli.service_cmd import run_service
             return run_service(args)

@@ -11,7 +11,7 @@ the rest. tests/engine/test_step_workspace.py holds it against the peak a real s
 
 from __future__ import annotations
 
-from moed.layers import mla_attention, paged_attention
+from moed.layers import mla_attention, paged_attention, sparse_indexer
 
 F32 = 4
 
@@ -27,6 +27,9 @@ def _attention(config, tokens: int, reference_blocks: bool) -> int:
                      + 2 * (a.kv_lora_rank + a.qk_rope_head_dim)  # kv_a's output, the normed latent
                      + 2 * a.num_heads * a.v_head_dim)  # the output and o_proj's input
         block = mla_attention.MLA_KEY_BLOCK * a.num_heads * (qk + 2 * a.v_head_dim) * 2  # expanded keys, values
+        if a.index_topk:  # sparse attention: the indexer's queries, keys and weights, and the chosen positions
+            per_token += a.index_num_heads * (a.index_head_dim + 1) + a.index_head_dim + 2 * a.index_topk  # int64
+            block += sparse_indexer.SCORE_FLOATS + sparse_indexer.QUERY_TILE * (a.index_topk + sparse_indexer.KEY_CHUNK) * 3
     else:
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         per_token = (3 if a.gated else 2) * q + 4 * kv + 2 * q  # q, k, v and their rotated/normed copies, out

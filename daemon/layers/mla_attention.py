@@ -96,9 +96,12 @@ class MlaAttention:
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor | None]:
         """Sparse attention: each sequence's key positions per query (LightningIndexer.select), from this layer's
         indexer (its keys cached first), or the ones its source layer chose earlier in this step."""
-        key = ("dsa_chosen", self.index_source)
+        # only the latest indexer layer's choice is kept for the step (a shared layer reuses the indexer layer
+        # nearest before it): one [n, K] per sequence, not one per layer
         if self.indexer is None:
-            return batch.memo[key]
+            source, chosen = batch.memo["dsa_chosen"]
+            assert source == self.index_source, (source, self.index_source)
+            return chosen
         indexer = self.indexer
         cache.write(self.layer, "index_k", indexer.keys(x, cos_sin), batch)
         q, w = indexer.queries(x, q_resid, cos_sin)
@@ -110,7 +113,7 @@ class MlaAttention:
         for seq in range(len(batch.lengths)):
             row, off, start, n = batch.segment(seq)
             chosen.append(indexer.select(q[row, off:off + n], w[row, off:off + n], read_keys, seq, start))
-        batch.memo[key] = chosen
+        batch.memo["dsa_chosen"] = (self.layer, chosen)
         return chosen
 
     def _attend(self, q_pass: torch.Tensor, q_rot: torch.Tensor, dtype: torch.dtype, batch: ForwardBatch,

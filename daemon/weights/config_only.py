@@ -1,0 +1,60 @@
+"""A checkpoint known from its config.json alone: the tensors the config implies, for planning (`moed fit`).
+
+It answers the questions ``checkpoint.checkpoint_load_bytes`` asks a real checkpoint (non-expert tensor
+shapes and dtypes, the expert bank's rows and default dtype) from the config: the shapes are the ones
+``models/weight_spec.py`` checks a real load against, the dtypes the ones the config's ``torch_dtype`` /
+``dtype`` and ``quantization_config`` name (FP8 and NVFP4 linears run as bf16, MXFP4 experts stay mxfp4,
+NVFP4 experts keep their blocks in the ggml bank on the CPU), as ``HfCheckpoint`` would decide them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moed.models.families import family_of, parse_model_config
+from moed.models.weight_spec import expected_weight_shapes
+from moed.weights.micro_scaled import keeps_ggml_rows, micro_scaled_of
+
+
+class ConfigOnlyCheckpoint:
+    def __init__(self, raw: dict, *, where: str = "config.json", path: Path | None = None) -> None:
+        self.raw, self.where = raw, where
+        self.family = family_of(raw, where=where)
+        self.config = parse_model_config(raw, where=where)
+        q = raw.get("quantization_config")
+        self.quant_method = q.get("quant_method") if isinstance(q, dict) else None
+        self.micro = micro_scaled_of(raw, path or Path("/nonexistent"), where)
+        stored = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+        self._dtype = torch.float32 if stored in ("float32", "float") else torch.bfloat16
+
+    @property
+    def num_bank_rows(self) -> int:
+        return self.config.num_moe_layers * self.config.moe.num_experts
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return expected_weight_shapes(self.config)
+
+    def weight_dtype(self, name: str) -> torch.dtype:
+        return self._dtype
+
+    def prefers_ggml(self) -> bool:
+        d, inter = self.config.hidden_size, self.config.moe.intermediate_size
+        return self.micro is not None and self.micro.kind == "nvfp4" and keeps_ggml_rows(d) and keeps_ggml_rows(inter)
+
+    def ggml_bank_nbytes(self) -> int | None:
+        if not self.prefers_ggml():
+            return None
+        d, inter = self.config.hidden_size, self.config.moe.intermediate_size
+        return self.num_bank_rows * (3 * d * inter // 64 * 36 + 3 * 4)
+
+    def default_bank_dtype(self) -> str:
+        """``HfCheckpoint.default_bank_dtype``'s choice for the checkpoint this config describes."""
+        if self.quant_method == "mxfp4":
+            return "mxfp4"
+        if self.micro is not None:
+            return "bf16" if self.micro.kind == "mxfp8" else "int4"
+        if self.quant_method == "fp8":
+            return "bf16"
+        return "fp32" if self._dtype == torch.float32 else "bf16"

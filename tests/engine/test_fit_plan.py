@@ -1,0 +1,118 @@
+"""`moed fit`: the plan of a model for machines of given RAM and VRAM, from its config alone (GLM-5 and
+DeepSeek-V3.2 at their real sizes: transformers' default configs are theirs) or from a checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers.tiny_models import build_tiny_model
+from moed.cli.main import main
+from moed.engine.fit_plan import GB, fit_machine, host_reserve, model_needs
+from moed.service.memory_governor import GovernorConfig
+
+
+def _config_file(tmp_path, config, name="config.json", **changes):
+    cls = type(config).__name__.replace("Config", "ForCausalLM")
+    path = tmp_path / name
+    path.write_text(json.dumps({**config.to_dict(), "architectures": [cls], **changes}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def glm5(tmp_path_factory):
+    import transformers as tf
+
+    return _config_file(tmp_path_factory.mktemp("glm5"), tf.GlmMoeDsaConfig())  # zai-org/GLM-5's sizes
+
+
+@pytest.fixture(scope="module")
+def qwen3_30b(tmp_path_factory):
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                               num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                               num_experts=128, num_experts_per_tok=8, max_position_embeddings=40960)
+    return _config_file(tmp_path_factory.mktemp("qwen3"), config)
+
+
+def test_glm5_from_its_config_alone(glm5):
+    needs = model_needs(glm5)
+    assert needs.family == "glm_moe_dsa" and needs.source == "config.json alone"
+    assert 740e9 < needs.total_params < 750e9 and 40e9 < needs.active_params < 42e9  # "744B, 40B active"
+    # per token and layer: the 512-value latent, 64 rotary values and the indexer's 128-value key, in bf16
+    assert needs.kv_bytes_per_token == 78 * (512 + 64 + 128) * 2
+    assert needs.load.bank_dtype == "bf16" and needs.load.bank_bytes > 1400 * GB
+    for ram in (24, 64, 128):
+        for vram in (0, 8, 16, 32):
+            fit = fit_machine(needs, ram * GB, vram * GB)
+            assert not fit.runs and "GB of RAM" in fit.where and not fit.hint, (ram, vram)
+    int4 = model_needs(glm5, "int4")
+    fit = fit_machine(int4, 1024 * GB, 96 * GB)
+    assert fit.runs and fit.where == "gpu" and fit.context == 202752
+    assert fit.expert_cache_bytes > 0
+
+
+def test_deepseek_v32_from_its_config_alone(tmp_path):
+    import transformers as tf
+
+    needs = model_needs(_config_file(tmp_path, tf.DeepseekV32Config()))
+    assert 670e9 < needs.total_params < 673e9 and 36e9 < needs.active_params < 38.5e9  # "671B, 37B active"
+    assert needs.kv_bytes_per_token == 61 * (512 + 64 + 128) * 2
+    fit = fit_machine(needs, 512 * GB, 0)
+    assert not fit.runs and fit.hint.startswith("fits with --experts-dtype int4")
+
+
+def test_a_30b_model_on_desktop_machines(qwen3_30b):
+    needs = model_needs(qwen3_30b)
+    assert 30e9 < needs.total_params < 31e9 and 3.0e9 < needs.active_params < 3.5e9
+    cpu = fit_machine(needs, 128 * GB, 0)
+    assert cpu.runs and cpu.where == "cpu" and cpu.context == 40960 and cpu.expert_cache_bytes == 0
+    small = fit_machine(needs, 24 * GB, 8 * GB)
+    assert not small.runs and "fits with --experts-dtype mxfp4" in small.hint
+    gpu = fit_machine(needs, 128 * GB, 16 * GB)
+    vram = 16 * GB - GovernorConfig().headroom(16 * GB)
+    assert gpu.runs and gpu.where == "gpu" and gpu.context == 40960
+    assert gpu.expert_cache_bytes == vram - needs.load.weight_bytes - needs.device_step_bytes - gpu.kv_bytes
+    assert gpu.host_bytes <= 128 * GB - host_reserve(128 * GB)
+    # a GPU too small for the other weights caches experts only; the rest stays on the host
+    tiny_gpu = fit_machine(needs, 128 * GB, 2 * GB)
+    assert tiny_gpu.runs and tiny_gpu.where == "cpu+gpu cache" and tiny_gpu.expert_cache_bytes > 0
+
+
+def test_the_config_alone_plans_what_the_checkpoint_plans(tmp_path):
+    build_tiny_model("deepseek_v32", tmp_path / "hf")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    real, alone = model_needs(tmp_path / "hf"), model_needs(tmp_path / "cfg")
+    assert real.source == "the checkpoint's headers" and alone.source == "config.json alone"
+    assert alone.load.weight_bytes == real.load.weight_bytes > 0
+    assert alone.load.bank_bytes_by_dtype == real.load.bank_bytes_by_dtype
+    assert (alone.total_params, alone.kv_bytes_per_token) == (real.total_params, real.kv_bytes_per_token)
+
+
+def test_an_nvfp4_config_keeps_its_blocks_on_the_cpu_and_goes_int4_with_a_gpu(qwen3_30b, tmp_path):
+    raw = json.loads(qwen3_30b.read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**raw, "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}))
+    cpu, gpu = model_needs(path, cpu_only=True), model_needs(path, cpu_only=False)
+    assert cpu.load.bank_dtype == "ggml" and gpu.load.bank_dtype == "int4"
+    rows = 48 * 128 * 3 * 2048 * 768
+    assert cpu.load.bank_bytes == rows // 64 * 36 + 48 * 128 * 3 * 4  # 4.5 bits a weight, a factor per matrix
+
+
+def test_the_cli_prints_the_table_and_refuses_what_it_cannot_plan(glm5, tmp_path, capsys):
+    assert main(["fit", str(glm5), "--ram", "24,1024", "--vram", "0,96", "--experts-dtype", "int4"]) == 0
+    out = capsys.readouterr().out
+    assert "glm_moe_dsa: 78 layers, 256 experts (top 8)" in out and "107.2 KiB per token" in out
+    lines = [line for line in out.splitlines() if " GB " in line and ("yes" in line or " no " in line)]
+    assert len(lines) == 4 and sum(" yes " in line for line in lines) == 2
+    with pytest.raises(SystemExit):
+        main(["fit", str(glm5), "--ram", "lots"])
+    assert "give sizes in GB" in capsys.readouterr().err
+    v4 = tmp_path / "v4.json"
+    v4.write_text(json.dumps({"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]}))
+    assert main(["fit", str(v4)]) == 2
+    assert "'deepseek_v4' is not supported" in capsys.readouterr().err
+    assert main(["fit", str(tmp_path / "missing")]) == 2
