@@ -11,6 +11,7 @@ from moed.errors import InvalidRequestError
 from moed.config import EngineConfig
 from moed.devices.select import cpu_only
 from moed.experts.executor_factory import build_executor
+from moed.models.families import FAMILIES
 from moed.models.moe_transformer import MoeTransformer, device_mode_blocker
 from moed.text.builtin_templates import builtin_template
 from moed.text.tokenizer import Tokenizer
@@ -30,6 +31,12 @@ class ModelRuntime:
 
     def close(self) -> None:
         self.executor.close()
+
+    @property
+    def tool_format(self) -> str:
+        """How the model's answers write tool calls and reasoning (its family's; moed.text.output_parser)."""
+        family = FAMILIES.get(self.model.config.family)
+        return family.tool_format if family is not None else "plain"
 
     def encode_prompt(self, prompt: str, *, chat: bool, system: str | None = None) -> list[int]:
         if self.tokenizer is None:
@@ -74,7 +81,8 @@ def _tokenizer_of(loaded: LoadedModel) -> Tokenizer | None:
         tokenizer = Tokenizer(loaded.path)
     else:
         return None
-    builtin = builtin_template(loaded.config.family)
+    family = FAMILIES.get(loaded.config.family)
+    builtin = builtin_template(family.chat_template) if family is not None and family.chat_template else None
     if tokenizer.chat_template is None and builtin is not None:
         tokenizer.adopt_chat_template(*builtin)
         log.info("%s: no chat template in the checkpoint; using %s", loaded.path, builtin[1])

@@ -75,6 +75,6 @@ _BUILTIN = {
 }
 
 
-def builtin_template(family: str) -> tuple[str, str] | None:
-    """(template, where it comes from) for a family moed has a template of, else None."""
-    return _BUILTIN.get(family)
+def builtin_template(name: str) -> tuple[str, str] | None:
+    """(template, where it comes from) for a template a family names (``Family.chat_template``), else None."""
+    return _BUILTIN.get(name)

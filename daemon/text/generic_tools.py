@@ -109,7 +109,7 @@ def generic_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[st
 class GenericToolParser(HermesParser):
     """Hermes ``<tool_call>`` parsing with the model's own end-of-turn tokens (which never become text)."""
 
-    family = "generic"
+    tool_format = "generic"
 
     def __init__(self, *, end_tokens: Sequence[str] = (), think_tags: tuple[str, str] | None = None,
                  **options: Any) -> None:

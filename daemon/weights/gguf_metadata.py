@@ -22,6 +22,10 @@ rope.scaling.*, expert_count, expert_used_count.
   yarn log multiplier is 0.1 * mscale_all_dim. Softmax-routed DeepSeek-V2 files are refused.
 - glm4moe -> glm4_moe: the converter appends the multi-token-prediction layers to block_count
   (``nextn_predict_layers``); they are left out. Partial rotary from rope.dimension_count.
+- glm-dsa -> glm_moe_dsa (GLM-5): deepseek2's keys (always sigmoid-routed), MTP layers left out as for
+  glm4moe, and the lightning indexer's attention.indexer.{head_count,key_length,top_k,types} (which
+  layers run an indexer; without the key, the layers that hold indexer tensors). llama.cpp itself keeps
+  the indexer's tensors but runs every key; moed runs the sparse attention they define.
 - qwen3next -> qwen3_next: the DeltaNet's sizes from the ssm.* keys (group_count = key heads,
   time_step_rank = value heads, state_size = key head size, inner_size = all value heads), the
   layer pattern from attention.recurrent_layers; MTP layers left out as for GLM.
@@ -222,9 +226,9 @@ def _mixtral(m: GgufMetadata) -> dict[str, Any]:
                 sliding_window=None)
 
 
-def _sigmoid_group_experts(m: GgufMetadata, num_layers: int) -> dict[str, Any]:
+def _sigmoid_group_experts(m: GgufMetadata, num_layers: int, gating_default: int = GATING_SOFTMAX) -> dict[str, Any]:
     """DeepSeek-V3 / GLM-4-MoE routing: sigmoid scores with a correction bias, group-limited top-k."""
-    gating = m.int("expert_gating_func", default=GATING_SOFTMAX)
+    gating = m.int("expert_gating_func", default=gating_default)
     if gating != GATING_SIGMOID:
         raise UnsupportedModelError(
             f"{m.file.path}: routed by {'softmax' if gating == GATING_SOFTMAX else f'gating function {gating}'} "
@@ -242,7 +246,7 @@ def _sigmoid_group_experts(m: GgufMetadata, num_layers: int) -> dict[str, Any]:
                 first_k_dense_replace=first_dense, scoring_func="sigmoid")
 
 
-def _deepseek2(m: GgufMetadata) -> dict[str, Any]:
+def _deepseek2(m: GgufMetadata, gating_default: int = GATING_SOFTMAX) -> dict[str, Any]:
     rope_dim = m.int("rope.dimension_count", minimum=1)
     if m.has("attention.key_length_mla"):  # llama.cpp's MLA layout: key_length is the absorbed kv_lora + rope
         qk_head, v_head = m.int("attention.key_length_mla", minimum=1), m.int("attention.value_length_mla", minimum=1)
@@ -263,7 +267,30 @@ def _deepseek2(m: GgufMetadata) -> dict[str, Any]:
     cfg.update(num_key_value_heads=heads, head_dim=qk_head, qk_nope_head_dim=qk_head - rope_dim,
                qk_rope_head_dim=rope_dim, v_head_dim=v_head, kv_lora_rank=m.int("attention.kv_lora_rank", minimum=1),
                q_lora_rank=q_lora or None, attention_bias=False, rope_interleave=True,
-               **_sigmoid_group_experts(m, cfg["num_hidden_layers"]))
+               **_sigmoid_group_experts(m, cfg["num_hidden_layers"], gating_default))
+    return cfg
+
+
+def _glm_dsa(m: GgufMetadata) -> dict[str, Any]:
+    """GLM-5: deepseek2's MLA keys, its multi-token-prediction layers appended to block_count (left out), the
+    lightning indexer's sizes and which layers run one (attention.indexer.types; files written before the key
+    existed tell by which layers hold indexer tensors). Always sigmoid-routed."""
+    cfg = _deepseek2(m, GATING_SIGMOID)
+    layers = cfg["num_hidden_layers"] - m.int("nextn_predict_layers", default=0)
+    if layers < 1:
+        raise ModelFormatError(f"{m.file.path}: block_count {cfg['num_hidden_layers']} leaves no layer besides the "
+                               "multi-token-prediction ones; the file is corrupt")
+    types = m.meta.get(f"{m.arch}.attention.indexer.types")
+    if types is None:
+        types = [f"blk.{i}.indexer.attn_k.weight" in m.file for i in range(layers)]
+    if not isinstance(types, list) or len(types) < layers or not all(isinstance(t, bool) for t in types):
+        raise ModelFormatError(f"{m.file.path}: metadata {m.arch}.attention.indexer.types should hold a boolean for "
+                               f"each of the {layers} layers, got {quoted(types, 200)}")
+    cfg.update(num_hidden_layers=layers, **_sigmoid_group_experts(m, layers, GATING_SIGMOID),
+               index_n_heads=m.int("attention.indexer.head_count", minimum=1),
+               index_head_dim=m.int("attention.indexer.key_length", minimum=1),
+               index_topk=m.int("attention.indexer.top_k", minimum=1),
+               indexer_types=["full" if t else "shared" for t in types[:layers]])
     return cfg
 
 
@@ -334,6 +361,7 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     "deepseek2": GgufArchitecture("deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-V3/R1, Kimi-K2", _deepseek2),
     "glm4moe": GgufArchitecture("glm4_moe", "Glm4MoeForCausalLM", "GLM-4.5/4.6/4.7", _glm4moe,
                                 "post_attention_norm"),
+    "glm-dsa": GgufArchitecture("glm_moe_dsa", "GlmMoeDsaForCausalLM", "GLM-5", _glm_dsa),
     "qwen3next": GgufArchitecture("qwen3_next", "Qwen3NextForCausalLM", "Qwen3-Next", _qwen3next,
                                   "post_attention_norm"),
     "qwen35moe": GgufArchitecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5/3.6-MoE", _qwen3next,

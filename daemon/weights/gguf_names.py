@@ -39,6 +39,10 @@ LAYER_TENSORS = {
     "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
     "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
     "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    # DeepSeek Sparse Attention's lightning indexer (glm-dsa)
+    "self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight", "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
+    "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight", "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
+    "self_attn.indexer.weights_proj.weight": "indexer.proj.weight",
     # MoE
     "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
     "mlp.router.score_bias": "exp_probs_b.bias",

@@ -1,6 +1,6 @@
 """Read a Hugging Face model directory (config.json + *.safetensors) in moed's canonical form, a piece at a time.
 
-Non-expert tensors keep their HF names (MoE parts renamed, see models/families.py) and are read
+Non-expert tensors keep their HF names (MoE parts renamed, see models/families/) and are read
 one by one in the checkpoint's dtype (float32, bf16 or fp16; anything else as float32); routed experts come as float32 k-major chunks of consecutive flat ids
 (``gate_up [n, D, 2I]``, gate columns first, and ``down [n, I, D]``), so the converter and the
 loader hold one chunk of experts at a time, never the whole pool.

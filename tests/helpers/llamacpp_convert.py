@@ -25,7 +25,7 @@ CONVERTER = REPO / ".cache/llamacpp-convert"
 VOCAB = 49152
 GLM_SPECIAL = ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]  # the converter's GLM vocab needs them
 FAMILIES = ["qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_next",
-            "qwen3_5_moe_text"]
+            "qwen3_5_moe_text", "glm_moe_dsa"]
 
 
 def converter_script() -> Path | None:
@@ -56,8 +56,10 @@ def converter_config(family: str, *, wide: bool = False):
         cfg.max_position_embeddings = 1024
         cfg.rope_parameters = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
                                    mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0)
-    elif family == "glm4_moe":
+    elif family in ("glm4_moe", "glm_moe_dsa"):
         cfg.vocab_size = VOCAB + 8
+        if family == "glm_moe_dsa":
+            cfg.scoring_func = "sigmoid"  # as GLM-5's config.json says; the converter writes the gating from it
     if wide:
         _widen(cfg, family)
     return cfg
@@ -77,7 +79,7 @@ def _widen(cfg, family: str) -> None:
 
 
 def tokenizer_files_for(family: str, files: dict[str, str]) -> dict[str, str]:
-    if family != "glm4_moe":
+    if family not in ("glm4_moe", "glm_moe_dsa"):
         return files
     tok = json.loads(files["tokenizer.json"])
     for i, content in enumerate(GLM_SPECIAL):

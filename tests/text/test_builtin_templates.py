@@ -54,12 +54,12 @@ def test_a_tool_turn_renders_as_the_model_writes_it_and_results_reopen_thinking(
                     "</function_results>\n\n<think>")
     # what the template writes for a call, the family's parser reads back as the same call
     written = turn[len("need the tool</think>"):turn.index(EOS)]
-    parser = output_parser_for("deepseek_v32", tools=True)
+    parser = output_parser_for("dsml", tools=True)
     parser.feed(written)
     parser.finish()
     assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls] == [("get_weather", {"city": "Paris",
                                                                                                 "days": 2})]
-    assert template_renders_tools(DEEPSEEK_V32) and has_native_tools("deepseek_v32", DEEPSEEK_V32)
+    assert template_renders_tools(DEEPSEEK_V32) and has_native_tools("dsml", DEEPSEEK_V32)
 
 
 @pytest.mark.parametrize("own_template", [False, True])

@@ -1,4 +1,4 @@
-"""Output parsers per family: realistic outputs in any delta split give the same text, reasoning and calls."""
+"""Output parsers per tool-call format: realistic outputs in any delta split give the same text, reasoning and calls."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 import pytest
 
 from moed.text.output_parser import (
-    TOOL_FAMILIES,
+    TOOL_FORMATS,
     OutputEvent,
     output_parser_for,
     prompt_opens_reasoning,
@@ -19,14 +19,14 @@ from moed.text.output_parsers.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN,
 WEATHER_ARGS = {"city": "Paris", "unit": "celsius"}
 TIME_ARGS = {"tz": "Europe/Paris", "nested": {"list": [1, 2.5, -3e2, True, None], "s": "a \"quoted\" } ] <tag>"}}
 
-# Every marker each family uses: none may ever show up in text of a well-formed output.
+# Every marker each format uses: none may ever show up in text of a well-formed output.
 MARKERS = {
-    "qwen3_moe": ["<tool_call>", "</tool_call>", "<think>", "</think>", "<|im_end|>"],
-    "qwen2_moe": ["<tool_call>", "</tool_call>", "<|im_end|>"],
-    "gpt_oss": ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>",
+    "qwen3": ["<tool_call>", "</tool_call>", "<think>", "</think>", "<|im_end|>"],
+    "hermes": ["<tool_call>", "</tool_call>", "<|im_end|>"],
+    "harmony": ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>",
                 "to=functions"],
-    "deepseek_v3": [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, EOS, "<think>", "</think>", "```json"],
-    "mixtral": ["[TOOL_CALLS]", "</s>"],
+    "deepseek": [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, EOS, "<think>", "</think>", "```json"],
+    "mistral": ["[TOOL_CALLS]", "</s>"],
 }
 
 
@@ -36,57 +36,57 @@ def hermes_call(name: str, args: dict) -> str:
 
 # family, options, output, expected (text, reasoning, [(name, args)])
 CASES = [
-    ("qwen3_moe", {},
+    ("qwen3", {},
      "<think>\nThe user wants the weather and the time. I'll call both tools.\n</think>\n\n"
      "Let me check both for you.\n" + hermes_call("get_weather", WEATHER_ARGS) + "\n"
      + hermes_call("get_time", TIME_ARGS) + "<|im_end|>",
      ("Let me check both for you.\n", "The user wants the weather and the time. I'll call both tools.\n",
       [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])),
-    ("qwen3_moe", {"starts_in_reasoning": True},
+    ("qwen3", {"starts_in_reasoning": True},
      "Paris weather: a tool call is needed.\n</think>\n\n" + hermes_call("get_weather", WEATHER_ARGS),
      ("", "Paris weather: a tool call is needed.\n", [("get_weather", WEATHER_ARGS)])),
-    ("qwen3_moe", {},
+    ("qwen3", {},
      "<think>\n</think>\n\nThe answer is `a < b` and <b>bold</b>; 3 <tool 4.",
      ("The answer is `a < b` and <b>bold</b>; 3 <tool 4.", "", [])),
-    ("qwen2_moe", {},
+    ("hermes", {},
      "Sure, checking.\n" + hermes_call("get_weather", WEATHER_ARGS) + "\nDone? <think>not a tag here</think>",
      ("Sure, checking.\nDone? <think>not a tag here</think>", "", [("get_weather", WEATHER_ARGS)])),
-    ("gpt_oss", {},
+    ("harmony", {},
      "<|channel|>analysis<|message|>User asks for weather in Paris. Use get_weather.<|end|>"
      "<|start|>assistant<|channel|>commentary<|message|>Checking the weather and the time.<|end|>"
      "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
      + json.dumps(WEATHER_ARGS) + "<|call|>",
      ("Checking the weather and the time.", "User asks for weather in Paris. Use get_weather.",
       [("get_weather", WEATHER_ARGS)])),
-    ("gpt_oss", {},  # to= in the role part, content type without <|constrain|>, stop token left out
+    ("harmony", {},  # to= in the role part, content type without <|constrain|>, stop token left out
      "<|channel|>analysis<|message|>Need the time too.<|end|>"
      "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>" + json.dumps(TIME_ARGS),
      ("", "Need the time too.", [("get_time", TIME_ARGS)])),
-    ("gpt_oss", {},
+    ("harmony", {},
      "<|channel|>analysis<|message|>Simple arithmetic.<|end|><|start|>assistant<|channel|>final<|message|>"
      "2 + 2 = 4. In code: `x <| y` and `<|notatoken|>`.<|return|>",
      ("2 + 2 = 4. In code: `x <| y` and `<|notatoken|>`.", "Simple arithmetic.", [])),
-    ("deepseek_v3", {"starts_in_reasoning": True},
+    ("deepseek", {"starts_in_reasoning": True},
      "The user needs two lookups.\n</think>\n\nI'll look both up." + CALLS_BEGIN
      + CALL_BEGIN + "function" + SEP + "get_weather\n```json\n" + json.dumps(WEATHER_ARGS) + "\n```" + CALL_END + "\n"
      + CALL_BEGIN + "function" + SEP + "get_time\n```json\n" + json.dumps(TIME_ARGS) + "\n```" + CALL_END
      + CALLS_END + EOS,
      ("I'll look both up.", "The user needs two lookups.\n", [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])),
-    ("deepseek_v3", {},  # V3.1 form, no reasoning
+    ("deepseek", {},  # V3.1 form, no reasoning
      "Looking it up." + CALLS_BEGIN + CALL_BEGIN + "get_weather" + SEP + json.dumps(WEATHER_ARGS) + CALL_END
      + CALL_BEGIN + "get_time" + SEP + json.dumps(TIME_ARGS) + CALL_END + CALLS_END + EOS,
      ("Looking it up.", "", [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])),
-    ("deepseek_v3", {},
+    ("deepseek", {},
      "<think>\nHmm.\n</think>\n\nUse `<｜` carefully: a <｜tool▁call x and ``` fences.",
      ("Use `<｜` carefully: a <｜tool▁call x and ``` fences.", "Hmm.\n", [])),
-    ("mixtral", {},
+    ("mistral", {},
      "Let me check. [TOOL_CALLS] [" + json.dumps({"name": "get_weather", "arguments": WEATHER_ARGS}) + ", "
      + json.dumps({"arguments": TIME_ARGS, "name": "get_time", "id": "abc123XYZ"}) + "]</s>",
      ("Let me check. ", "", [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])),
-    ("mixtral", {},
+    ("mistral", {},
      "Lists look like [TOOLS] or [1, 2] and [TOOL_CALL] is not it.</s>",
      ("Lists look like [TOOLS] or [1, 2] and [TOOL_CALL] is not it.", "", [])),
-    ("olmoe", {},
+    ("plain", {},
      "<tool_call>{\"name\": \"x\", \"arguments\": {}}</tool_call> <think>plain</think>",
      ("<tool_call>{\"name\": \"x\", \"arguments\": {}}</tool_call> <think>plain</think>", "", [])),
 ]
@@ -172,7 +172,7 @@ def test_arguments_stream_before_the_call_closes(family, options, output, expect
 
 
 def test_text_streams_without_waiting_for_the_end():
-    parser = output_parser_for("qwen3_moe", tools=True)
+    parser = output_parser_for("qwen3", tools=True)
     assert parser.feed("Hello") == [OutputEvent("text", "Hello")]
     assert parser.feed(" wor") == [OutputEvent("text", " wor")]
     assert parser.feed("ld <") == [OutputEvent("text", "ld ")]  # "<" could start <tool_call>
@@ -183,7 +183,7 @@ def test_text_streams_without_waiting_for_the_end():
 
 def test_non_stream_arguments_send_each_call_whole():
     output = CASES[0][2]
-    parser = output_parser_for("qwen3_moe", tools=True, stream_arguments=False)
+    parser = output_parser_for("qwen3", tools=True, stream_arguments=False)
     events = run(parser, list(output))
     calls = [e for e in events if e.kind == "tool_call"]
     assert [bool(e.name) for e in calls] == [True, False, True, False]
@@ -192,7 +192,7 @@ def test_non_stream_arguments_send_each_call_whole():
 
 def test_tools_off_keeps_tool_markup_as_text():
     block = hermes_call("get_weather", WEATHER_ARGS)
-    parser = output_parser_for("qwen3_moe", tools=False)
+    parser = output_parser_for("qwen3", tools=False)
     text, _, calls = summarize(run(parser, list("Hi " + block)), parser)
     assert (text, calls) == ("Hi " + block, [])
 
@@ -209,91 +209,91 @@ def test_harmony_routes_builtin_tools_and_foreign_roles_away_from_text():
     output = ("<|channel|>analysis to=browser.search code<|message|>{\"query\": \"x\"}<|call|>"
               "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{\"t\": 1}<|end|>"
               "<|start|>assistant<|channel|>final<|message|>Done.<|return|>")
-    parser = output_parser_for("gpt_oss", tools=True)
+    parser = output_parser_for("harmony", tools=True)
     assert summarize(run(parser, list(output)), parser) == ("Done.", "{\"query\": \"x\"}", [])
 
 
 def test_harmony_function_call_from_the_analysis_channel():
     output = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>analysis "
               "to=functions.get_weather code<|message|>" + json.dumps(WEATHER_ARGS) + "<|call|>")
-    parser = output_parser_for("gpt_oss", tools=True)
+    parser = output_parser_for("harmony", tools=True)
     assert summarize(run(parser, list(output)), parser) == ("", "Need weather.", [("get_weather", WEATHER_ARGS)])
 
 
 def test_harmony_output_without_structure_is_text():
     text = "plain words " * 40
-    parser = output_parser_for("gpt_oss", tools=True)
+    parser = output_parser_for("harmony", tools=True)
     assert summarize(run(parser, list(text)), parser)[0] == text
-    parser = output_parser_for("gpt_oss", tools=True)
+    parser = output_parser_for("harmony", tools=True)
     assert summarize(run(parser, ["short"]), parser)[0] == "short"
 
 
 def test_harmony_tools_off_shows_call_content_as_text():
     output = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>"
-    parser = output_parser_for("gpt_oss", tools=False)
+    parser = output_parser_for("harmony", tools=False)
     assert summarize(run(parser, [output]), parser) == ("{\"city\": \"Paris\"}", "", [])
 
 
 # -- failed calls -------------------------------------------------------------------------------
 MALFORMED = [
-    ("qwen3_moe", "<tool_call>\n{'name': 'get_weather', 'arguments': {'city': 'Paris'}}\n</tool_call>"),
-    ("qwen3_moe", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {'city': 'Paris'}}\n</tool_call>"),
-    ("qwen3_moe", "<tool_call>\nget_weather(city='Paris')\n</tool_call>"),
-    ("qwen3_moe", "<tool_call>\n{\"arguments\": {}}\n</tool_call>"),
-    ("qwen3_moe", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": [1, 2]}\n</tool_call>"),
-    ("deepseek_v3", CALL_BEGIN + "get_weather" + SEP + "{city: Paris}" + CALL_END),
-    ("deepseek_v3", CALL_BEGIN + "function" + SEP + "get_weather\n```python\nprint(1)\n```" + CALL_END),
-    ("gpt_oss", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>city=Paris<|call|>"),
-    ("mixtral", "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {city: 1}}]"),
-    ("mixtral", "[TOOL_CALLS] get_weather(city=1)"),
+    ("qwen3", "<tool_call>\n{'name': 'get_weather', 'arguments': {'city': 'Paris'}}\n</tool_call>"),
+    ("qwen3", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {'city': 'Paris'}}\n</tool_call>"),
+    ("qwen3", "<tool_call>\nget_weather(city='Paris')\n</tool_call>"),
+    ("qwen3", "<tool_call>\n{\"arguments\": {}}\n</tool_call>"),
+    ("qwen3", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": [1, 2]}\n</tool_call>"),
+    ("deepseek", CALL_BEGIN + "get_weather" + SEP + "{city: Paris}" + CALL_END),
+    ("deepseek", CALL_BEGIN + "function" + SEP + "get_weather\n```python\nprint(1)\n```" + CALL_END),
+    ("harmony", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>city=Paris<|call|>"),
+    ("mistral", "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {city: 1}}]"),
+    ("mistral", "[TOOL_CALLS] get_weather(city=1)"),
 ]
 
 
 @pytest.mark.parametrize("family, block", MALFORMED)
 def test_malformed_call_comes_out_as_text(family, block):
     for chunks in ([block], list(block)):
-        before = "<|channel|>final<|message|>Before. <|end|><|start|>assistant" if family == "gpt_oss" else "Before. "
+        before = "<|channel|>final<|message|>Before. <|end|><|start|>assistant" if family == "harmony" else "Before. "
         parser = output_parser_for(family, tools=True)
         text, reasoning, calls = summarize(run(parser, [before, *chunks]), parser)
         assert calls == [] and parser.tool_calls == [] and not parser.saw_tool_call
-        shown = block if family != "gpt_oss" else "city=Paris"  # harmony: the content, not the header
+        shown = block if family != "harmony" else "city=Paris"  # harmony: the content, not the header
         assert text == "Before. " + shown
 
 
 def test_malformed_after_streaming_started_is_an_incomplete_call():
     block = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": 'Paris'}}\n</tool_call>"
-    parser = output_parser_for("qwen3_moe", tools=True)
+    parser = output_parser_for("qwen3", tools=True)
     events = run(parser, list(block + "After."))
     assert [e.name for e in events if e.kind == "tool_call" and e.name] == ["get_weather"]
     assert parser.tool_calls == [] and parser.saw_tool_call
     assert [(c.name, c.arguments) for c in parser.incomplete_tool_calls] == [("get_weather", "{\"city\": ")]
     assert summarize(events, parser) == ("After.", "", [])
     # without streaming the same block is text: nothing of it went out before the JSON broke
-    parser = output_parser_for("qwen3_moe", tools=True, stream_arguments=False)
+    parser = output_parser_for("qwen3", tools=True, stream_arguments=False)
     assert summarize(run(parser, list(block)), parser) == (block, "", [])
 
 
 @pytest.mark.parametrize("family, output", [
-    ("qwen3_moe", "Hi <tool_call>\n{\"na"),
-    ("qwen3_moe", "Hi <tool_call>\n{\"name\": \"get_weather\", \"argu"),
-    ("deepseek_v3", "Hi " + CALLS_BEGIN + CALL_BEGIN + "function" + SEP + "get_wea"),
-    ("mixtral", "Hi [TOOL_CALLS] [{\"name\": \"get_weather\""),
-    ("gpt_oss", "<|channel|>final<|message|>Hi <|end|><|start|>assistant<|channel|>commentary to=functions.get"),
+    ("qwen3", "Hi <tool_call>\n{\"na"),
+    ("qwen3", "Hi <tool_call>\n{\"name\": \"get_weather\", \"argu"),
+    ("deepseek", "Hi " + CALLS_BEGIN + CALL_BEGIN + "function" + SEP + "get_wea"),
+    ("mistral", "Hi [TOOL_CALLS] [{\"name\": \"get_weather\""),
+    ("harmony", "<|channel|>final<|message|>Hi <|end|><|start|>assistant<|channel|>commentary to=functions.get"),
 ])
 def test_unfinished_call_before_any_event_is_text_or_dropped(family, output):
     for chunks in ([output], list(output)):
         parser = output_parser_for(family, tools=True)
         text, _, calls = summarize(run(parser, chunks), parser)
         assert calls == [] and parser.incomplete_tool_calls == [] and text.startswith("Hi ")
-        if family != "gpt_oss":  # harmony headers are structure, never text
+        if family != "harmony":  # harmony headers are structure, never text
             assert text == output.replace(CALLS_BEGIN, "")
 
 
 @pytest.mark.parametrize("family, output", [
-    ("qwen3_moe", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par"),
-    ("deepseek_v3", CALL_BEGIN + "get_weather" + SEP + "{\"city\": \"Par"),
-    ("gpt_oss", "<|channel|>commentary to=functions.get_weather json<|message|>{\"city\": \"Par"),
-    ("mixtral", "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par"),
+    ("qwen3", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par"),
+    ("deepseek", CALL_BEGIN + "get_weather" + SEP + "{\"city\": \"Par"),
+    ("harmony", "<|channel|>commentary to=functions.get_weather json<|message|>{\"city\": \"Par"),
+    ("mistral", "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par"),
 ])
 def test_unfinished_call_after_streaming_started_is_incomplete(family, output):
     parser = output_parser_for(family, tools=True)
@@ -306,10 +306,10 @@ def test_unfinished_call_after_streaming_started_is_incomplete(family, output):
 
 
 @pytest.mark.parametrize("family, output", [
-    ("qwen3_moe", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}"),
-    ("qwen3_moe", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}"),
-    ("deepseek_v3", CALLS_BEGIN + CALL_BEGIN + "function" + SEP + "get_weather\n```json\n{\"city\": \"Paris\"}\n```"),
-    ("mixtral", "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}"),
+    ("qwen3", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}"),
+    ("qwen3", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}"),
+    ("deepseek", CALLS_BEGIN + CALL_BEGIN + "function" + SEP + "get_weather\n```json\n{\"city\": \"Paris\"}\n```"),
+    ("mistral", "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}"),
 ])
 def test_complete_arguments_without_closing_marker_make_a_call(family, output):
     parser = output_parser_for(family, tools=True)
@@ -318,9 +318,9 @@ def test_complete_arguments_without_closing_marker_make_a_call(family, output):
 
 def test_unknown_tool_name_is_text():
     block = hermes_call("rm_rf", {"path": "/"})
-    parser = output_parser_for("qwen3_moe", tools=True, tool_names={"get_weather"})
+    parser = output_parser_for("qwen3", tools=True, tool_names={"get_weather"})
     assert summarize(run(parser, list(block)), parser) == (block, "", [])
-    parser = output_parser_for("qwen3_moe", tools=True, tool_names={"get_weather"})
+    parser = output_parser_for("qwen3", tools=True, tool_names={"get_weather"})
     ok = hermes_call("get_weather", WEATHER_ARGS)
     assert summarize(run(parser, [ok]), parser)[2] == [("get_weather", WEATHER_ARGS)]
 
@@ -328,35 +328,35 @@ def test_unknown_tool_name_is_text():
 def test_hermes_variants_parameters_key_and_string_arguments():
     output = ("<tool_call>\n{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}\n</tool_call>"
               "<tool_call>\n{\"name\": \"get_time\", \"arguments\": \"{\\\"tz\\\": \\\"UTC\\\"}\"}\n</tool_call>")
-    parser = output_parser_for("qwen2_moe", tools=True)
+    parser = output_parser_for("hermes", tools=True)
     assert summarize(run(parser, list(output)), parser)[2] == [("get_weather", {"city": "Paris"}),
                                                                  ("get_time", {"tz": "UTC"})]
 
 
 def test_tool_ids():
-    parser = output_parser_for("qwen3_moe", tools=True)
+    parser = output_parser_for("qwen3", tools=True)
     run(parser, [CASES[0][2]])
     assert all(re.fullmatch(r"call_[0-9a-f]{24}", c.id) for c in parser.tool_calls)
     assert len({c.id for c in parser.tool_calls}) == 2
-    parser = output_parser_for("mixtral", tools=True)
+    parser = output_parser_for("mistral", tools=True)
     run(parser, [CASES[10][2]])
     assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c.id) for c in parser.tool_calls)  # Mistral's templates insist
 
 
 def test_prompt_opens_reasoning():
-    assert prompt_opens_reasoning("qwen3_moe", "<|im_start|>assistant\n<think>\n")
-    assert not prompt_opens_reasoning("qwen3_moe", "<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert prompt_opens_reasoning("deepseek_v3", "<｜Assistant｜><think>\n")
-    assert not prompt_opens_reasoning("qwen2_moe", "<think>\n")
-    assert not prompt_opens_reasoning("olmoe", "<think>\n")
+    assert prompt_opens_reasoning("qwen3", "<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert prompt_opens_reasoning("deepseek", "<｜Assistant｜><think>\n")
+    assert not prompt_opens_reasoning("hermes", "<think>\n")
+    assert not prompt_opens_reasoning("plain", "<think>\n")
 
 
-def test_every_tool_family_has_a_case():
-    assert TOOL_FAMILIES == {c[0] for c in CASES if c[3][2]} | {"qwen2_moe"} | {c[0] for c in XML_CASES}
+def test_every_tool_format_has_a_case():
+    assert TOOL_FORMATS == {c[0] for c in CASES if c[3][2]} | {"hermes"} | {c[0] for c in XML_CASES}
 
 
 def test_finish_is_final():
-    parser = output_parser_for("qwen3_moe", tools=True)
+    parser = output_parser_for("qwen3", tools=True)
     parser.feed("hi")
     parser.finish()
     assert parser.finish() == []
@@ -381,21 +381,21 @@ def test_qwen3_coder_xml_calls_in_any_split():
                      "mode": 420, "opts": {"force": True}, "dry": False}
     rng = random.Random(3)
     for chunks in [[CODER_OUTPUT], list(CODER_OUTPUT)] + [random_splits(CODER_OUTPUT, rng) for _ in range(20)]:
-        parser = output_parser_for("qwen3_moe", tools=True, tool_parameters=CODER_SCHEMAS)
+        parser = output_parser_for("qwen3", tools=True, tool_parameters=CODER_SCHEMAS)
         assert summarize(run(parser, chunks), parser) == (
             "I'll write the file.\n", "", [("write_file", expected_args), ("list_files", {})])
     # without schemas every value is a string
-    parser = output_parser_for("qwen3_moe", tools=True)
+    parser = output_parser_for("qwen3", tools=True)
     args = summarize(run(parser, [CODER_OUTPUT]), parser)[2][0][1]
     assert args["mode"] == "420" and args["opts"] == "{\"force\": true}"
 
 
 def test_qwen3_coder_malformed_and_unfinished():
     bad = "<tool_call>\n<function=write_file>\nstray text\n</function>\n</tool_call>"
-    parser = output_parser_for("qwen3_moe", tools=True)
+    parser = output_parser_for("qwen3", tools=True)
     assert summarize(run(parser, list(bad)), parser) == (bad, "", [])
     cut = "<tool_call>\n<function=write_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n<parameter=content>\nabc"
-    parser = output_parser_for("qwen3_moe", tools=True)
+    parser = output_parser_for("qwen3", tools=True)
     events = run(parser, list(cut))
     assert parser.tool_calls == [] and [c.arguments for c in parser.incomplete_tool_calls] == ['{"path": "src/a.py"']
     assert summarize(events, parser) == ("", "", [])
@@ -430,33 +430,32 @@ def dsml_calls(calls: list[tuple[str, dict]], section: str = "function_calls") -
 
 
 XML_CASES = [
-    ("glm4_moe", {},  # GLM-4.5: newlines after the name and between the pairs
+    ("glm", {},  # GLM-4.5: newlines after the name and between the pairs
      "<think>The user wants the weather, then a file.</think>\nChecking.\n" + glm_call("get_weather", WEATHER_ARGS)
      + "\n" + glm_call("write_file", WRITE_ARGS) + "<|observation|>",
      ("Checking.\n", "The user wants the weather, then a file.", [("get_weather", WEATHER_ARGS),
                                                                   ("write_file", WRITE_ARGS)])),
-    ("glm_moe_dsa", {"starts_in_reasoning": True},  # GLM-4.7 / GLM-5: back to back, <think> opened by the prompt
+    ("glm", {"starts_in_reasoning": True},  # GLM-4.7 / GLM-5: back to back, <think> opened by the prompt
      "Weather first.</think>" + glm_call("get_weather", WEATHER_ARGS, sep="") + glm_call("get_time", {}, sep=""),
      ("", "Weather first.", [("get_weather", WEATHER_ARGS), ("get_time", {})])),
-    ("glm4_moe", {},
+    ("glm", {},
      "<think></think>Tags like <tool and <arg_key> in prose stay text: a < b.<|user|>",
      ("Tags like <tool and <arg_key> in prose stay text: a < b.", "", [])),
-    ("deepseek_v32", {"starts_in_reasoning": True},
+    ("dsml", {"starts_in_reasoning": True},
      "Two lookups are needed.</think>I'll look both up." + dsml_calls([("get_weather", WEATHER_ARGS),
                                                                         ("write_file", WRITE_ARGS)])
      + "<｜end▁of▁sentence｜>",
      ("I'll look both up.\n\n", "Two lookups are needed.", [("get_weather", WEATHER_ARGS),
                                                              ("write_file", WRITE_ARGS)])),
-    ("deepseek_v32", {},  # chat mode (the prompt closed </think>), DeepSeek-V4's section name
+    ("dsml", {},  # chat mode (the prompt closed </think>), DeepSeek-V4's section name
      "Done." + dsml_calls([("get_time", TIME_ARGS)], section="tool_calls") + "\nAfter.",
      ("Done.\n\nAfter.", "", [("get_time", TIME_ARGS)])),
 ]
 XML_MARKERS = {
-    "glm4_moe": ["<tool_call>", "</tool_call>", "<arg_value>", "</arg_value>", "<think>", "</think>", "<|user|>",
+    "glm": ["<tool_call>", "</tool_call>", "<arg_value>", "</arg_value>", "<think>", "</think>", "<|user|>",
                  "<|observation|>"],
-    "deepseek_v32": [f"<{DSML}", f"</{DSML}", "<think>", "<｜end▁of▁sentence｜>"],
+    "dsml": [f"<{DSML}", f"</{DSML}", "<think>", "<｜end▁of▁sentence｜>"],
 }
-XML_MARKERS["glm_moe_dsa"] = XML_MARKERS["glm4_moe"]
 
 
 @pytest.mark.parametrize("family, options, output, expected", XML_CASES,
@@ -479,7 +478,7 @@ def test_glm_and_dsml_arguments_stream_pair_by_pair(family, output):
     parser = output_parser_for(family, tools=True, tool_parameters=GLM_SCHEMAS,
                                starts_in_reasoning="<think>" not in output and "</think>" in output)
     named_at, pieces = None, 0
-    close = "</tool_call>" if family != "deepseek_v32" else f"</{DSML}invoke>"
+    close = "</tool_call>" if family != "dsml" else f"</{DSML}invoke>"
     for i, ch in enumerate(output):
         for e in parser.feed(ch):
             if e.kind == "tool_call" and e.name and named_at is None:
@@ -492,22 +491,22 @@ def test_glm_and_dsml_arguments_stream_pair_by_pair(family, output):
 
 def test_values_without_a_schema_are_json_when_they_parse():
     output = glm_call("f", {"n": 7, "s": "plain", "o": {"a": 1}})
-    parser = output_parser_for("glm4_moe", tools=True)
+    parser = output_parser_for("glm", tools=True)
     assert summarize(run(parser, [output]), parser)[2] == [("f", {"n": 7, "s": "plain", "o": {"a": 1}})]
     # the schema wins: a string parameter keeps "7" a string
-    parser = output_parser_for("glm4_moe", tools=True, tool_parameters={"f": {"properties": {"n": {"type": "string"}}}})
+    parser = output_parser_for("glm", tools=True, tool_parameters={"f": {"properties": {"n": {"type": "string"}}}})
     assert summarize(run(parser, [output]), parser)[2][0][1]["n"] == "7"
     # DSML: string="true" is a string whatever it looks like; string="false" is JSON
     dsml = dsml_calls([("f", {"n": "7", "m": 7})])
-    parser = output_parser_for("deepseek_v32", tools=True)
+    parser = output_parser_for("dsml", tools=True)
     assert summarize(run(parser, [dsml]), parser)[2] == [("f", {"n": "7", "m": 7})]
 
 
 @pytest.mark.parametrize("family, block", [
-    ("glm4_moe", "<tool_call>get_weather\n<arg_value>Paris</arg_value>\n</tool_call>"),
-    ("glm4_moe", "<tool_call>\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"),
-    ("glm4_moe", "<tool_call>get_weather\n{\"city\": \"Paris\"}\n</tool_call>"),
-    ("deepseek_v32", f'<{DSML}function_calls>\n<{DSML}invoke name="get_weather">\n<{DSML}arg>Paris</{DSML}arg>\n'
+    ("glm", "<tool_call>get_weather\n<arg_value>Paris</arg_value>\n</tool_call>"),
+    ("glm", "<tool_call>\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"),
+    ("glm", "<tool_call>get_weather\n{\"city\": \"Paris\"}\n</tool_call>"),
+    ("dsml", f'<{DSML}function_calls>\n<{DSML}invoke name="get_weather">\n<{DSML}arg>Paris</{DSML}arg>\n'
                      f"</{DSML}invoke>\n</{DSML}function_calls>"),
 ])
 def test_glm_and_dsml_malformed_calls_come_out_as_text(family, block):
@@ -515,14 +514,14 @@ def test_glm_and_dsml_malformed_calls_come_out_as_text(family, block):
         parser = output_parser_for(family, tools=True)
         text, _, calls = summarize(run(parser, ["Before. ", *chunks]), parser)
         assert calls == [] and parser.tool_calls == [] and not parser.saw_tool_call
-        shown = block if family != "deepseek_v32" else block[block.index(f'<{DSML}invoke'):block.index(f"\n</{DSML}f")]
+        shown = block if family != "dsml" else block[block.index(f'<{DSML}invoke'):block.index(f"\n</{DSML}f")]
         assert text == "Before. " + shown
 
 
 @pytest.mark.parametrize("family, output, sent", [
-    ("glm4_moe", "<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n<arg_key>content"
+    ("glm", "<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n<arg_key>content"
                  "</arg_key>\n<arg_value>abc", '{"path": "a.py"'),
-    ("deepseek_v32", f'<{DSML}function_calls>\n<{DSML}invoke name="write_file">\n<{DSML}parameter name="path" '
+    ("dsml", f'<{DSML}function_calls>\n<{DSML}invoke name="write_file">\n<{DSML}parameter name="path" '
                      f'string="true">a.py</{DSML}parameter>\n<{DSML}parameter name="content" string="true">ab',
      '{"path": "a.py"'),
 ])
@@ -534,6 +533,6 @@ def test_glm_and_dsml_unfinished_calls_are_incomplete(family, output, sent):
 
 
 def test_glm_and_dsml_prompts_open_reasoning():
-    assert prompt_opens_reasoning("glm_moe_dsa", "<|user|>hi<|assistant|><think>")
-    assert prompt_opens_reasoning("deepseek_v32", "<｜User｜>hi<｜Assistant｜><think>")
-    assert not prompt_opens_reasoning("deepseek_v32", "<｜User｜>hi<｜Assistant｜></think>")
+    assert prompt_opens_reasoning("glm", "<|user|>hi<|assistant|><think>")
+    assert prompt_opens_reasoning("dsml", "<｜User｜>hi<｜Assistant｜><think>")
+    assert not prompt_opens_reasoning("dsml", "<｜User｜>hi<｜Assistant｜></think>")

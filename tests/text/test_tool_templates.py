@@ -55,10 +55,10 @@ def test_tokenizer_renders_tools_like_transformers(tool_model_dir):
 def test_has_native_tools_tells_tool_templates_from_plain_chatml(tool_model_dir):
     model_dir, template = tool_model_dir
     tokenizer = Tokenizer(model_dir)
-    family = "qwen3_moe" if template is QWEN3_TOOL_TEMPLATE else "gpt_oss"
+    family = "qwen3" if template is QWEN3_TOOL_TEMPLATE else "harmony"  # the families' output formats
     assert tokenizer.tool_chat_template == template
     assert has_native_tools(family, tokenizer.tool_chat_template)
-    assert not has_native_tools("olmoe", template)  # no tool syntax in the family
+    assert not has_native_tools("plain", template)  # no tool syntax in the format (OLMoE's)
     assert not has_native_tools(family, CHATML_TEMPLATE)  # the template ignores tools
     assert not has_native_tools(family, None)
 
@@ -82,7 +82,7 @@ def test_tool_use_template_is_preferred(tmp_path):
                             {"name": "tool_use", "template": QWEN3_TOOL_TEMPLATE}]
     cfg_path.write_text(json.dumps(cfg))
     tokenizer = Tokenizer(tmp_path)
-    assert tokenizer.tool_chat_template == QWEN3_TOOL_TEMPLATE and has_native_tools("qwen3_moe",
+    assert tokenizer.tool_chat_template == QWEN3_TOOL_TEMPLATE and has_native_tools("qwen3",
                                                                                    tokenizer.tool_chat_template)
     assert "<tools>" in tokenizer.apply_chat_template(CONVERSATION[:2], tools=[WEATHER_TOOL])
 
@@ -95,7 +95,7 @@ def test_model_output_through_the_stream_decoder(tmp_path):
               '"arguments": {"city": "Zürich 日本"}}\n</tool_call><|im_end|>')
     ids = tokenizer.encode(output, add_special_tokens=False)
     decoder = tokenizer.stream_decoder(skip_special_tokens=False)
-    parser = output_parser_for("qwen3_moe", tools=True)
+    parser = output_parser_for("qwen3", tools=True)
     events = []
     for token_id in ids:
         events += parser.feed(decoder.add(token_id))

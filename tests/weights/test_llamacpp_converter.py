@@ -140,3 +140,22 @@ def test_a_sentencepiece_vocabulary_tokenises_as_sentencepiece_does(tmp_path):
     # Hugging Face does), and the text after it gets its own space prefix, as llama.cpp gives it
     text = " looks special but is not"
     assert tok.encode("<s>" + text, add_special_tokens=False) == [sp.bos_id()] + sp.encode(text)
+
+
+def test_glm5_indexer_layers_come_from_the_types_key_or_from_the_tensors(tmp_path, smollm_tokenizer):
+    """GLM-5 runs the lightning indexer on some layers and shares its choice with the others: the converter
+    writes which (attention.indexer.types) and leaves the shared layers' indexer tensors out; a file without
+    the key (written before it existed) tells by the tensors; a key of the wrong length is a clear error."""
+    from moed.errors import ModelFormatError
+    from moed.weights.gguf_metadata import read_config
+
+    path, _, _ = convert("glm_moe_dsa", tmp_path, smollm_tokenizer)
+    assert GgufCheckpoint(path).config.indexer_layers == (True, False, True)
+    file = GgufFile(path)
+    assert "blk.1.indexer.attn_k.weight" not in file and "blk.2.indexer.attn_k.weight" in file
+    key = "glm-dsa.attention.indexer.types"
+    assert file.metadata.pop(key) == [True, False, True]
+    assert read_config(file, "glm-dsa")["indexer_types"] == ["full", "shared", "full"]
+    file.metadata[key] = [True, False]
+    with pytest.raises(ModelFormatError, match="each of the 3 layers"):
+        read_config(file, "glm-dsa")

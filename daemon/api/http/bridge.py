@@ -270,8 +270,13 @@ class EngineBridge:
 
     @staticmethod
     def family(entry: LoadedEntry) -> str:
-        """The model's family (config.json model_type), which picks its tool-call / reasoning parser."""
+        """The model's family (config.json model_type)."""
         return entry.runtime.model.config.family
+
+    @staticmethod
+    def tool_format(entry: LoadedEntry) -> str:
+        """How the model writes tool calls and reasoning (its family's format), which picks its output parser."""
+        return entry.runtime.tool_format
 
     @staticmethod
     def tokenizer(entry: LoadedEntry) -> Tokenizer:
@@ -337,12 +342,12 @@ class EngineBridge:
     # ---- tools and output parsing ----
 
     def has_native_tools(self, entry: LoadedEntry) -> bool:
-        """Whether the model's family has a tool-call parser and its chat template renders tools
+        """Whether the model's output format has a tool-call syntax and its chat template renders tools
         (else tools go through the generic format, ``moed.text.generic_tools``). Cached per model."""
         key = id(entry)
         known = self._native_tools.get(key)
         if known is None or known[0] is not entry:
-            known = (entry, has_native_tools(self.family(entry), self.tokenizer(entry).tool_chat_template))
+            known = (entry, has_native_tools(self.tool_format(entry), self.tokenizer(entry).tool_chat_template))
             self._native_tools[key] = known
         return known[1]
 
@@ -374,12 +379,12 @@ class EngineBridge:
         opens = False
         if prompt_ids:
             tail = self.tokenizer(entry).decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
-            opens = prompt_opens_reasoning(self.family(entry), tail)
+            opens = prompt_opens_reasoning(self.tool_format(entry), tail)
         end_tokens = ()
         if generic_tools:
             tokenizer = self.tokenizer(entry)
             end_tokens = tuple(t for t in (tokenizer.id_to_token(i) for i in tokenizer.eos_token_ids) if t)
-        return output_parser_for(self.family(entry), tools=bool(tools), starts_in_reasoning=opens, tool_names=names,
+        return output_parser_for(self.tool_format(entry), tools=bool(tools), starts_in_reasoning=opens, tool_names=names,
                                  tool_parameters=parameters, stream_arguments=stream, generic_tools=generic_tools,
                                  end_tokens=end_tokens)
 

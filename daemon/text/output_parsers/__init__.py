@@ -1,1 +1,1 @@
-"""One output parser per model family (text, reasoning and tool calls); use moed.text.output_parser."""
+"""One output parser per tool-call / reasoning format (text, reasoning and tool calls); use moed.text.output_parser."""

@@ -107,7 +107,7 @@ class OutputParser:
     progress) and ``_finish_body`` (flush an open block at the end).
     """
 
-    family = ""
+    tool_format = ""  # the name moed.text.output_parser knows it by
     end_tokens: tuple[str, ...] = ()  # end-of-turn tokens: never text, dropped where they appear
     think_tags: tuple[str, str] | None = None  # ("<think>", "</think>") for families that reason in tags
 

@@ -29,7 +29,7 @@ FENCE = "```json"
 
 
 class DeepSeekParser(OutputParser):
-    family = "deepseek_v3"
+    tool_format = "deepseek"
     end_tokens = (EOS,)
     think_tags = ("<think>", "</think>")
 

@@ -120,7 +120,7 @@ class DsmlInvoke:
 
 
 class DsmlParser(OutputParser):
-    family = "deepseek_v32"
+    tool_format = "dsml"
     end_tokens = (EOS,)
     think_tags = ("<think>", "</think>")
 

@@ -117,7 +117,7 @@ class ArgKeyCall:
 
 
 class GlmParser(OutputParser):
-    family = "glm4_moe"
+    tool_format = "glm"
     end_tokens = END_TOKENS
     think_tags = ("<think>", "</think>")
 

@@ -44,7 +44,7 @@ _RECIPIENT_RE = re.compile(r"(?:^|\s)to=([^\s<]+)")
 
 
 class HarmonyParser(OutputParser):
-    family = "gpt_oss"
+    tool_format = "harmony"
     end_tokens = (CALL, RETURN, END_OF_TEXT)
 
     def __init__(self, **options) -> None:

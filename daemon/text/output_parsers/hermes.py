@@ -27,7 +27,7 @@ CALL_CLOSE = "</tool_call>"
 
 
 class HermesParser(OutputParser):
-    family = "qwen2_moe"
+    tool_format = "hermes"
     end_tokens = ("<|im_end|>", "<|endoftext|>")
 
     def __init__(self, **options) -> None:
@@ -99,5 +99,5 @@ class HermesParser(OutputParser):
 
 
 class Qwen3Parser(HermesParser):
-    family = "qwen3_moe"
+    tool_format = "qwen3"
     think_tags = ("<think>", "</think>")

@@ -28,7 +28,7 @@ _EXPECT = {"array_open": "[", "first": "{]", "next": ",]", "element": "{"}
 
 
 class MistralParser(OutputParser):
-    family = "mixtral"
+    tool_format = "mistral"
     end_tokens = ("</s>",)
 
     def __init__(self, **options) -> None:
