@@ -22,7 +22,7 @@ ROW_TYPES: tuple[int, ...] = (q.Q8_0, q.Q4_0, q.Q4_1, q.Q5_0, q.Q5_1, q.Q2_K, q.
 
 # values per activation scale the kernels of a type need (native/cpu/ggml_rows.h, moed_ggml_act_span):
 # the K-quants' AVX-512 VNNI kernels sum a super-block in integers, so its activations share one scale
-ACT_SPAN: dict[int, int] = {q.Q4_K: 256, q.Q5_K: 256, q.Q6_K: 256}
+ACT_SPAN: dict[int, int] = {q.Q2_K: 256, q.Q3_K: 256, q.Q4_K: 256, q.Q5_K: 256, q.Q6_K: 256}
 
 
 def act_span(ggml_type: int) -> int:

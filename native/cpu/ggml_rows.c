@@ -48,7 +48,8 @@ int moed_ggml_block_weights(int type) {
 }
 
 int moed_ggml_act_span(int type) {
-    return type == MOED_GGML_Q4_K || type == MOED_GGML_Q5_K || type == MOED_GGML_Q6_K ? 256 : 32;
+    return type == MOED_GGML_Q2_K || type == MOED_GGML_Q3_K || type == MOED_GGML_Q4_K || type == MOED_GGML_Q5_K
+        || type == MOED_GGML_Q6_K ? 256 : 32;
 }
 
 int moed_ggml_block_bytes(int type) {

@@ -21,7 +21,7 @@
  * The torch twin (moed.kernels.ggml_rows_format.rows_product_reference) multiplies the gguf-decoded
  * rows with the same int8 activations, so the two agree to float rounding.
  *
- * Activation span: Q4_K, Q5_K and Q6_K rows are multiplied with activations that share one scale per
+ * Activation span: Q2_K, Q3_K, Q4_K, Q5_K and Q6_K rows are multiplied with activations that share one scale per
  * 256 values (llama.cpp's Q8_K; moed_quantize_act_span with span 256, each 32-group's xs the same):
  * their AVX-512 VNNI kernels then sum a super-block's integer products times its integer scales
  * (vpdpwssd) and multiply by one float per super-block. The other kernels read per-group scales and

@@ -1,4 +1,5 @@
-/* AVX-512 VNNI kernels of the GGUF block rows (ggml_rows.h) for Q4_K, Q5_K and Q6_K, the types of most files
+/* AVX-512 VNNI kernels of the GGUF block rows (ggml_rows.h) for Q4_K, Q5_K and Q6_K, the types of most files,
+ * Q2_K and Q3_K (the low-bit mixes big models ship in)
  * (and the 32-weight types, IQ4_XS and NVFP4, below):
  * four groups of 32 per pair of 512-bit `vpdpbusd` (64 unsigned codes x 64 int8 activations -> 16 int32
  * sums, lanes 0-7 one group, 8-15 another), where the AVX2 kernel needs two instructions per group.
@@ -159,6 +160,93 @@ static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
                 }
             }
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(f16x(b + 208) * s[8 * i]), acc);
+        }
+        y[(int64_t)t * ldy] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+/* Q2_K / Q3_K with activations of span 256: the 2-bit codes of a 128-weight half sit at shifts 0/2/4/6 of
+ * its 32 bytes (group 4n + j at shift 2j of half n); a 64-activation chunk c (groups 2c, 2c + 1) is one
+ * vpdpbusd of those codes shifted per 256-bit half, whose lanes 4k..4k+3 are 16-weight sub-block 4c + k,
+ * times the sub-blocks' integer scales (vpdpwssd; |sum| <= 4 * 7 * 127 fits 16 bits) into the super-block's
+ * int32 sums, then one float multiply-add per super-block.
+ * Q2_K: w = d sc q - dmin m per 16 (4-bit sc, m): the mins take the sub-blocks' activation sums
+ *   (vpdpbusd of ones) times m, a second int32 sum and multiply-add by dmin * xs.
+ * Q3_K: q = low2 - 4 (hmask bit g clear) in -4..3, w = d (sc - 32) q (6-bit sc): unsigned codes low2 + 4 hbit,
+ *   and the 4 x sum of the activations subtracted before the scales apply. */
+static inline __m512i q2_codes(__m512i half, int c) {
+    const __m512i shift = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(4 * (c & 1)))),
+                                             _mm256_set1_epi16((short)(4 * (c & 1) + 2)), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(half, shift), _mm512_set1_epi8(3));
+}
+
+static void dot_q2_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t nb = K / 256, groups = K / 32;
+    const __m512i one = _mm512_set1_epi8(1), m4 = _mm512_set1_epi32(0xF);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups;
+        __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = row + i * 84;
+            if (t == 0)
+                for (int l = 0; l < 84; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, GGML_PF_HINT);
+            const __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+            const __m512i S = _mm512_and_si512(packed, m4), M = _mm512_srli_epi32(packed, 4);
+            const int8_t *x8 = q + i * 256;
+            __m512i isum = _mm512_setzero_si512(), msum = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                const __m512i half = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (c >> 1))));
+                const __m512i x = _mm512_loadu_si512((const void *)(x8 + 64 * c));
+                const __m512i pick = quads(4 * c, 4 * c + 1, 4 * c + 2, 4 * c + 3);
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q2_codes(half, c), x);
+                isum = _mm512_dpwssd_epi32(isum, p, _mm512_permutexvar_epi32(pick, S));
+                const __m512i xs4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), one, x);  /* |.| <= 4 * 128 */
+                msum = _mm512_dpwssd_epi32(msum, xs4, _mm512_permutexvar_epi32(pick, M));
+            }
+            const float sx = s[8 * i];
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(f16x(b + 80) * sx), acc);
+            macc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_set1_ps(f16x(b + 82) * sx), macc);
+        }
+        y[(int64_t)t * ldy] = _mm512_reduce_add_ps(acc) - _mm512_reduce_add_ps(macc);
+    }
+}
+
+static void dot_q3_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t nb = K / 256, groups = K / 32;
+    const __m512i one = _mm512_set1_epi8(1), four = _mm512_set1_epi8(4), low16 = _mm512_set1_epi32(0xFFFF);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = row + i * 110;
+            if (t == 0)
+                for (int l = 0; l < 110; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, GGML_PF_HINT);
+            const uint8_t *p = b + 96;
+            int32_t sc[16];
+            for (int k = 0; k < 16; k++)
+                sc[k] = (((p[k % 8] >> (4 * (k / 8))) & 0xF) | (((p[8 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32;
+            const __m512i S = _mm512_and_si512(_mm512_loadu_si512((const void *)sc), low16);  /* int16 in the low half */
+            const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b));
+            const int8_t *x8 = q + i * 256;
+            __m512i isum = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                const __m512i half = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 32 + 32 * (c >> 1))));
+                const __m512i gshift = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(2 * c))),
+                                                          _mm256_set1_epi16((short)(2 * c + 1)), 1);
+                const __m512i hbit = _mm512_and_si512(_mm512_srlv_epi16(hm, gshift), one);
+                const __m512i codes = _mm512_or_si512(q2_codes(half, c), _mm512_slli_epi16(hbit, 2));
+                const __m512i x = _mm512_loadu_si512((const void *)(x8 + 64 * c));
+                const __m512i prod = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, x),
+                                                      _mm512_dpbusd_epi32(_mm512_setzero_si512(), four, x));
+                isum = _mm512_dpwssd_epi32(isum, prod, _mm512_permutexvar_epi32(quads(4 * c, 4 * c + 1, 4 * c + 2, 4 * c + 3), S));
+            }
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(f16x(b + 108) * s[8 * i]), acc);
         }
         y[(int64_t)t * ldy] = _mm512_reduce_add_ps(acc);
     }
@@ -408,6 +496,8 @@ moed_ggml_dot_fn moed_ggml_dot_avx512vnni(int type) {
     case MOED_GGML_Q4_K: return dot_q4_k;
     case MOED_GGML_Q5_K: return dot_q5_k;
     case MOED_GGML_Q6_K: return dot_q6_k;
+    case MOED_GGML_Q2_K: return dot_q2_k;
+    case MOED_GGML_Q3_K: return dot_q3_k;
     case MOED_GGML_Q4_0: return dot_q4_0;
     case MOED_GGML_Q4_1: return dot_q4_1;
     case MOED_GGML_Q5_0: return dot_q5_0;
