@@ -214,6 +214,20 @@ static void dot_q2_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
     }
 }
 
+/* a Q3_K block's 16 6-bit scales minus 32, as int16: scale k's low 4 bits are nibble k / 8 of byte k % 8,
+ * its top 2 bits bits 2 (k / 4) of byte 8 + k % 4 (12 bytes read, none past them) */
+static inline __m256i q3_scales(const uint8_t *p) {
+    const __m128i low8 = _mm_loadl_epi64((const __m128i *)p);
+    const __m128i top4 = _mm_cvtsi32_si128((int)rd32(p + 8));
+    const __m256i lo = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(low8, _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7)));
+    const __m256i hi = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(top4, _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)));
+    const __m256i l4 = _mm256_and_si256(_mm256_srlv_epi16(lo, _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4)),
+                                        _mm256_set1_epi16(0xF));
+    const __m256i h2 = _mm256_and_si256(_mm256_srlv_epi16(hi, _mm256_setr_epi16(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6)),
+                                        _mm256_set1_epi16(3));
+    return _mm256_sub_epi16(_mm256_or_si256(l4, _mm256_slli_epi16(h2, 4)), _mm256_set1_epi16(32));
+}
+
 static void dot_q3_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
                      float *y, int64_t ldy) {
     (void)xsum;
@@ -227,11 +241,7 @@ static void dot_q3_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
             const uint8_t *b = row + i * 110;
             if (t == 0)
                 for (int l = 0; l < 110; l += 64) _mm_prefetch((const char *)b + GGML_PF + l, GGML_PF_HINT);
-            const uint8_t *p = b + 96;
-            int32_t sc[16];
-            for (int k = 0; k < 16; k++)
-                sc[k] = (((p[k % 8] >> (4 * (k / 8))) & 0xF) | (((p[8 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32;
-            const __m512i S = _mm512_and_si512(_mm512_loadu_si512((const void *)sc), low16);  /* int16 in the low half */
+            const __m512i S = _mm512_and_si512(_mm512_cvtepi16_epi32(q3_scales(b + 96)), low16);  /* int16 in the low half */
             const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b));
             const int8_t *x8 = q + i * 256;
             __m512i isum = _mm512_setzero_si512();
