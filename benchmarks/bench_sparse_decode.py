@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
-"""DeepSeek Sparse Attention decode against the context length: the chosen keys vs every key.
+"""DeepSeek Sparse Attention decode (and prefill) against the context length: the chosen keys vs every key.
 
-    python benchmarks/bench_sparse_decode.py [--contexts 4096,16384,65536] [--json OUT]
+    python benchmarks/bench_sparse_decode.py [--contexts 4096,16384,65536] [--prefill 512] [--json OUT]
 
 One DeepSeek-V3.2 attention layer (hidden 7168, 128 heads, q LoRA 1536, kv LoRA 512, nope 128, rope 64, v 128;
 lightning indexer of 64 heads x 128 keeping 2048 keys; random bf16 weights; bf16 pool with the latent, the
 rotary key and the indexer's key filled to each context) runs one decode token: "sparse" is what moed runs
 for DeepSeek-V3.2 / GLM-5 (the indexer scores every key, the absorbed attention reads the 2048 it keeps);
 "dense" is the same layer without its indexer (DeepSeek-V3's absorbed decode over every key). Reported:
-ms per step (best of 5), and the indexer's own share (its keys' scoring and the top-k). No peer: llama.cpp
-has no sparse-attention path for these models.
+ms per step (best of 5), and the indexer's own share (its keys' scoring and the top-k). ``--prefill N`` also
+times a chunk of N new tokens at each depth (best of 3): there every query of the chunk scores every key
+before it and attends through a per-block mask, so sparse prefill costs more than dense (the indexer's
+N x L scores); what it saves is every later decode step. No peer: llama.cpp has no sparse-attention path for
+these models.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def best_of(fn, n: int = 5) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="4096,16384,65536")
+    ap.add_argument("--prefill", type=int, default=0, help="also time a chunk of this many new tokens")
     ap.add_argument("--json")
     args = ap.parse_args()
     sparse, rotary = layer(True)
@@ -81,6 +85,14 @@ def main() -> int:
                "indexer_ms": best_of(lambda: sparse._choose(x, q_resid, batch, cache, cos_sin)),
                "dense_ms": best_of(lambda: dense.forward(x, batch, cache, cos_sin))}
         row["dense_over_sparse"] = round(row["dense_ms"] / row["sparse_ms"], 2)
+        if args.prefill:
+            n = args.prefill
+            start = context - n
+            chunk = ForwardBatch.from_token_lists([[1] * n], [start], [0], [list(range(blocks))])
+            xs, cs = torch.randn(1, n, HIDDEN), rotary.cos_sin(chunk.positions)
+            row["prefill_tokens"] = n
+            row["prefill_sparse_ms"] = best_of(lambda: sparse.forward(xs, chunk, cache, cs), 3)
+            row["prefill_dense_ms"] = best_of(lambda: dense.forward(xs, chunk, cache, cs), 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
