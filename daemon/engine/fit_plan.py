@@ -9,7 +9,8 @@ with only config.json (or a config.json file) is planned from the tensors the co
   lives there (as ``model_on_device`` does): its KV pool gets half of what the weights leave (up to the
   model's longest context) and the expert cache the rest; the host keeps the expert bank;
 - otherwise everything but the expert cache is on the host (the GPU, if any, caches experts only) and the
-  context is ``auto_context``'s;
+  context is ``auto_context``'s; so too for a GGUF file whose quantised linears stay packed (the device
+  path multiplies plain tensors only);
 - the host must hold the load's peak (the bank, the weights before they move, a conversion chunk) and,
   after it, what stays, within the RAM a desktop leaves a model (``HOST_RESERVE``); a machine that cannot
   is refused with the reason, and the largest expert dtype that would fit is named.
@@ -33,7 +34,7 @@ from moed.errors import ModelFormatError
 from moed.models.moe_transformer import kv_cache_bytes
 from moed.models.weight_spec import expected_weight_shapes
 from moed.service.memory_governor import GovernorConfig
-from moed.weights.checkpoint import LoadBytes, checkpoint_load_bytes, source_kind
+from moed.weights.checkpoint import LoadBytes, checkpoint_load_bytes, open_checkpoint, source_kind
 from moed.weights.config_only import ConfigOnlyCheckpoint
 from moed.weights.model_loader import _bank_dtype, estimate_load, read_model_config
 
@@ -63,6 +64,7 @@ class ModelNeeds:
     host_step_bytes: int  # one CPU step's activations (and MLA's float32 kv_b, a hybrid model's states)
     device_step_bytes: int  # one device step's activations
     source: str  # "config.json alone" or "the checkpoint's headers"
+    packed_weights: bool = False  # a GGUF's quantised linears stay packed: the model itself stays on the host
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ def model_needs(path: str | Path, experts_dtype: str | None = None, *, cpu_only:
     path = Path(path)
     config_file = path if path.is_file() and path.suffix == ".json" else None
     only_config = config_file is not None or (path.is_dir() and _has_no_weights(path))
+    packed = False
     if only_config:
         where = config_file or path / "config.json"
         try:
@@ -95,10 +98,13 @@ def model_needs(path: str | Path, experts_dtype: str | None = None, *, cpu_only:
         config = checkpoint.config
         source = "config.json alone"
     else:
-        source_kind(path)  # a clear error for a path that is no model
+        kind = source_kind(path)  # a clear error for a path that is no model
         config = read_model_config(path)
         load = estimate_load(path, experts_dtype, cpu_only=cpu_only)
         source = "the checkpoint's headers"
+        if kind == "gguf":  # quantised attention / dense weights load packed (device_mode_blocker)
+            checkpoint = open_checkpoint(path)
+            packed = any(checkpoint.packed_weight_dtype(name) for name in checkpoint.weight_shapes())
     moe = config.moe
     expert = 3 * config.hidden_size * moe.intermediate_size
     non_expert = sum(math.prod(s) for s in expected_weight_shapes(config).values())
@@ -111,7 +117,7 @@ def model_needs(path: str | Path, experts_dtype: str | None = None, *, cpu_only:
     device_step = step_workspace_bytes(config, DEFAULT_MAX_STEP_TOKENS, device_type="cuda") + states
     return ModelNeeds(config.family, config.num_layers, moe.num_experts, moe.top_k,
                       non_expert + config.num_moe_layers * moe.num_experts * expert, active, load, per_token,
-                      config.max_position_embeddings, host_step, device_step, source)
+                      config.max_position_embeddings, host_step, device_step, source, packed)
 
 
 def _has_no_weights(path: Path) -> bool:
@@ -124,7 +130,8 @@ def fit_machine(needs: ModelNeeds, ram_bytes: int, vram_bytes: int, *, by_dtype:
     vram = vram_bytes - GovernorConfig().headroom(vram_bytes) if vram_bytes else 0
     floor = min(DEFAULT_CONTEXT, needs.max_context)
     fit = None
-    if vram and load.weight_bytes + needs.device_step_bytes + floor * needs.kv_bytes_per_token <= vram:
+    if vram and not needs.packed_weights \
+            and load.weight_bytes + needs.device_step_bytes + floor * needs.kv_bytes_per_token <= vram:
         # the model on the GPU: its KV gets half of what the weights leave, the expert cache the rest
         room = vram - load.weight_bytes - needs.device_step_bytes
         tokens = room // 2 // max(1, needs.kv_bytes_per_token) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE

@@ -116,3 +116,17 @@ def test_the_cli_prints_the_table_and_refuses_what_it_cannot_plan(glm5, tmp_path
     assert main(["fit", str(v4)]) == 2
     assert "'deepseek_v4' is not supported" in capsys.readouterr().err
     assert main(["fit", str(tmp_path / "missing")]) == 2
+
+
+def test_a_gguf_whose_linears_stay_packed_keeps_the_model_on_the_host(tmp_path):
+    """A quantised GGUF's attention weights load packed, which the device path cannot multiply: with a GPU
+    the plan caches experts there and keeps the model on the host (an F32 file's model may move)."""
+    from gguf import GGMLQuantizationType as T
+
+    from helpers.gguf_writer import write_tiny_gguf
+
+    quantised = write_tiny_gguf("qwen3_moe", tmp_path / "q", expert_type=T.Q8_0, weight_type=T.Q8_0)[0]
+    plain = write_tiny_gguf("qwen3_moe", tmp_path / "f", expert_type=T.F32, weight_type=T.F32)[0]
+    assert model_needs(quantised, cpu_only=False).packed_weights and not model_needs(plain).packed_weights
+    assert fit_machine(model_needs(quantised, cpu_only=False), 64 * GB, 16 * GB).where == "cpu+gpu cache"
+    assert fit_machine(model_needs(plain, cpu_only=False), 64 * GB, 16 * GB).where == "gpu"
