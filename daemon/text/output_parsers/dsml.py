@@ -27,6 +27,7 @@ from typing import Any
 from moed.text.output_parsers.base import OutputParser, PendingCall
 from moed.text.output_parsers.glm import typed_value
 from moed.text.output_parsers.json_stream import JsonSyntaxError
+from moed.text.output_parsers.xml_call import ParamCall
 
 DSML = "｜DSML｜"
 SECTION_OPENS = (f"<{DSML}function_calls>", f"<{DSML}tool_calls>")
@@ -39,25 +40,12 @@ EOS = "<｜end▁of▁sentence｜>"
 _PARAM_HEAD = re.compile(r'([^"]*)"(?:\s+string="(true|false)")?\s*>')
 
 
-class DsmlInvoke:
+class DsmlInvoke(ParamCall):
     """Reads one invoke after ``<｜DSML｜invoke name="`` up to and including ``</｜DSML｜invoke>``."""
 
     def __init__(self, call: PendingCall, tool_parameters: Mapping[str, Any] | None) -> None:
-        self.call = call
-        self._tool_parameters = tool_parameters or {}
-        self._state = "name"  # name | params | value
-        self._key, self._is_string = "", None
-        self._num_args = 0
-        self.done = False
-
-    def feed(self, text: str) -> int:
-        pos = 0
-        while pos < len(text) and not self.done:
-            step = self._step(text, pos)
-            if step == pos:
-                break
-            pos = step
-        return pos
+        super().__init__(call, tool_parameters, "name")  # name | params | value
+        self._is_string: bool | None = None
 
     def _step(self, text: str, pos: int) -> int:
         rest = text[pos:]
@@ -77,8 +65,7 @@ class DsmlInvoke:
             body = rest.lstrip()
             skipped = len(rest) - len(body)
             if body.startswith(INVOKE_CLOSE):
-                self.call.add_args("}" if self._num_args else "{}")
-                self.done = True
+                self._close()
                 return pos + skipped + len(INVOKE_CLOSE)
             if body.startswith(PARAM_OPEN):
                 head = _PARAM_HEAD.match(body, len(PARAM_OPEN))
@@ -99,9 +86,7 @@ class DsmlInvoke:
         if end == -1:
             return pos
         raw = rest[:end]
-        schema = self._tool_parameters.get(self.call.name, {})
-        properties = schema.get("properties", {}) if isinstance(schema, Mapping) else {}
-        prop = properties.get(self._key) if isinstance(properties, Mapping) else None
+        prop = self._schema(self._key)
         if self._is_string:
             value = raw
         elif self._is_string is False:
@@ -111,10 +96,7 @@ class DsmlInvoke:
                 value = typed_value(raw, prop)
         else:
             value = typed_value(raw, prop)
-        piece = ("{" if not self._num_args else ", ") + json.dumps(self._key, ensure_ascii=False) + ": " \
-            + json.dumps(value, ensure_ascii=False)
-        self.call.add_args(piece)
-        self._num_args += 1
+        self._add_param(self._key, value)
         self._state = "params"
         return pos + end + len(PARAM_CLOSE)
 

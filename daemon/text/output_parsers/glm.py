@@ -23,7 +23,7 @@ from typing import Any
 
 from moed.text.output_parsers.base import OutputParser, PendingCall
 from moed.text.output_parsers.json_stream import JsonSyntaxError
-from moed.text.output_parsers.xml_call import convert_value
+from moed.text.output_parsers.xml_call import ParamCall, convert_value
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -42,25 +42,11 @@ def typed_value(raw: str, schema: Any) -> Any:
         return raw
 
 
-class ArgKeyCall:
+class ArgKeyCall(ParamCall):
     """Reads one GLM call after ``<tool_call>`` up to and including ``</tool_call>``; ``feed`` returns how far."""
 
     def __init__(self, call: PendingCall, tool_parameters: Mapping[str, Any] | None) -> None:
-        self.call = call
-        self._tool_parameters = tool_parameters or {}
-        self._state = "name"  # name | pairs | value_open | value
-        self._key = ""
-        self._num_args = 0
-        self.done = False
-
-    def feed(self, text: str) -> int:
-        pos = 0
-        while pos < len(text) and not self.done:
-            step = self._step(text, pos)
-            if step == pos:
-                break
-            pos = step
-        return pos
+        super().__init__(call, tool_parameters, "name")  # name | pairs | value_open | value
 
     def _step(self, text: str, pos: int) -> int:
         rest = text[pos:]
@@ -80,8 +66,7 @@ class ArgKeyCall:
         skipped = len(rest) - len(body)
         if self._state == "pairs":
             if body.startswith(CALL_CLOSE):
-                self.call.add_args("}" if self._num_args else "{}")
-                self.done = True
+                self._close()
                 return pos + skipped + len(CALL_CLOSE)
             if body.startswith(KEY_OPEN):
                 end = body.find(KEY_CLOSE)
@@ -105,13 +90,7 @@ class ArgKeyCall:
         end = rest.find(VALUE_CLOSE)
         if end == -1:
             return pos
-        schema = self._tool_parameters.get(self.call.name, {})
-        properties = schema.get("properties", {}) if isinstance(schema, Mapping) else {}
-        value = typed_value(rest[:end], properties.get(self._key) if isinstance(properties, Mapping) else None)
-        piece = ("{" if not self._num_args else ", ") + json.dumps(self._key, ensure_ascii=False) + ": " \
-            + json.dumps(value, ensure_ascii=False)
-        self.call.add_args(piece)
-        self._num_args += 1
+        self._add_param(self._key, typed_value(rest[:end], self._schema(self._key)))
         self._state = "pairs"
         return pos + end + len(VALUE_CLOSE)
 

@@ -53,13 +53,15 @@ def convert_value(raw: str, schema: Any) -> Any:
     return raw
 
 
-class XmlCall:
-    """Reads the block after ``<tool_call>`` in pieces; ``feed`` returns how far it could read."""
+class ParamCall:
+    """A call written as named parameters with raw values (Qwen3-Coder's XML, GLM's arg pairs, DeepSeek's DSML):
+    a reader of its block in pieces. ``feed`` returns how far it could read; subclasses read one piece per
+    ``_step`` and hand each parameter to ``_add_param``, which appends its ``"key": value`` to the arguments."""
 
-    def __init__(self, call: PendingCall, tool_parameters: Mapping[str, Any] | None) -> None:
+    def __init__(self, call: PendingCall, tool_parameters: Mapping[str, Any] | None, state: str) -> None:
         self.call = call
         self._tool_parameters = tool_parameters or {}
-        self._state = "function"  # function | body | value
+        self._state = state
         self._key = ""
         self._num_params = 0
         self.done = False
@@ -72,6 +74,33 @@ class XmlCall:
                 break
             pos = step
         return pos
+
+    def _step(self, text: str, pos: int) -> int:
+        raise NotImplementedError
+
+    def _schema(self, key: str) -> Any:
+        """The JSON schema of parameter ``key`` of the called tool (None when the request gave none)."""
+        schema = self._tool_parameters.get(self.call.name, {})
+        properties = schema.get("properties", {}) if isinstance(schema, Mapping) else {}
+        return properties.get(key) if isinstance(properties, Mapping) else None
+
+    def _add_param(self, key: str, value: Any) -> None:
+        piece = ("{" if not self._num_params else ", ") + json.dumps(key, ensure_ascii=False) + ": " \
+            + json.dumps(value, ensure_ascii=False)
+        self.call.add_args(piece)
+        self._num_params += 1
+
+    def _close(self) -> None:
+        """The call's end: its arguments object closed."""
+        self.call.add_args("}" if self._num_params else "{}")
+        self.done = True
+
+
+class XmlCall(ParamCall):
+    """Reads the block after ``<tool_call>`` in pieces; ``feed`` returns how far it could read."""
+
+    def __init__(self, call: PendingCall, tool_parameters: Mapping[str, Any] | None) -> None:
+        super().__init__(call, tool_parameters, "function")  # function | body | value
 
     def _step(self, text: str, pos: int) -> int:
         rest = text[pos:]
@@ -93,8 +122,7 @@ class XmlCall:
             body = rest.lstrip()
             skipped = len(rest) - len(body)
             if body.startswith(FUNCTION_CLOSE):
-                self.call.add_args("}" if self._num_params else "{}")
-                self.done = True
+                self._close()
                 return pos + skipped + len(FUNCTION_CLOSE)
             if body.startswith(PARAMETER_OPEN):
                 end = body.find(">")
@@ -116,12 +144,6 @@ class XmlCall:
         raw = rest[:end]
         raw = raw[1:] if raw.startswith("\n") else raw
         raw = raw[:-1] if raw.endswith("\n") else raw
-        schema = self._tool_parameters.get(self.call.name, {})
-        properties = schema.get("properties", {}) if isinstance(schema, Mapping) else {}
-        value = convert_value(raw, properties.get(self._key))
-        piece = ("{" if not self._num_params else ", ") + json.dumps(self._key, ensure_ascii=False) + ": " \
-            + json.dumps(value, ensure_ascii=False)
-        self.call.add_args(piece)
-        self._num_params += 1
+        self._add_param(self._key, convert_value(raw, self._schema(self._key)))
         self._state = "body"
         return pos + end + (len(marker) if marker == PARAMETER_CLOSE else 0)
