@@ -145,6 +145,21 @@ def test_prompts_many_times_the_top_k_match_transformers_in_small_tiles(dsa_mode
     assert got == [_reference_greedy(reference, p, 16) for p in prompts], family
 
 
+@pytest.mark.parametrize("family", DSA_FAMILIES)
+def test_a_prompt_longer_than_a_prefill_chunk_matches_transformers(family, tmp_path):
+    """The engine prefills 512 tokens per step: a 700-token prompt's second chunk scores and attends the first
+    chunk's cached keys (indexer keys included), then decodes; the tokens are transformers'."""
+    from helpers.tiny_models import tiny_config
+
+    config = tiny_config(family)
+    config.max_position_embeddings = 1024
+    reference = build_tiny_model(family, tmp_path, config=config)
+    prompt = _prompt(11, 700)
+    got = run_offline(open_runtime(tmp_path), [prompt], [SamplingParams(max_tokens=8, ignore_eos=True)],
+                      context_length=1024)
+    assert got[0].token_ids == _reference_greedy(reference, prompt, 8), family
+
+
 def test_the_top_k_changes_the_result(dsa_model, tmp_path):
     """The sparse selection is not a no-op: the same weights attending every key give other logits."""
     family, path, _ = dsa_model
