@@ -94,6 +94,7 @@ def model_needs(path: str | Path, experts_dtype: str | None = None, *, cpu_only:
         except (OSError, ValueError) as exc:
             raise ModelFormatError(f"{where}: cannot read the model config ({exc})") from None
         checkpoint = ConfigOnlyCheckpoint(raw, where=str(where), path=Path(where).parent)
+        checkpoint.keep_fp8_linears(cpu_only)
         load = checkpoint_load_bytes(checkpoint, _bank_dtype(checkpoint, "hf", experts_dtype, cpu_only))
         config = checkpoint.config
         source = "config.json alone"

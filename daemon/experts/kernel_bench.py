@@ -199,7 +199,7 @@ def bench_kernels(
     return rows
 
 
-DENSE_DTYPES = ("bf16", "q8", "int4")  # a checkpoint's dense projections: bf16, or a quantised GGUF's rows
+DENSE_DTYPES = ("bf16", "q8", "int4", "fp8")  # dense projections: bf16, a quantised GGUF's rows, FP8 as stored
 
 
 def _dense_matrices(n: int, k: int, dtype: str, total_bytes: int, seed: int) -> tuple[list, int]:
@@ -212,6 +212,8 @@ def _dense_matrices(n: int, k: int, dtype: str, total_bytes: int, seed: int) -> 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     if dtype == "bf16":
         one: tuple[torch.Tensor, ...] = (w.bfloat16(),)
+    elif dtype == "fp8":  # e4m3 codes and a float32 scale per 128 weights of a row (an FP8 checkpoint's)
+        one = ((w * 400).to(torch.float8_e4m3fn).view(torch.uint8).contiguous(), torch.full((n, k // 128), 1 / 400.0))
     else:
         one = rows_from_kn(dtype, (quantize_q8 if dtype == "q8" else quantize_int4)(w.t().contiguous()))
     nbytes = sum(t.numel() * t.element_size() for t in one)
@@ -238,6 +240,8 @@ def bench_dense(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str] = DENSE
     rows: list[dict[str, Any]] = []
     for dtype in dtypes:
         for n, k in shapes:
+            if dtype == "fp8" and k % 128:
+                continue  # FP8 rows hold whole 128-weight blocks
             mats, nbytes = _dense_matrices(n, k, dtype, total_bytes, seed)
             x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed))
 

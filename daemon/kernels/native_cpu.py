@@ -40,6 +40,7 @@ from moed.kernels.rows_format import rows_shapes
 ABI_VERSION = 5
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512vnni")
 DTYPE_CODES = {"fp32": 0, "bf16": 1, "int4": 2, "q8": 3, "mxfp4": 4}
+ROWS_CODES = {"q8": 3, "int4": 2, "fp8": 16}  # row-major matrices (moed_cpu_rows_many; MOED_ROWS_FP8)
 ACT_CODES = {"silu": 0, "gpt_oss": 1}
 SPIN_NS = int(float(os.environ.get("MOED_SPIN_US", "30")) * 1000)  # idle threads spin this long, then sleep
 MAX_DENSE = 8  # weights per dense_bf16_many call (MOED_DENSE_MAX in moe.c)
@@ -486,8 +487,8 @@ class NativeCpu:
         ``dtype`` (kernels/rows_format.py: q8 or int4) -> ``[x @ w.T]`` float32 ``[T, N]`` each. One
         call: x is quantised to int8 once for all (an attention layer's q, k and v)."""
         x = _f32_rows(x, "x")
-        if dtype not in ("q8", "int4"):
-            raise ValueError(f"rows_many: dtype must be q8 or int4, got {dtype!r}")
+        if dtype not in ROWS_CODES:
+            raise ValueError(f"rows_many: dtype must be q8, int4 or fp8, got {dtype!r}")
         count = len(matrices)
         if not 1 <= count <= MAX_DENSE:
             raise ValueError(f"rows_many takes 1 to {MAX_DENSE} matrices, got {count}")
@@ -507,7 +508,7 @@ class NativeCpu:
         ptrs = (ctypes.POINTER(_Matrix) * count)(*(ctypes.pointer(m) for m in mats))
         outs = (ctypes.c_void_p * count)(*(y.data_ptr() for y in ys))
         with self._lock:
-            rc = self._lib.moed_cpu_rows_many(self._pool, DTYPE_CODES[dtype], count, ptrs, x.data_ptr(), x.shape[0],
+            rc = self._lib.moed_cpu_rows_many(self._pool, ROWS_CODES[dtype], count, ptrs, x.data_ptr(), x.shape[0],
                                               outs)
         if rc != 0:
             raise MemoryError("the native rows kernel ran out of memory") if rc == -2 else \
@@ -575,8 +576,8 @@ class NativeCpu:
     def rows_to_bf16(self, dtype: str, arrays: tuple[torch.Tensor, ...], k: int) -> torch.Tensor:
         """One rows-layout matrix dequantised to bf16 ``[N, K]`` (for prefill GEMMs): bit for bit
         ``rows_format.dequantize_rows(dtype, arrays, torch.bfloat16)``, on the pool's threads."""
-        if dtype not in ("q8", "int4"):
-            raise ValueError(f"rows_to_bf16: dtype must be q8 or int4, got {dtype!r}")
+        if dtype not in ROWS_CODES:
+            raise ValueError(f"rows_to_bf16: dtype must be q8, int4 or fp8, got {dtype!r}")
         n = arrays[0].shape[0]
         shapes = rows_shapes(dtype, k, n)
         if len(arrays) != len(shapes) or any(tuple(t.shape) != shape or t.dtype != tdtype or not t.is_contiguous()
@@ -585,7 +586,7 @@ class NativeCpu:
         m = _Matrix(arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr() if len(arrays) > 2 else None, k, n)
         out = torch.empty(n, k, dtype=torch.bfloat16)
         with self._lock:
-            rc = self._lib.moed_cpu_rows_to_bf16(self._pool, DTYPE_CODES[dtype], ctypes.byref(m), out.data_ptr())
+            rc = self._lib.moed_cpu_rows_to_bf16(self._pool, ROWS_CODES[dtype], ctypes.byref(m), out.data_ptr())
         if rc != 0:
             raise ValueError(f"moed_cpu_rows_to_bf16 refused its arguments (rc {rc})")
         return out

@@ -9,6 +9,10 @@ the other, so it is stored row by row (native/cpu/rows_quant.c):
   (16 bytes per 32 weights) holds ``k = 32 g + b`` in its low nibble and ``32 g + 16 + b`` in its
   high nibble (llama.cpp's Q4_0/Q4_1 order); ``w[n, k] = code * scale + min``.
 
+- fp8:  ``codes`` uint8 ``[N, K]`` (float8_e4m3fn bits), ``scale`` float32 ``[N, K/128]``; ``w[n, k] =
+  e4m3(codes[n, k]) * scale[n, k // 128]`` (a block-scaled FP8 checkpoint's weight as stored, its
+  128 x 128 block scales repeated per row: native/cpu/rows_fp8.c; no k-major form).
+
 The conversions to and from the k-major arrays are exact (the same codes and scales, moved), done
 a slice of rows at a time so a 49152-row lm_head never needs more than a few MB of temporaries.
 """
@@ -18,7 +22,8 @@ from __future__ import annotations
 import torch
 
 GROUP = 32
-ROWS_DTYPES = ("q8", "int4")
+FP8_BLOCK = 128  # weights per FP8 scale along K
+ROWS_DTYPES = ("q8", "int4", "fp8")
 _SLICE = 4096  # rows converted at a time
 
 
@@ -28,6 +33,8 @@ def rows_shapes(dtype: str, k: int, n: int) -> tuple[tuple[tuple[int, ...], torc
         return ((n, k), torch.int8), ((n, k // GROUP), torch.float16)
     if dtype == "int4":
         return ((n, k // 2), torch.uint8), ((n, k // GROUP), torch.bfloat16), ((n, k // GROUP), torch.bfloat16)
+    if dtype == "fp8":
+        return ((n, k), torch.uint8), ((n, k // FP8_BLOCK), torch.float32)
     raise ValueError(f"rows layout dtype {dtype!r} is not one of {', '.join(ROWS_DTYPES)}")
 
 
@@ -60,9 +67,15 @@ def _check(dtype: str) -> None:
         raise ValueError(f"rows layout dtype {dtype!r} is not one of {', '.join(ROWS_DTYPES)}")
 
 
+def _check_kn(dtype: str) -> None:
+    _check(dtype)
+    if dtype == "fp8":
+        raise ValueError("the fp8 rows layout has no k-major form")
+
+
 def rows_from_kn(dtype: str, arrays: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """k-major arrays of one ``[K, N]`` matrix -> its rows-layout arrays (the same numbers)."""
-    _check(dtype)
+    _check_kn(dtype)
     if dtype == "q8":  # (qs, d): plain transposes
         return _transposed(arrays)
     q, scale, mn = arrays
@@ -78,7 +91,7 @@ def rows_from_kn(dtype: str, arrays: tuple[torch.Tensor, ...]) -> tuple[torch.Te
 
 def rows_to_kn(dtype: str, arrays: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """The inverse of ``rows_from_kn``."""
-    _check(dtype)
+    _check_kn(dtype)
     if dtype == "q8":
         return _transposed(arrays)
     q, scale, mn = arrays
@@ -100,6 +113,8 @@ def dequantize_rows(dtype: str, arrays: tuple[torch.Tensor, ...], dtype_out: tor
         elif dtype == "int4":
             codes = _unpack_rows(part[0]).float().reshape(part[0].shape[0], k // GROUP, GROUP)
             w = (codes * part[1].float()[..., None] + part[2].float()[..., None]).reshape(-1, k)
+        elif dtype == "fp8":
+            w = part[0].view(torch.float8_e4m3fn).float() * part[1].repeat_interleave(FP8_BLOCK, dim=1)
         else:
             _check(dtype)
         out[r0:r0 + _SLICE] = w

@@ -1,4 +1,5 @@
-"""PackedLinear: a Linear weight kept in a bank matrix format (q8 or int4) instead of bf16.
+"""PackedLinear: a Linear weight kept in a bank matrix format (q8 or int4), or as a block-scaled FP8
+checkpoint stores it (fp8), instead of bf16.
 
 A GGUF file's quantised attention / lm_head / shared-expert weights load into this (see
 weights/gguf_checkpoint.py) so that decode reads 4.5-8.5 bits per weight, as llama.cpp does,
@@ -22,10 +23,10 @@ import torch.nn.functional as F
 
 from moed.kernels.native_cpu import MAX_TOKENS, native
 from moed.kernels.prefill_gemm import prefill_gemm_dtype
-from moed.kernels.rows_format import dequantize_rows, rows_from_kn, rows_shapes
+from moed.kernels.rows_format import FP8_BLOCK, dequantize_rows, rows_from_kn, rows_shapes
 
-GROUP = 32  # weights per scale along K, both formats
-PACKED_DTYPES = ("q8", "int4")
+GROUP = 32  # weights per scale along K, q8 and int4 (fp8: FP8_BLOCK)
+PACKED_DTYPES = ("q8", "int4", "fp8")
 
 
 def packed_shapes(dtype: str, k: int, n: int) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
@@ -47,8 +48,10 @@ def packed_nbytes(dtype: str, k: int, n: int) -> int:
     return total
 
 
-def can_pack(k: int, n: int) -> bool:
-    """Whether a ``[N, K]`` Linear weight fits the packed formats and the native kernel."""
+def can_pack(k: int, n: int, dtype: str = "q8") -> bool:
+    """Whether a ``[N, K]`` Linear weight fits the packed format ``dtype`` and the native kernel."""
+    if dtype == "fp8":
+        return k > 0 and n > 0 and k % FP8_BLOCK == 0
     return k > 0 and n > 0 and k % GROUP == 0 and n % 2 == 0
 
 
@@ -63,15 +66,16 @@ def weight_nbytes(weight: "torch.Tensor | PackedLinear") -> int:
 class PackedLinear:
     """Stands in for a Linear weight ``[out_features, in_features]`` stored packed, row by row."""
 
-    dtype: str  # "q8" | "int4"
-    arrays: tuple[torch.Tensor, ...]  # rows layout; q8: (qs, d); int4: (q, scale, min)
+    dtype: str  # "q8" | "int4" | "fp8"
+    arrays: tuple[torch.Tensor, ...]  # rows layout; q8: (qs, d); int4: (q, scale, min); fp8: (codes, scale)
     in_features: int  # K
     out_features: int  # N
 
     def __post_init__(self) -> None:
         k, n = self.in_features, self.out_features
-        if not can_pack(k, n):
-            raise ValueError(f"packed linear [{n}, {k}]: K must be a multiple of {GROUP} and N even")
+        if not can_pack(k, n, self.dtype):
+            raise ValueError(f"packed linear {self.dtype} [{n}, {k}]: K must be a multiple of "
+                             + (f"{FP8_BLOCK}" if self.dtype == "fp8" else f"{GROUP} and N even"))
         want = packed_shapes(self.dtype, k, n)
         if len(self.arrays) != len(want):
             raise ValueError(f"packed linear {self.dtype}: {len(want)} arrays expected, got {len(self.arrays)}")

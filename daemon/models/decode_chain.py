@@ -53,8 +53,8 @@ def _norm_ok(w: torch.Tensor, d: int) -> bool:
 
 
 def _linear_ok(w, k: int) -> bool:
-    if isinstance(w, PackedLinear):
-        return w.device.type == "cpu" and w.in_features == k
+    if isinstance(w, PackedLinear):  # the chain's native linears read q8 / int4 rows (not FP8 ones)
+        return w.dtype in ("q8", "int4") and w.device.type == "cpu" and w.in_features == k
     return isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() \
         and w.device.type == "cpu" and w.shape[1] == k
 

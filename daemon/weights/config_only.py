@@ -4,7 +4,8 @@ It answers the questions ``checkpoint.checkpoint_load_bytes`` asks a real checkp
 shapes and dtypes, the expert bank's rows and default dtype) from the config: the shapes are the ones
 ``models/weight_spec.py`` checks a real load against, the dtypes the ones the config's ``torch_dtype`` /
 ``dtype`` and ``quantization_config`` name (FP8 and NVFP4 linears run as bf16, MXFP4 experts stay mxfp4,
-NVFP4 experts keep their blocks in the ggml bank on the CPU), as ``HfCheckpoint`` would decide them.
+NVFP4 experts keep their blocks in the ggml bank on the CPU, an MLA model's FP8 linears stay FP8 on the CPU),
+as ``HfCheckpoint`` would decide them.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from pathlib import Path
 
 import torch
 
+from moed.kernels.rows_format import FP8_BLOCK
+from moed.layers.packed_linear import can_pack
 from moed.models.families import family_of, parse_model_config
 from moed.models.weight_spec import expected_weight_shapes
+from moed.weights.hf_checkpoint import FP8_KEPT_LINEARS
 from moed.weights.micro_scaled import keeps_ggml_rows, micro_scaled_of
 
 
@@ -28,6 +32,21 @@ class ConfigOnlyCheckpoint:
         self.micro = micro_scaled_of(raw, path or Path("/nonexistent"), where)
         stored = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
         self._dtype = torch.float32 if stored in ("float32", "float") else torch.bfloat16
+        self.keep_fp8 = False
+
+    def keep_fp8_linears(self, keep: bool) -> None:
+        """As ``HfCheckpoint.keep_fp8_linears``: an MLA model's FP8 linears (128-wide blocks) stay FP8 on the CPU."""
+        q = self.raw.get("quantization_config")
+        block = q.get("weight_block_size", [128, 128]) if isinstance(q, dict) else None
+        self.keep_fp8 = bool(keep) and self.quant_method == "fp8" and isinstance(block, list) and len(block) == 2 \
+            and block[1] == FP8_BLOCK and self.config.attention.kind == "mla"
+
+    def packed_weight_dtype(self, name: str) -> str | None:
+        if not self.keep_fp8:
+            return None
+        rel = name.partition(".layers.")[2].partition(".")[2] if ".layers." in name else None
+        shape = self.weight_shapes().get(name)
+        return "fp8" if rel in FP8_KEPT_LINEARS and shape and can_pack(shape[1], shape[0], "fp8") else None
 
     @property
     def num_bank_rows(self) -> int:

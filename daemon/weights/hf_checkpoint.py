@@ -18,6 +18,8 @@ import torch
 from moed.cache.expert_dtypes import EXPERT_DTYPES, GGML_BANK
 from moed.cache.host_bank import ExpertActivation, ExpertBank
 from moed.errors import InvalidRequestError, ModelFormatError, quoted
+from moed.kernels.rows_format import FP8_BLOCK
+from moed.layers.packed_linear import PackedLinear, can_pack
 from moed.models.families import Family, family_of, parse_model_config
 from moed.models.model_config import ModelConfig
 from moed.weights.expert_chunk import ExpertChunk
@@ -45,6 +47,16 @@ def read_config_json(path: Path) -> dict:
     return cfg
 
 
+# the non-expert linears an FP8 load may keep as stored (names after "model.layers.{i}."): what linear()
+# multiplies; MLA's kv_b_proj stays a tensor (the absorbed decode splits it per head), as do the router,
+# the embeddings and the lm_head
+FP8_KEPT_LINEARS = frozenset({
+    "self_attn.q_proj.weight", "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "mlp.shared.gate_proj.weight", "mlp.shared.up_proj.weight", "mlp.shared.down_proj.weight"})
+
+
 class HfCheckpoint:
     """One Hugging Face directory: config parsed, tensor names mapped; data read on demand."""
 
@@ -60,6 +72,46 @@ class HfCheckpoint:
         self.micro: MicroScaled | None = micro_scaled_of(self.raw_config, self.path, where)  # NVFP4 / MXFP8
         self.source = SafetensorsFiles(self.path)
         self.weight_keys = _canonical_keys(self.config, self.family, self.source.keys(), self.micro)  # canonical -> HF
+        # a CPU-only load keeps an MLA model's block-scaled FP8 linears as stored (keep_fp8_linears)
+        self.keep_fp8 = False
+
+    def keep_fp8_linears(self, keep: bool) -> None:
+        """Whether ``packed_weight_dtype`` keeps FP8 linears as stored ("fp8" PackedLinear, 1 byte a weight and a
+        scale per 128) instead of widening them to bf16: for a CPU-only load of an MLA model (DeepSeek-V3 /
+        V3.2, GLM-5, Kimi-K2) whose FP8 blocks are 128 wide along K. A device multiplies plain tensors, and a
+        GQA model's CPU decode runs the native decode chain, which reads bf16 or q8/int4 rows: both keep bf16."""
+        self.keep_fp8 = bool(keep) and self.fp8 is not None and self.fp8.block[1] == FP8_BLOCK \
+            and self.config.attention.kind == "mla"
+
+    def packed_weight_dtype(self, name: str) -> str | None:
+        """"fp8" for a non-expert FP8 linear a load keeps as stored (``keep_fp8_linears``), else None."""
+        if not self.keep_fp8:
+            return None
+        rel = name.partition(".layers.")[2].partition(".")[2] if ".layers." in name else None
+        key = self.weight_keys.get(name)
+        if rel not in FP8_KEPT_LINEARS or key is None or self.source.dtype(key) != torch.float8_e4m3fn:
+            return None
+        shape = self.source.shape(key)
+        return "fp8" if len(shape) == 2 and can_pack(shape[1], shape[0], "fp8") else None
+
+    def read_packed_weight(self, name: str) -> PackedLinear:
+        """One weight ``packed_weight_dtype`` keeps: its e4m3 codes as stored and its block scales per row."""
+        key = self.weight_keys[name]
+        codes = self.source.get(key, None)
+        scale_key = key + SCALE_SUFFIX
+        if scale_key not in self.source:
+            raise ModelFormatError(f"{self.source.entries[key].file}: tensor {quoted(key)} is FP8 but "
+                                   f"{quoted(scale_key)} is missing; block-scaled FP8 needs both (is the checkpoint "
+                                   "complete?)")
+        n, k = codes.shape
+        rows = self.fp8.block[0]
+        scale = self.source.get(scale_key, torch.float32)
+        if tuple(scale.shape) != (-(-n // rows), k // FP8_BLOCK):
+            raise ModelFormatError(f"{self.source.entries[key].file}: {quoted(scale_key)} has shape {list(scale.shape)}, "
+                                   f"but a {[n, k]} weight in {rows}x{FP8_BLOCK} blocks needs "
+                                   f"{[-(-n // rows), k // FP8_BLOCK]}")
+        per_row = scale.repeat_interleave(rows, dim=0)[:n].contiguous()
+        return PackedLinear("fp8", (codes.view(torch.uint8).contiguous(), per_row), k, n)
 
     @property
     def num_bank_rows(self) -> int:

@@ -85,6 +85,7 @@ def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights
                     "to change the expert format")
         return _load_ftw_model(path, verify, progress)
     checkpoint = open_checkpoint(path)
+    _keep_fp8(checkpoint, cpu_only and weights_dtype == "auto")
     bank_dtype = _bank_dtype(checkpoint, kind, experts_dtype, cpu_only)
     if kind in ("gguf", "hf"):  # nothing the file holds changes silently (issue #31)
         for line in checkpoint.type_changes(bank_dtype, packed=weights_dtype == "auto"):
@@ -99,10 +100,17 @@ def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights
     return LoadedModel(path, kind, checkpoint.config, weights, bank, tokenizer_files)
 
 
+def _keep_fp8(checkpoint: Checkpoint, keep: bool) -> None:
+    """A Hugging Face checkpoint's block-scaled FP8 linears stay FP8 on a CPU-only load (HfCheckpoint.keep_fp8_linears)."""
+    if hasattr(checkpoint, "keep_fp8_linears"):
+        checkpoint.keep_fp8_linears(keep)
+
+
 def _read_run_weight(checkpoint: Checkpoint, name: str, wanted: torch.dtype | None) -> torch.Tensor | PackedLinear:
-    """A non-expert weight as the model runs it: a GGUF file's quantised linear() weights stay packed
-    (PackedLinear, ``packed_weight_dtype``) unless a weights dtype was asked for; the rest are tensors."""
-    packed = getattr(checkpoint, "packed_weight_dtype", None)  # GGUF only
+    """A non-expert weight as the model runs it: a GGUF file's quantised linear() weights and an FP8 checkpoint's
+    kept FP8 linears stay packed (PackedLinear, ``packed_weight_dtype``) unless a weights dtype was asked for;
+    the rest are tensors."""
+    packed = getattr(checkpoint, "packed_weight_dtype", None)
     if wanted is None and packed is not None and packed(name) is not None:
         return checkpoint.read_packed_weight(name)
     return checkpoint.read_weight(name, wanted)
@@ -238,6 +246,7 @@ def estimate_load(path: str | Path, experts_dtype: str | None = None, weights_dt
     kind = source_kind(path)
     if kind != "ftw":
         checkpoint = open_checkpoint(path)
+        _keep_fp8(checkpoint, cpu_only and weights_dtype == "auto")
         return checkpoint_load_bytes(checkpoint, _bank_dtype(checkpoint, kind, experts_dtype, cpu_only), weights_dtype)
     index = read_ftw_index(path)
     weights = bank = 0

@@ -9,7 +9,8 @@
  * Rows are read front to back, one at a time (the bank's k-major layout reads 32 strided rows
  * per column block, which a lone GEMV cannot stream at full bandwidth). The tests check it against
  * the torch twin moed.kernels.native_cpu_reference.matrix_product on the k-major copy of the same
- * numbers (kernels/rows_format.py converts exactly). */
+ * numbers (kernels/rows_format.py converts exactly). Block-scaled FP8 rows (rows_fp8.c) go through the same
+ * two entry points. */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <string.h>
@@ -20,6 +21,11 @@
 typedef void (*rows_fn)(const moed_matrix *w, const moed_act *a, int64_t r0, int64_t r1, float *y, int64_t ldy);
 void moed_rows_q8_avx2(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, int64_t);
 void moed_rows_int4_avx2(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, int64_t);
+/* rows_fp8.c: block-scaled FP8 rows, with the float activations */
+void moed_rows_fp8_scalar(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, int64_t);
+void moed_rows_fp8_avx2(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, int64_t);
+void moed_rows_fp8_avx512(const moed_matrix *, const moed_act *, int64_t, int64_t, float *, int64_t);
+float moed_fp8_e4m3_to_f32(uint8_t b);
 
 static float bf16f(uint16_t b) { return moed_bf16_to_f32(b); }
 
@@ -334,9 +340,10 @@ static void rows_task(void *ctx, int64_t task, int thread) {
  * dtype MOED_Q8 or MOED_INT4 in the row-major layouts above. x is quantised once. */
 int moed_cpu_rows_many(void *h, int dtype, int count, const moed_matrix *const *w, const float *x, int T,
                        float *const *y) {
-    if (!h || count < 1 || count > ROWS_MAX || T < 1 || (dtype != MOED_Q8 && dtype != MOED_INT4)) return -1;
+    if (!h || count < 1 || count > ROWS_MAX || T < 1 || (dtype != MOED_Q8 && dtype != MOED_INT4 && dtype != MOED_ROWS_FP8))
+        return -1;
     const int64_t K = w[0]->K;
-    if (K < MOED_GROUP || K % MOED_GROUP) return -1;
+    if (K < MOED_GROUP || K % (dtype == MOED_ROWS_FP8 ? MOED_FP8_BLOCK : MOED_GROUP)) return -1;
     moed_pool *p = (moed_pool *)h;
     rows_job j;
     int64_t rows = 0;
@@ -353,18 +360,22 @@ int moed_cpu_rows_many(void *h, int dtype, int count, const moed_matrix *const *
     j.rows_per_task = per;
     j.first_task[0] = 0;
     for (int m = 0; m < count; m++) j.first_task[m + 1] = j.first_task[m] + (w[m]->N + per - 1) / per;
-    const int64_t G = K / MOED_GROUP;
-    char *mem = (char *)moed_pool_scratch(p, (size_t)T * (size_t)K + sizeof(float) * (size_t)(2 * T * G) + 128);
-    if (!mem) return -2;
-    int8_t *xq = (int8_t *)mem;
-    float *xs = (float *)(mem + (((size_t)T * (size_t)K + 63) & ~(size_t)63));
-    moed_quantize_act(x, T, K, xq, xs, xs + T * G);
-    j.act.T = T; j.act.K = K; j.act.x = x; j.act.xq = xq; j.act.xs = xs; j.act.xsum = xs + T * G;
     const int isa = moed_cpu_isa();
-    static const rows_fn table[2][MOED_NUM_ISAS] = {
+    static const rows_fn table[3][MOED_NUM_ISAS] = {
         {moed_rows_q8_scalar, moed_rows_q8_avx2, moed_rows_q8_avx512, moed_rows_q8_avx512},
-        {moed_rows_int4_scalar, moed_rows_int4_avx2, moed_rows_int4_avx512, moed_rows_int4_avx512}};
-    j.fn = table[dtype == MOED_INT4][isa];
+        {moed_rows_int4_scalar, moed_rows_int4_avx2, moed_rows_int4_avx512, moed_rows_int4_avx512},
+        {moed_rows_fp8_scalar, moed_rows_fp8_avx2, moed_rows_fp8_avx512, moed_rows_fp8_avx512}};
+    j.act.T = T; j.act.K = K; j.act.x = x; j.act.xq = NULL; j.act.xs = NULL; j.act.xsum = NULL;
+    if (dtype != MOED_ROWS_FP8) {  /* the int8 activations (FP8 rows take the float ones) */
+        const int64_t G = K / MOED_GROUP;
+        char *mem = (char *)moed_pool_scratch(p, (size_t)T * (size_t)K + sizeof(float) * (size_t)(2 * T * G) + 128);
+        if (!mem) return -2;
+        int8_t *xq = (int8_t *)mem;
+        float *xs = (float *)(mem + (((size_t)T * (size_t)K + 63) & ~(size_t)63));
+        moed_quantize_act(x, T, K, xq, xs, xs + T * G);
+        j.act.xq = xq; j.act.xs = xs; j.act.xsum = xs + T * G;
+    }
+    j.fn = table[dtype == MOED_ROWS_FP8 ? 2 : dtype == MOED_INT4][isa];
     moed_pool_run(p, rows_task, &j, j.first_task[count]);
     return 0;
 }
@@ -388,7 +399,11 @@ static void dequant_task(void *ctx, int64_t task, int thread) {
     const int64_t r0 = task * j->rows_per_task, r1 = r0 + j->rows_per_task < j->w->N ? r0 + j->rows_per_task : j->w->N;
     for (int64_t r = r0; r < r1; r++) {
         uint16_t *o = j->out + r * K;
-        if (j->dtype == MOED_Q8) {
+        if (j->dtype == MOED_ROWS_FP8) {  /* the float32 product code * scale, then bf16: the torch twin's */
+            const uint8_t *q = (const uint8_t *)j->w->w + r * K;
+            const float *s = (const float *)j->w->s + r * (K / MOED_FP8_BLOCK);
+            for (int64_t k = 0; k < K; k++) o[k] = rows_to_bf16(moed_fp8_e4m3_to_f32(q[k]) * s[k / MOED_FP8_BLOCK]);
+        } else if (j->dtype == MOED_Q8) {
             const int8_t *qs = (const int8_t *)j->w->w + r * K;
             const uint16_t *d = (const uint16_t *)j->w->s + r * G;
             for (int64_t g = 0; g < G; g++) {
@@ -412,7 +427,8 @@ static void dequant_task(void *ctx, int64_t task, int thread) {
 }
 
 int moed_cpu_rows_to_bf16(void *h, int dtype, const moed_matrix *w, uint16_t *out) {
-    if (!h || !w || !out || (dtype != MOED_Q8 && dtype != MOED_INT4) || w->K < MOED_GROUP || w->K % MOED_GROUP ||
+    if (!h || !w || !out || (dtype != MOED_Q8 && dtype != MOED_INT4 && dtype != MOED_ROWS_FP8) || w->K < MOED_GROUP ||
+        w->K % (dtype == MOED_ROWS_FP8 ? MOED_FP8_BLOCK : MOED_GROUP) ||
         w->N < 1 || !w->w || !w->s || (dtype == MOED_INT4 && !w->m))
         return -1;
     moed_pool *p = (moed_pool *)h;

@@ -130,3 +130,14 @@ def test_a_gguf_whose_linears_stay_packed_keeps_the_model_on_the_host(tmp_path):
     assert model_needs(quantised, cpu_only=False).packed_weights and not model_needs(plain).packed_weights
     assert fit_machine(model_needs(quantised, cpu_only=False), 64 * GB, 16 * GB).where == "cpu+gpu cache"
     assert fit_machine(model_needs(plain, cpu_only=False), 64 * GB, 16 * GB).where == "gpu"
+
+
+def test_an_fp8_deepseek_config_keeps_its_linears_fp8_on_the_cpu(tmp_path):
+    """DeepSeek-V3.2 as published (FP8, 128 x 128 blocks): a CPU-only plan counts its attention and dense
+    linears at one byte a weight (kept as stored), a plan with a GPU at bf16's two."""
+    import transformers as tf
+
+    path = _config_file(tmp_path, tf.DeepseekV32Config(), quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    cpu, gpu = model_needs(path, cpu_only=True), model_needs(path, cpu_only=False)
+    assert cpu.load.weight_bytes < 0.75 * gpu.load.weight_bytes

@@ -254,6 +254,43 @@ def test_rows_to_bf16_is_the_torch_dequantisation_bit_for_bit(dtype):
         LIB.rows_to_bf16(dtype, arrays, 64)
 
 
+def _fp8_rows(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-scaled FP8 matrix in the rows layout: every e4m3 code but NaN occurs, scales spread widely."""
+    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int64).to(torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the NaN codes
+    scale = torch.exp2(torch.randint(-12, 4, (n, k // 128), generator=gen).float()) * (1 + torch.rand(n, k // 128, generator=gen))
+    return codes.contiguous(), scale.contiguous()
+
+
+@pytest.mark.parametrize("shape", [(1, 128), (37, 384), (64, 2048), (130, 256)])  # N, K
+def test_fp8_rows_match_their_twin(shape, isa):
+    """Block-scaled FP8 rows (a DeepSeek FP8 checkpoint's linears kept as stored) against the torch twin's
+    dequantisation in float64: odd N, T from 1 to 16, on every ISA."""
+    from moed.kernels.rows_format import dequantize_rows
+
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k)
+    arrays = _fp8_rows(n, k, gen)
+    w = dequantize_rows("fp8", arrays).double()
+    for t in (1, 2, 7, 16):
+        x = torch.randn(t, k, generator=gen)
+        (got,) = LIB.rows_many("fp8", [arrays], x)
+        want = x.double() @ w.t()
+        bound = x.double().abs() @ w.abs().t()
+        err = (got.double() - want).abs()
+        assert bool((err <= 1e-5 * bound + 1e-30).all()), f"fp8 {shape} T={t} {isa}: {float((err / bound).max())}"
+
+
+def test_fp8_rows_to_bf16_is_the_torch_dequantisation_bit_for_bit():
+    from moed.kernels.rows_format import dequantize_rows
+
+    arrays = _fp8_rows(70, 256, torch.Generator().manual_seed(4))
+    got = LIB.rows_to_bf16("fp8", arrays, 256)
+    assert torch.equal(got, dequantize_rows("fp8", arrays, torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous host arrays"):
+        LIB.rows_to_bf16("fp8", arrays, 128)
+
+
 def test_rows_many_checks_its_arrays():
     from moed.kernels.rows_format import rows_from_kn
 
@@ -264,7 +301,7 @@ def test_rows_many_checks_its_arrays():
         LIB.rows_many("q8", [arrays], torch.randn(1, 96))  # K of x does not match
     with pytest.raises(ValueError, match="contiguous host arrays"):
         LIB.rows_many("int4", [arrays], x)
-    with pytest.raises(ValueError, match="q8 or int4"):
+    with pytest.raises(ValueError, match="q8, int4 or fp8"):
         LIB.rows_many("bf16", [arrays], x)
 
 

@@ -96,3 +96,52 @@ def test_fp8_checkpoint_converts_to_ftw_with_the_same_weights(fp8_model, tmp_pat
     finally:
         hf.close()
         ftw.close()
+
+
+def test_an_mla_models_fp8_linears_stay_fp8_on_a_cpu_only_load(tmp_path):
+    """DeepSeek-V3's layout with 128 x 128 blocks: a CPU-only load keeps the FP8 linears as stored (e4m3 codes
+    and their block scales, ``PackedLinear("fp8")``, half the bytes of bf16) and its logits are transformers'
+    on the dequantised weights; kv_b (the absorbed decode splits it per head) and a device load widen to bf16."""
+    import transformers as tf
+
+    from helpers.tiny_models import tiny_config
+    from moed.config import EngineConfig
+    from moed.layers.packed_linear import PackedLinear
+    from moed.weights.model_loader import estimate_load
+
+    config = tiny_config("deepseek_v3")
+    config.hidden_size = config.q_lora_rank = config.kv_lora_rank = 128
+    config.intermediate_size = config.moe_intermediate_size = 128
+    config.qk_nope_head_dim, config.v_head_dim = 32, 32  # o_proj's K: 4 heads x 32
+    src = tmp_path / "f32"
+    build_tiny_model("deepseek_v3", src, config=config)
+    dst = tmp_path / "fp8"
+    weights = write_fp8_checkpoint(src, dst, (128, 128))
+    ref_dir = tmp_path / "dequantised"
+    ref_dir.mkdir()
+    save_file(weights, ref_dir / "model.safetensors")
+    (ref_dir / "config.json").write_text((src / "config.json").read_text())
+    reference = tf.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    stored = load_file(dst / "model.safetensors")
+
+    runtime = open_runtime(dst, experts_dtype="fp32")  # the CPU (open_runtime's default device)
+    try:
+        w = runtime.loaded.weights
+        q_a = w["model.layers.1.self_attn.q_a_proj.weight"]
+        assert isinstance(q_a, PackedLinear) and q_a.dtype == "fp8"
+        assert torch.equal(q_a.arrays[0], stored["model.layers.1.self_attn.q_a_proj.weight"].view(torch.uint8))
+        kept = [n for n, t in w.items() if isinstance(t, PackedLinear)]
+        assert {n.split(".", 3)[3] for n in kept} >= {"self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
+                                                     "self_attn.kv_a_proj_with_mqa.weight", "self_attn.o_proj.weight"}
+        assert isinstance(w["model.layers.1.self_attn.kv_b_proj.weight"], torch.Tensor)
+        assert_matches_reference(runtime, reference, tol=2e-2, tokens_equal=True, what="fp8 kept")
+    finally:
+        runtime.close()
+    kept_bytes = estimate_load(dst, cpu_only=True).weight_bytes
+    widened_bytes = estimate_load(dst, cpu_only=False).weight_bytes
+    assert kept_bytes < widened_bytes
+    device = open_runtime(dst, engine=EngineConfig(device="emulated"))
+    try:
+        assert not any(isinstance(t, PackedLinear) for t in device.loaded.weights.values())
+    finally:
+        device.close()
