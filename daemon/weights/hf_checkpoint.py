@@ -49,12 +49,13 @@ def read_config_json(path: Path) -> dict:
 
 # the non-expert linears an FP8 load may keep as stored (names after "model.layers.{i}."): what linear()
 # multiplies; MLA's kv_b_proj stays a tensor (the absorbed decode splits it per head), as do the router,
-# the embeddings and the lm_head
+# the embeddings, the lm_head and the indexer's head weights (multiplied in their own dtype)
 FP8_KEPT_LINEARS = frozenset({
     "self_attn.q_proj.weight", "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
     "self_attn.kv_a_proj_with_mqa.weight", "self_attn.o_proj.weight",
     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "mlp.shared.gate_proj.weight", "mlp.shared.up_proj.weight", "mlp.shared.down_proj.weight"})
+    "mlp.shared.gate_proj.weight", "mlp.shared.up_proj.weight", "mlp.shared.down_proj.weight",
+    "self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight"})  # DeepSeek-V3.2 / GLM-5's indexer
 
 
 class HfCheckpoint:

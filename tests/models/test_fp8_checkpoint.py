@@ -98,7 +98,8 @@ def test_fp8_checkpoint_converts_to_ftw_with_the_same_weights(fp8_model, tmp_pat
         ftw.close()
 
 
-def test_an_mla_models_fp8_linears_stay_fp8_on_a_cpu_only_load(tmp_path):
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
+def test_an_mla_models_fp8_linears_stay_fp8_on_a_cpu_only_load(tmp_path, family):
     """DeepSeek-V3's layout with 128 x 128 blocks: a CPU-only load keeps the FP8 linears as stored (e4m3 codes
     and their block scales, ``PackedLinear("fp8")``, half the bytes of bf16) and its logits are transformers'
     on the dequantised weights; kv_b (the absorbed decode splits it per head) and a device load widen to bf16."""
@@ -109,12 +110,12 @@ def test_an_mla_models_fp8_linears_stay_fp8_on_a_cpu_only_load(tmp_path):
     from moed.layers.packed_linear import PackedLinear
     from moed.weights.model_loader import estimate_load
 
-    config = tiny_config("deepseek_v3")
+    config = tiny_config(family)
     config.hidden_size = config.q_lora_rank = config.kv_lora_rank = 128
     config.intermediate_size = config.moe_intermediate_size = 128
     config.qk_nope_head_dim, config.v_head_dim = 32, 32  # o_proj's K: 4 heads x 32
     src = tmp_path / "f32"
-    build_tiny_model("deepseek_v3", src, config=config)
+    build_tiny_model(family, src, config=config)
     dst = tmp_path / "fp8"
     weights = write_fp8_checkpoint(src, dst, (128, 128))
     ref_dir = tmp_path / "dequantised"
@@ -134,6 +135,9 @@ def test_an_mla_models_fp8_linears_stay_fp8_on_a_cpu_only_load(tmp_path):
         assert {n.split(".", 3)[3] for n in kept} >= {"self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
                                                      "self_attn.kv_a_proj_with_mqa.weight", "self_attn.o_proj.weight"}
         assert isinstance(w["model.layers.1.self_attn.kv_b_proj.weight"], torch.Tensor)
+        if family == "deepseek_v32":  # the lightning indexer's projections too (its head weights stay a tensor)
+            assert isinstance(w["model.layers.1.self_attn.indexer.wq_b.weight"], PackedLinear)
+            assert isinstance(w["model.layers.1.self_attn.indexer.weights_proj.weight"], torch.Tensor)
         assert_matches_reference(runtime, reference, tol=2e-2, tokens_equal=True, what="fp8 kept")
     finally:
         runtime.close()
