@@ -33,7 +33,7 @@ from moed.engine.step_workspace import step_workspace_bytes
 from moed.errors import ModelFormatError
 from moed.models.moe_transformer import kv_cache_bytes
 from moed.models.weight_spec import expected_weight_shapes
-from moed.service.memory_governor import GovernorConfig
+from moed.service.memory_governor import GovernorConfig, format_bytes
 from moed.weights.checkpoint import LoadBytes, checkpoint_load_bytes, open_checkpoint, source_kind
 from moed.weights.config_only import ConfigOnlyCheckpoint
 from moed.weights.model_loader import _bank_dtype, estimate_load, read_model_config
@@ -151,8 +151,8 @@ def fit_machine(needs: ModelNeeds, ram_bytes: int, vram_bytes: int, *, by_dtype:
             fit = MachineFit(ram_bytes, vram_bytes, True, "cpu+gpu cache" if cache else "cpu", context, kv, cache,
                              total)
         else:
-            reason = (f"needs {total / GB:.1f} GB of RAM with the bank as {load.bank_dtype}; "
-                      f"{host / GB:.1f} GB of {ram_bytes / GB:.0f} GB are left to a model")
+            reason = (f"needs {format_bytes(total)} of RAM with the bank as {load.bank_dtype}; "
+                      f"{format_bytes(host)} of {ram_bytes / GB:.0f} GB are left to a model")
             fit = MachineFit(ram_bytes, vram_bytes, False, reason, host_bytes=total)
     if fit.runs or not by_dtype:
         return fit
@@ -160,7 +160,7 @@ def fit_machine(needs: ModelNeeds, ram_bytes: int, vram_bytes: int, *, by_dtype:
         smaller = fit_machine(_with_bank(needs, dtype), ram_bytes, vram_bytes, by_dtype=False)
         if smaller.runs:
             return MachineFit(**{**fit.__dict__, "hint": f"fits with --experts-dtype {dtype} "
-                                                          f"({load.bank_bytes_by_dtype[dtype] / GB:.1f} GB bank)"})
+                                                          f"({format_bytes(load.bank_bytes_by_dtype[dtype])} bank)"})
     return fit
 
 
@@ -183,23 +183,23 @@ def format_report(needs: ModelNeeds, fits: list[MachineFit]) -> str:
         f"{needs.family}: {needs.num_layers} layers, {needs.num_experts} experts (top {needs.top_k}), "
         f"{needs.total_params / 1e9:.1f} B parameters, {needs.active_params / 1e9:.1f} B active per token "
         f"(from {needs.source})",
-        f"  expert bank: {load.bank_bytes / GB:.1f} GB as {load.bank_dtype} (host RAM)"
-        + "".join(f"; {d} {n / GB:.1f} GB" for d, n in sorted(load.bank_bytes_by_dtype.items(), key=lambda i: -i[1])
+        f"  expert bank: {format_bytes(load.bank_bytes)} as {load.bank_dtype} (host RAM)"
+        + "".join(f"; {d} {format_bytes(n)}" for d, n in sorted(load.bank_bytes_by_dtype.items(), key=lambda i: -i[1])
                   if d != load.bank_dtype),
-        f"  other weights: {load.weight_bytes / GB:.1f} GB (on the GPU when it holds them, else host RAM)",
+        f"  other weights: {format_bytes(load.weight_bytes)} (on the GPU when it holds them, else host RAM)",
         f"  KV cache: {needs.kv_bytes_per_token / 1024:.1f} KiB per token; {needs.max_context} tokens (the "
-        f"model's longest context) take {needs.kv_bytes_per_token * needs.max_context / GB:.1f} GB",
-        f"  one step's activations: {needs.host_step_bytes / GB:.1f} GB on the CPU, "
-        f"{needs.device_step_bytes / GB:.1f} GB on a GPU",
+        f"model's longest context) take {format_bytes(needs.kv_bytes_per_token * needs.max_context)}",
+        f"  one step's activations: {format_bytes(needs.host_step_bytes)} on the CPU, "
+        f"{format_bytes(needs.device_step_bytes)} on a GPU",
         "",
         f"{'RAM':>6} {'VRAM':>6}  {'runs':<4}  {'where':<14} {'context':>8} {'KV':>8} {'expert cache':>13}  notes",
     ]
     for f in fits:
         vram = f"{f.vram_bytes / GB:.0f} GB" if f.vram_bytes else "-"
         if f.runs:
-            cache = f"{f.expert_cache_bytes / GB:.1f} GB" if f.expert_cache_bytes else "-"
+            cache = f"{format_bytes(f.expert_cache_bytes)}" if f.expert_cache_bytes else "-"
             lines.append(f"{f.ram_bytes / GB:>3.0f} GB {vram:>6}  yes   {f.where:<14} {f.context:>8} "
-                         f"{f.kv_bytes / GB:>5.1f} GB {cache:>13}")
+                         f"{format_bytes(f.kv_bytes):>8} {cache:>13}")
         else:
             lines.append(f"{f.ram_bytes / GB:>3.0f} GB {vram:>6}  no    {f.where}" + (f"; {f.hint}" if f.hint else ""))
     return "\n".join(lines)
