@@ -1,5 +1,6 @@
 """PackedLinear: a Linear weight kept in a bank matrix format (q8 or int4), or as a block-scaled FP8
-checkpoint stores it (fp8), instead of bf16.
+checkpoint stores it (fp8), or an NVFP4 one's (nvfp4: llama.cpp NVFP4 rows and the tensor's global factor),
+instead of bf16.
 
 A GGUF file's quantised attention / lm_head / shared-expert weights load into this (see
 weights/gguf_checkpoint.py) so that decode reads 4.5-8.5 bits per weight, as llama.cpp does,
@@ -23,16 +24,21 @@ import torch.nn.functional as F
 
 from moed.kernels.native_cpu import MAX_TOKENS, native
 from moed.kernels.prefill_gemm import prefill_gemm_dtype
+from moed.kernels import ggml_rows_format
+from moed.kernels.gguf_quants import NVFP4
 from moed.kernels.rows_format import FP8_BLOCK, dequantize_rows, rows_from_kn, rows_shapes
 
-GROUP = 32  # weights per scale along K, q8 and int4 (fp8: FP8_BLOCK)
-PACKED_DTYPES = ("q8", "int4", "fp8")
+GROUP = 32  # weights per scale along K, q8 and int4 (fp8: FP8_BLOCK; nvfp4: NVFP4_BLOCK)
+NVFP4_BLOCK = 64  # weights of one llama.cpp NVFP4 block (36 bytes)
+PACKED_DTYPES = ("q8", "int4", "fp8", "nvfp4")
 
 
 def packed_shapes(dtype: str, k: int, n: int) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
     """The (shape, dtype) of each array of a ``[N, K]`` weight in ``dtype``, in ``arrays`` order."""
     if dtype not in PACKED_DTYPES:
         raise ValueError(f"packed linear dtype {dtype!r} is not one of {', '.join(PACKED_DTYPES)}")
+    if dtype == "nvfp4":  # the rows as llama.cpp stores NVFP4, and the factor every output takes
+        return ((n, k // NVFP4_BLOCK * 36), torch.uint8), ((1,), torch.float32)
     return rows_shapes(dtype, k, n)
 
 
@@ -52,6 +58,8 @@ def can_pack(k: int, n: int, dtype: str = "q8") -> bool:
     """Whether a ``[N, K]`` Linear weight fits the packed format ``dtype`` and the native kernel."""
     if dtype == "fp8":
         return k > 0 and n > 0 and k % FP8_BLOCK == 0
+    if dtype == "nvfp4":
+        return k > 0 and n > 0 and k % NVFP4_BLOCK == 0
     return k > 0 and n > 0 and k % GROUP == 0 and n % 2 == 0
 
 
@@ -75,7 +83,7 @@ class PackedLinear:
         k, n = self.in_features, self.out_features
         if not can_pack(k, n, self.dtype):
             raise ValueError(f"packed linear {self.dtype} [{n}, {k}]: K must be a multiple of "
-                             + (f"{FP8_BLOCK}" if self.dtype == "fp8" else f"{GROUP} and N even"))
+                             + {"fp8": f"{FP8_BLOCK}", "nvfp4": f"{NVFP4_BLOCK}"}.get(self.dtype, f"{GROUP} and N even"))
         want = packed_shapes(self.dtype, k, n)
         if len(self.arrays) != len(want):
             raise ValueError(f"packed linear {self.dtype}: {len(want)} arrays expected, got {len(self.arrays)}")
@@ -105,7 +113,11 @@ class PackedLinear:
         return sum(t.numel() * t.element_size() for t in self.arrays)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The weight as a Linear weight ``[N, K]`` in ``dtype`` (contiguous; float32 is exact)."""
+        """The weight as a Linear weight ``[N, K]`` in ``dtype`` (contiguous; float32 is exact but for nvfp4's
+        factor, one float32 multiply)."""
+        if self.dtype == "nvfp4":
+            w = ggml_rows_format.dequantize_rows(self.arrays[0], NVFP4, self.in_features) * self.arrays[1]
+            return w.to(dtype).contiguous()
         return dequantize_rows(self.dtype, self.arrays, dtype)
 
     def dequantize_bf16(self) -> torch.Tensor:
@@ -113,6 +125,8 @@ class PackedLinear:
         on all cores: prefill dequantises every projection once per chunk)."""
         lib = native()
         if lib is not None and self.device.type == "cpu":
+            if self.dtype == "nvfp4":  # the values times the factor, rounded once more to bf16
+                return (lib.ggml_to_bf16(self.arrays[0], NVFP4, self.in_features).float() * self.arrays[1]).bfloat16()
             return lib.rows_to_bf16(self.dtype, self.arrays, self.in_features)
         return self.dequantize(torch.bfloat16)
 
@@ -132,6 +146,9 @@ class PackedLinear:
             raise ValueError(f"packed linear: x must be [T, {first.in_features}], got {tuple(x.shape)}")
         x = x.float()
         if first._native_ok(x) and all(w.dtype == first.dtype and w.device.type == "cpu" for w in weights):
+            if first.dtype == "nvfp4":  # llama.cpp NVFP4 rows (ggml_rows.c), then each tensor's factor
+                ys = native().ggml_rows([(w.arrays[0], NVFP4) for w in weights], x.contiguous())
+                return [y * w.arrays[1] for y, w in zip(ys, weights)]
             return native().rows_many(first.dtype, [w.arrays for w in weights], x.contiguous())
         if x.shape[0] > MAX_TOKENS and prefill_gemm_dtype(torch.bfloat16, x.device) == torch.bfloat16:
             # prefill where the CPU has a native bf16 GEMM (twice the speed of float32 there; else

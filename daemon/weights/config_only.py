@@ -32,21 +32,26 @@ class ConfigOnlyCheckpoint:
         self.micro = micro_scaled_of(raw, path or Path("/nonexistent"), where)
         stored = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
         self._dtype = torch.float32 if stored in ("float32", "float") else torch.bfloat16
-        self.keep_fp8 = False
+        self.keep_fp8 = ""  # the packed kind a CPU-only plan keeps ("fp8", "nvfp4"), "" for none
 
     def keep_fp8_linears(self, keep: bool) -> None:
-        """As ``HfCheckpoint.keep_fp8_linears``: an MLA model's FP8 linears (128-wide blocks) stay FP8 on the CPU."""
+        """As ``HfCheckpoint.keep_fp8_linears``: the FP8 (128-wide blocks) and NVFP4 linears of an MLA or hybrid
+        model stay as stored on the CPU."""
         q = self.raw.get("quantization_config")
         block = q.get("weight_block_size", [128, 128]) if isinstance(q, dict) else None
-        self.keep_fp8 = bool(keep) and self.quant_method == "fp8" and isinstance(block, list) and len(block) == 2 \
-            and block[1] == FP8_BLOCK and self.config.attention.kind == "mla"
+        fp8 = self.quant_method == "fp8" and isinstance(block, list) and len(block) == 2 and block[1] == FP8_BLOCK
+        nvfp4 = self.micro is not None and self.micro.kind == "nvfp4"
+        chain_free = self.config.attention.kind == "mla" or self.config.has_recurrent_state
+        self.keep_fp8 = "fp8" if bool(keep) and chain_free and fp8 else "nvfp4" if bool(keep) and chain_free and nvfp4 \
+            else ""
 
     def packed_weight_dtype(self, name: str) -> str | None:
         if not self.keep_fp8:
             return None
         rel = name.partition(".layers.")[2].partition(".")[2] if ".layers." in name else None
         shape = self.weight_shapes().get(name)
-        return "fp8" if rel in FP8_KEPT_LINEARS and shape and can_pack(shape[1], shape[0], "fp8") else None
+        kind = self.keep_fp8
+        return kind if rel in FP8_KEPT_LINEARS and shape and can_pack(shape[1], shape[0], kind) else None
 
     @property
     def num_bank_rows(self) -> int:

@@ -19,7 +19,7 @@ from moed.cache.expert_dtypes import EXPERT_DTYPES, GGML_BANK
 from moed.cache.host_bank import ExpertActivation, ExpertBank
 from moed.errors import InvalidRequestError, ModelFormatError, quoted
 from moed.kernels.rows_format import FP8_BLOCK
-from moed.layers.packed_linear import PackedLinear, can_pack
+from moed.layers.packed_linear import NVFP4_BLOCK, PackedLinear, can_pack
 from moed.models.families import Family, family_of, parse_model_config
 from moed.models.model_config import ModelConfig
 from moed.weights.expert_chunk import ExpertChunk
@@ -73,31 +73,45 @@ class HfCheckpoint:
         self.micro: MicroScaled | None = micro_scaled_of(self.raw_config, self.path, where)  # NVFP4 / MXFP8
         self.source = SafetensorsFiles(self.path)
         self.weight_keys = _canonical_keys(self.config, self.family, self.source.keys(), self.micro)  # canonical -> HF
-        # a CPU-only load keeps an MLA model's block-scaled FP8 linears as stored (keep_fp8_linears)
+        # a CPU-only load keeps the FP8 / NVFP4 linears of a model the decode chain does not take (keep_fp8_linears)
         self.keep_fp8 = False
 
     def keep_fp8_linears(self, keep: bool) -> None:
-        """Whether ``packed_weight_dtype`` keeps FP8 linears as stored ("fp8" PackedLinear, 1 byte a weight and a
-        scale per 128) instead of widening them to bf16: for a CPU-only load of an MLA model (DeepSeek-V3 /
-        V3.2, GLM-5, Kimi-K2) whose FP8 blocks are 128 wide along K. A device multiplies plain tensors, and a
-        GQA model's CPU decode runs the native decode chain, which reads bf16 or q8/int4 rows: both keep bf16."""
-        self.keep_fp8 = bool(keep) and self.fp8 is not None and self.fp8.block[1] == FP8_BLOCK \
-            and self.config.attention.kind == "mla"
+        """Whether ``packed_weight_dtype`` keeps quantised linears as stored instead of widening them to bf16:
+        block-scaled FP8 ones with 128-wide blocks ("fp8" PackedLinear: 1 byte a weight and a scale per 128)
+        and NVFP4 ones ("nvfp4": llama.cpp NVFP4 rows, 4.5 bits a weight, and the tensor's factor). For a
+        CPU-only load of a model whose CPU decode runs layer by layer anyway: MLA (DeepSeek-V3 / V3.2, GLM-5,
+        Kimi-K2) and hybrid (Qwen3-Next, Qwen3.5/3.6-MoE) models. A device multiplies plain tensors, and a GQA
+        model's CPU decode runs the native decode chain, which reads bf16 or q8/int4 rows: both keep bf16."""
+        chain_free = self.config.attention.kind == "mla" or self.config.has_recurrent_state
+        self.keep_fp8 = bool(keep) and chain_free
 
     def packed_weight_dtype(self, name: str) -> str | None:
-        """"fp8" for a non-expert FP8 linear a load keeps as stored (``keep_fp8_linears``), else None."""
+        """"fp8" / "nvfp4" for a non-expert linear a load keeps as stored (``keep_fp8_linears``), else None."""
         if not self.keep_fp8:
             return None
         rel = name.partition(".layers.")[2].partition(".")[2] if ".layers." in name else None
         key = self.weight_keys.get(name)
-        if rel not in FP8_KEPT_LINEARS or key is None or self.source.dtype(key) != torch.float8_e4m3fn:
+        if rel not in FP8_KEPT_LINEARS or key is None:
             return None
-        shape = self.source.shape(key)
-        return "fp8" if len(shape) == 2 and can_pack(shape[1], shape[0], "fp8") else None
+        if self._quantised(key):
+            shape = self._shape(key)
+            kind = "nvfp4" if self.micro.kind == "nvfp4" else None
+        elif self.fp8 is not None and self.fp8.block[1] == FP8_BLOCK and self.source.dtype(key) == torch.float8_e4m3fn:
+            shape, kind = self.source.shape(key), "fp8"
+        else:
+            return None
+        return kind if kind and len(shape) == 2 and can_pack(shape[1], shape[0], kind) else None
 
     def read_packed_weight(self, name: str) -> PackedLinear:
-        """One weight ``packed_weight_dtype`` keeps: its e4m3 codes as stored and its block scales per row."""
+        """One weight ``packed_weight_dtype`` keeps: FP8 codes as stored with their block scales per row, or
+        NVFP4 codes and scales moved into llama.cpp NVFP4 rows with the tensor's factor (no value changes)."""
         key = self.weight_keys[name]
+        if self.packed_weight_dtype(name) == "nvfp4":
+            n, k = self._shape(key)
+            rows = torch.empty(1, n, k // NVFP4_BLOCK * 36, dtype=torch.uint8)
+            factor = self.micro.ggml_rows(self.source, [key], rows)
+            return PackedLinear("nvfp4", (rows[0], factor.reshape(1).float().contiguous()), k, n)
         codes = self.source.get(key, None)
         scale_key = key + SCALE_SUFFIX
         if scale_key not in self.source:
@@ -221,7 +235,8 @@ class HfCheckpoint:
             lines.append(f"the routed experts stored as {micro.label} are converted into the {bank_dtype} expert "
                          f"bank, which changes their values" + (": moed keeps NVFP4 experts as stored on the CPU (ggml bank) only"
                                     if micro.kind == "nvfp4" else ""))
-        linears = [name for name, key in self.weight_keys.items() if self._quantised(key)]
+        linears = [name for name, key in self.weight_keys.items()
+                   if self._quantised(key) and self.packed_weight_dtype(name) is None]  # kept ones change nothing
         if linears and micro.kind == "nvfp4":
             shown = ", ".join(linears[:2]) + (f" and {len(linears) - 2} more" if len(linears) > 2 else "")
             lines.append(f"{len(linears)} non-expert weight(s) stored as {micro.label} ({shown}) are decoded to bf16 "

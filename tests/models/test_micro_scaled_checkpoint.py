@@ -245,3 +245,33 @@ def test_a_modelopt_export_with_only_hf_quant_config_is_nvfp4(checkpoints, tmp_p
     (bare / "hf_quant_config.json").write_text("not json")
     with pytest.raises(ModelFormatError, match="hf_quant_config.json: not a ModelOpt quantization file"):
         HfCheckpoint(bare)
+
+
+@pytest.mark.parametrize("layout", ["nvfp4", "modelopt"])
+def test_an_mla_models_nvfp4_linears_stay_as_stored_on_the_cpu(checkpoints, layout):
+    """A CPU-only load of an MLA model keeps its NVFP4 attention and dense linears block for block (llama.cpp
+    NVFP4 rows and the tensor's factor, ``PackedLinear("nvfp4")``, 4.5 bits a weight) and still matches
+    transformers; a GQA model (whose CPU decode runs the native decode chain) and a device load decode them
+    to bf16, and say so."""
+    from moed.layers.packed_linear import PackedLinear
+
+    family, paths, refs = checkpoints
+    loaded = load_model(paths[layout], cpu_only=True)
+    packed = {n: w for n, w in loaded.weights.items() if isinstance(w, PackedLinear)}
+    if family == "qwen3_moe":
+        assert not packed
+        return
+    assert packed and {w.dtype for w in packed.values()} == {"nvfp4"}
+    assert any(n.endswith("self_attn.q_a_proj.weight") for n in packed)
+    w = next(iter(packed.values()))
+    assert float(w.arrays[1]) > 0  # the tensor's factor
+    assert all(not isinstance(loaded.weights[n], PackedLinear) for n in loaded.weights if n.endswith("kv_b_proj.weight"))
+    assert estimate_load(paths[layout], cpu_only=True).weight_bytes < estimate_load(paths[layout]).weight_bytes
+    assert not any(isinstance(t, PackedLinear) for t in load_model(paths[layout], cpu_only=False).weights.values())
+    runtime = open_runtime(paths[layout], experts_dtype="fp32")  # the CPU: linears kept, native kernels
+    try:
+        assert any(isinstance(t, PackedLinear) for t in runtime.loaded.weights.values())
+        # the kept linears multiply int8 activations (as a quantised GGUF's do): logits within 5% of their range
+        assert_matches_reference(runtime, refs[layout], tol=0.05, tokens_equal=False, what=f"{family} {layout}")
+    finally:
+        runtime.close()
