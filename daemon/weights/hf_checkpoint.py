@@ -51,7 +51,8 @@ def read_config_json(path: Path) -> dict:
 # multiplies; MLA's kv_b_proj stays a tensor (the absorbed decode splits it per head), as do the router,
 # the embeddings, the lm_head and the indexer's head weights (multiplied in their own dtype)
 FP8_KEPT_LINEARS = frozenset({
-    "self_attn.q_proj.weight", "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
     "self_attn.kv_a_proj_with_mqa.weight", "self_attn.o_proj.weight",
     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
     "mlp.shared.gate_proj.weight", "mlp.shared.up_proj.weight", "mlp.shared.down_proj.weight",

@@ -149,3 +149,31 @@ def test_an_mla_models_fp8_linears_stay_fp8_on_a_cpu_only_load(tmp_path, family)
         assert not any(isinstance(t, PackedLinear) for t in device.loaded.weights.values())
     finally:
         device.close()
+
+
+def test_a_hybrid_models_fp8_attention_stays_fp8_on_a_cpu_only_load(tmp_path):
+    """Qwen3-Next's layout (its CPU decode runs layer by layer): the full-attention layers' FP8 projections stay
+    as stored and the model matches transformers on the dequantised weights."""
+    import transformers as tf
+
+    from helpers.tiny_models import tiny_config
+    from moed.layers.packed_linear import PackedLinear
+
+    config = tiny_config("qwen3_next")
+    config.hidden_size, config.moe_intermediate_size, config.shared_expert_intermediate_size = 128, 128, 128
+    src = tmp_path / "f32"
+    build_tiny_model("qwen3_next", src, config=config)
+    weights = write_fp8_checkpoint(src, tmp_path / "fp8", (128, 128))
+    ref_dir = tmp_path / "dequantised"
+    ref_dir.mkdir()
+    save_file(weights, ref_dir / "model.safetensors")
+    (ref_dir / "config.json").write_text((src / "config.json").read_text())
+    reference = tf.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    runtime = open_runtime(tmp_path / "fp8", experts_dtype="fp32")
+    try:
+        w = runtime.loaded.weights
+        assert all(isinstance(w[f"model.layers.1.self_attn.{p}_proj.weight"], PackedLinear) for p in "qkvo")
+        # the DeltaNet's FP8 projections are widened to bf16 (one rounding each): within 5% of the logits' range
+        assert_matches_reference(runtime, reference, tol=5e-2, tokens_equal=False, what="qwen3_next fp8 kept")
+    finally:
+        runtime.close()
