@@ -70,10 +70,14 @@ QWEN_NEXT_NAMES = FamilyNames(moe_prefix="model.layers.{i}.mlp", router="gate", 
 
 
 FAMILIES = (
-    Family("qwen3_next", _parse_qwen3_next, QWEN_NEXT_NAMES, architectures=("Qwen3NextForCausalLM",)),
-    Family("qwen3_5_moe_text", _parse_qwen3_5_moe_text, QWEN_NEXT_NAMES, architectures=("Qwen3_5MoeForCausalLM",)),
+    # their templates write Qwen3's <tool_call> blocks (Hermes JSON, or Qwen3-Coder's XML for Qwen3.5/3.6) and <think>
+    Family("qwen3_next", _parse_qwen3_next, QWEN_NEXT_NAMES, architectures=("Qwen3NextForCausalLM",),
+           tool_format="qwen3"),
+    Family("qwen3_5_moe_text", _parse_qwen3_5_moe_text, QWEN_NEXT_NAMES, architectures=("Qwen3_5MoeForCausalLM",),
+           tool_format="qwen3"),
     Family("qwen3_5_moe", _parse_qwen3_5_moe, FamilyNames(
         moe_prefix="model.language_model.layers.{i}.mlp", router="gate", shared="shared_expert",
         shared_gate="shared_expert_gate", language_prefix="model.language_model.",
-        skip_prefixes=("model.visual.", "mtp.")), architectures=("Qwen3_5MoeForConditionalGeneration",)),
+        skip_prefixes=("model.visual.", "mtp.")), architectures=("Qwen3_5MoeForConditionalGeneration",),
+        tool_format="qwen3"),
 )

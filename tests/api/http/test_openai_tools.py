@@ -80,6 +80,10 @@ def daemon(tmp_path_factory):
     d.plain = plain
     add_scripted_model(d, "coder", ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("coder")),
                                                      lambda prompt: CODER_CALL))
+    # Qwen3.6-35B-A3B (qwen3_5_moe) writes Qwen3-Coder's XML calls too; Qwen3-Next Hermes JSON
+    d.qwen36 = ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("qwen36")), lambda prompt: CODER_CALL,
+                                 family="qwen3_5_moe")
+    add_scripted_model(d, "qwen36", d.qwen36)
     for name, family, output in (("glm5", "glm_moe_dsa", GLM_CALL), ("dsv32", "deepseek_v32", DSML_CALL)):
         add_scripted_model(d, name, ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp(name)),
                                                       lambda prompt, output=output: output, family=family))
@@ -116,11 +120,14 @@ def test_streamed_tool_call_deltas_build_the_same_call(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
 
 
-def test_xml_call_values_are_typed_by_the_tool_schema(client):
-    reply = client.chat.completions.create(model="coder", messages=ASK, tools=[READ_TOOL])
+@pytest.mark.parametrize("model", ["coder", "qwen36"])
+def test_xml_call_values_are_typed_by_the_tool_schema(daemon, client, model):
+    reply = client.chat.completions.create(model=model, messages=ASK, tools=[READ_TOOL])
+    if model == "qwen36":  # Qwen3.5/3.6's own template renders the tools (Qwen3's format), not moed's generic one
+        assert "<tools>" in daemon.qwen36.prompts[-1] and "You can call the tools below" not in daemon.qwen36.prompts[-1]
     [call] = reply.choices[0].message.tool_calls
     assert json.loads(call.function.arguments) == {"path": "src/main.py", "limit": 40, "follow": True}
-    chunks = list(client.chat.completions.create(model="coder", messages=ASK, tools=[READ_TOOL], stream=True))
+    chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=[READ_TOOL], stream=True))
     streamed = "".join(tc.function.arguments or "" for c in chunks if c.choices
                        for tc in c.choices[0].delta.tool_calls or [])
     assert json.loads(streamed) == {"path": "src/main.py", "limit": 40, "follow": True}
