@@ -5,7 +5,7 @@ random valid blocks in llama.cpp's Q4_K_M tensor-type layout (or every tensor in
     .venv/bin/python benchmarks/build_real_size_gguf.py SRC.gguf OUT.gguf [--layers 48] [--layout q4_k_m|q4_0]
 
 SRC is a GGUF llama.cpp's converter wrote (bench_vs_llamacpp.py makes a 2-layer Qwen3-30B-A3B-shaped one);
-its metadata is copied (block_count set to --layers), its token embedding, output and norms are copied,
+its metadata is copied (block_count set to --layers, context_length to at least Qwen3-30B-A3B's 40960), its token embedding, output and norms are copied,
 and each layer i gets layer (i mod src layers)'s norms and router, and fresh random blocks for its
 attention and expert matrices: scales set to small finite float16 values, quants random. ``q4_k_m``
 follows llama.cpp's rule for that mix (llama-quant.cpp, use_more_bits: the first and last eighth of
@@ -25,6 +25,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as T
 
+CONTEXT_LENGTH = 40960  # Qwen3-30B-A3B's max_position_embeddings
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
                   "ffn_gate", "ffn_up", "ffn_down")
 
@@ -69,6 +70,8 @@ def copy_fields(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, layers: int, l
         value = field.contents()
         if key == f"{arch}.block_count":
             value = layers
+        elif key == f"{arch}.context_length":
+            value = max(int(value), CONTEXT_LENGTH)  # the real model's, whatever the shallow source says
         elif key == "general.file_type":
             value = 15 if layout == "q4_k_m" else 2  # LLAMA_FTYPE_MOSTLY_Q4_K_M / Q4_0
         vtype = field.types[0]

@@ -81,7 +81,7 @@ class MachineFit:
 
 
 def model_needs(path: str | Path, experts_dtype: str | None = None, *, cpu_only: bool = True) -> ModelNeeds:
-    """``cpu_only``: plan the bank a CPU-only machine's load makes (a GGUF file's or an NVFP4 checkpoint's blocks
+    """``cpu_only``: plan the bank a CPU-only machine's load makes (a GGUF file's, or an NVFP4, FP8 or MXFP8 checkpoint's blocks
     kept as stored), else the one a machine with a GPU gets."""
     path = Path(path)
     config_file = path if path.is_file() and path.suffix == ".json" else None

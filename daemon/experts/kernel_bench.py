@@ -86,6 +86,12 @@ def _random_ggml_bank(hidden: int, inter: int, dtype: str, bank_bytes: int, seed
             blocks[:, 0] = 127
         if name == "NVFP4":  # its four E4M3 scales: 0x38 is 1.0
             blocks[:, 0:4] = 0x38
+        if name == "MXFP8":  # 2^0, and finite e4m3 codes (0x7F / 0xFF are NaN)
+            blocks[:, 0] = 127
+            blocks[:, 1:] &= 0x77
+        if name == "FP8_B128":  # a float32 scale of 0.01, finite codes
+            blocks[:, 0:4] = torch.tensor([0.01], dtype=torch.float32).view(torch.uint8)
+            blocks[:, 4:] &= 0x77
         for off in _FP16_FIELDS.get(name, ()):
             blocks[:, off:off + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
         tensors[f"{kind}.0"], types[f"{kind}.0"] = raw, ggml_type

@@ -17,7 +17,10 @@ from moed.kernels import gguf_quants as q
 
 # the GGUF types the ggml bank keeps (the kernels in native/cpu/ggml_rows.c read each)
 ROW_TYPES: tuple[int, ...] = (q.Q8_0, q.Q4_0, q.Q4_1, q.Q5_0, q.Q5_1, q.Q2_K, q.Q3_K, q.Q4_K, q.Q5_K, q.Q6_K,
-                              q.IQ4_NL, q.IQ4_XS, q.MXFP4, q.NVFP4)
+                              q.IQ4_NL, q.IQ4_XS, q.MXFP4, q.NVFP4, q.FP8_B128, q.MXFP8)
+# the GGUF types among them (what a GGUF file's tensors may be; FP8_B128 / MXFP8 are moed's own,
+# kernels/fp8_block_format.py, for FP8 checkpoints)
+GGUF_ROW_TYPES: tuple[int, ...] = tuple(t for t in ROW_TYPES if t not in q.MOED_TYPES)
 
 
 # values per activation scale the kernels of a type need (native/cpu/ggml_rows.h, moed_ggml_act_span):
@@ -58,12 +61,16 @@ def dequantize_rows(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
 
 def rows_product_reference(raw: torch.Tensor, ggml_type: int, k: int, x: torch.Tensor, span: int | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' product ``x [T, k] @ rows.T`` computed in float64 from the same int8 activations
+    """The kernels' product ``x [T, k] @ rows.T`` computed in float64 from the same int8 activations (the
+    float ones for moed's FP8 types)
     (quantised with ``span`` values per scale: the type's ``act_span`` unless given; a call on several
     matrices quantises once with the largest of theirs):
     ``(y [T, rows], bound [T, rows])``, ``bound`` the sum of the absolute terms (a kernel agrees within
     ~1e-5 of it: only its float32 summation order differs)."""
     w = dequantize_rows(raw, ggml_type, k).double()  # [rows, k]
+    if int(ggml_type) in q.MOED_TYPES:  # the FP8 types' kernels read the float activations themselves
+        xa = x.double()
+        return xa @ w.T, xa.abs() @ w.abs().T
     xq, xs, _ = quantize_activations(x.float(), span or act_span(ggml_type))
     xa = (xq.double().reshape(x.shape[0], -1, 32) * xs.double()[..., None]).reshape(x.shape[0], k)
     return xa @ w.T, xa.abs() @ w.abs().T

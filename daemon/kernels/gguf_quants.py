@@ -16,6 +16,8 @@ import math
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from moed.kernels import fp8_block_format as fp8b
+
 QK_K = 256  # weights per K-quant super-block
 BANK_GROUP = 32  # weights per scale along K in every bank layout (q8, mxfp4, int4)
 E8M0_NAN = 255  # the OCP MX NaN exponent (ggml: 2**127)
@@ -25,6 +27,12 @@ DEQUANT_SLICE = 1 << 18  # weights decoded per step by `dequantize` (1 MB of flo
 # reader needs the byte size of tensors it skips): the `gguf` package's tables, llama.cpp's own.
 _TYPE_NAMES: dict[int, str] = {int(t): t.name for t in GGMLQuantizationType}
 _BLOCK_SIZES: dict[int, tuple[int, int]] = {int(t): size for t, size in GGML_QUANT_SIZES.items()}
+# moed's own FP8 block types for the ggml bank (kernels/fp8_block_format.py): named and sized like the GGUF
+# types, decoded by `dequantize`, but no GGUF file may use them (not `readable`; weights/gguf_file.py)
+FP8_B128, MXFP8 = fp8b.FP8_B128, fp8b.MXFP8
+MOED_TYPES: tuple[int, ...] = (FP8_B128, MXFP8)
+_TYPE_NAMES.update(fp8b.NAMES)
+_BLOCK_SIZES.update(fp8b.BLOCK_SIZES)
 F32, F16, BF16 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)
 Q8_0, Q4_0, Q4_1 = int(GGMLQuantizationType.Q8_0), int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1)
 Q4_K, Q5_K, Q6_K = int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K), int(GGMLQuantizationType.Q6_K)
@@ -301,6 +309,9 @@ def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> tor
     Bit-equal to ``gguf.quants.dequantize`` for every type here (the K-quants included: each of
     their products is exact in float32 and the one subtraction rounds as numpy's does).
     """
+    if int(ggml_type) in MOED_TYPES:  # moed's FP8 rows (the ggml bank of an FP8 checkpoint)
+        b = _blocks(raw, int(ggml_type), shape)
+        return fp8b.dequantize_blocks(b, int(ggml_type)).reshape(shape)
     ggml_type = _check_supported(ggml_type, f"GGUF tensor of shape {tuple(shape)}")
     b = _blocks(raw, ggml_type, shape)
     if ggml_type == F32:

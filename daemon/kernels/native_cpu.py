@@ -37,10 +37,11 @@ from moed.kernels.cpu_threads import cpu_threads
 from moed.kernels.ggml_rows_format import check_rows, row_bytes
 from moed.kernels.rows_format import rows_shapes
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512vnni")
 DTYPE_CODES = {"fp32": 0, "bf16": 1, "int4": 2, "q8": 3, "mxfp4": 4}
 ROWS_CODES = {"q8": 3, "int4": 2, "fp8": 16}  # row-major matrices (moed_cpu_rows_many; MOED_ROWS_FP8)
+ROWS_GGML = 17  # a decode-chain linear kept as GGUF block rows (MOED_ROWS_GGML)
 ACT_CODES = {"silu": 0, "gpt_oss": 1}
 SPIN_NS = int(float(os.environ.get("MOED_SPIN_US", "30")) * 1000)  # idle threads spin this long, then sleep
 MAX_DENSE = 8  # weights per dense_bf16_many call (MOED_DENSE_MAX in moe.c)
@@ -176,7 +177,7 @@ KV_TYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # MOED_KV_
 
 
 class _Linear(ctypes.Structure):  # moed_linear (native/cpu/decode_chain.c)
-    _fields_ = [("dtype", ctypes.c_int32), ("m", _Matrix), ("bias", ctypes.c_void_p)]
+    _fields_ = [("dtype", ctypes.c_int32), ("ggml_type", ctypes.c_int32), ("m", _Matrix), ("bias", ctypes.c_void_p)]
 
 
 class ChainLayer(ctypes.Structure):  # moed_chain_layer (native/cpu/decode_chain.c)
@@ -202,17 +203,19 @@ class ChainHead(ctypes.Structure):  # moed_chain_head (native/cpu/decode_chain.c
 
 
 def linear_struct(weight, bias: torch.Tensor | None) -> tuple["_Linear", tuple[torch.Tensor, ...]]:
-    """A decode-chain linear for a bf16 ``[N, K]`` weight or a q8/int4 PackedLinear (duck-typed: ``dtype``,
-    ``arrays``, ``in_features``, ``out_features``); the bias (any float dtype) as float32. Returns the
-    struct and the tensors it points into (keep them alive)."""
+    """A decode-chain linear for a bf16 ``[N, K]`` weight or a PackedLinear (duck-typed: ``dtype``, ``arrays``,
+    ``in_features``, ``out_features``, ``ggml_type``: q8/int4/fp8 rows, or GGUF block rows and their factor);
+    the bias (any float dtype) as float32. Returns the struct and the tensors it points into (keep them alive)."""
     b = None if bias is None else bias.detach().float().contiguous()
     if isinstance(weight, torch.Tensor):
         m = _Matrix(weight.data_ptr(), None, None, weight.shape[1], weight.shape[0])
-        return _Linear(DTYPE_CODES["bf16"], m, _ptr(b)), tuple(t for t in (weight, b) if t is not None)
+        return _Linear(DTYPE_CODES["bf16"], 0, m, _ptr(b)), tuple(t for t in (weight, b) if t is not None)
     arrays = weight.arrays
     m = _Matrix(arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr() if len(arrays) > 2 else None,
                 weight.in_features, weight.out_features)
-    return _Linear(DTYPE_CODES[weight.dtype], m, _ptr(b)), tuple(arrays) + ((b,) if b is not None else ())
+    ggml_type = getattr(weight, "ggml_type", None)
+    code = ROWS_GGML if ggml_type is not None else ROWS_CODES[weight.dtype]
+    return _Linear(code, ggml_type or 0, m, _ptr(b)), tuple(arrays) + ((b,) if b is not None else ())
 
 
 CHAIN_PARTS = ("projections", "attention", "router", "experts", "norms and adds", "final norm + lm_head")  # timings
@@ -272,6 +275,8 @@ class NativeCpu:
         lib.moed_ggml_act_span.restype = c_int
         lib.moed_ggml_dot_one.argtypes = [c_int, c_int, vp, c_i64, vp, vp, vp, c_int, vp]
         lib.moed_ggml_dot_one.restype = c_int
+        lib.moed_ggml_fdot_one.argtypes = [c_int, c_int, vp, c_i64, vp, c_int, vp]
+        lib.moed_ggml_fdot_one.restype = c_int
         lib.moed_chain_work_floats.argtypes = [ctypes.POINTER(ChainLayer), c_int, c_int, c_i64]
         lib.moed_chain_work_floats.restype = c_i64
         lib.moed_cpu_decode_layers.argtypes = [vp, ctypes.POINTER(ChainLayer), c_int, ctypes.POINTER(_ChainStep), vp,
@@ -571,6 +576,20 @@ class NativeCpu:
                                          *(a.data_ptr() for a in args[1:]), t, y.data_ptr())
         if rc != 0:
             raise ValueError(f"moed_ggml_dot_one refused its arguments (rc {rc})")
+        return y
+
+    def ggml_fdot_one(self, ggml_type: int, isa: str, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One row of an FP8 block type (``uint8 [row_bytes]``) dotted with float activations ``x [T, K]`` by the
+        kernel of one ISA -> float32 ``[T]`` (tests; ggml_rows_fp8.c)."""
+        t, k = x.shape
+        if row.dtype != torch.uint8 or row.numel() != row_bytes(ggml_type, k) or x.dtype != torch.float32:
+            raise ValueError("ggml_fdot_one: a uint8 row of the type's bytes and float32 x")
+        y = torch.empty(t, dtype=torch.float32)
+        row, x = row.contiguous(), x.contiguous()
+        rc = self._lib.moed_ggml_fdot_one(ggml_type, ISA_NAMES.index(isa), row.data_ptr(), k, x.data_ptr(), t,
+                                          y.data_ptr())
+        if rc != 0:
+            raise ValueError(f"moed_ggml_fdot_one refused its arguments (rc {rc})")
         return y
 
     def rows_to_bf16(self, dtype: str, arrays: tuple[torch.Tensor, ...], k: int) -> torch.Tensor:

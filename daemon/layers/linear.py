@@ -47,6 +47,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias.float()
 
 
+def embedding(ids: torch.Tensor, table: "torch.Tensor | PackedLinear") -> torch.Tensor:
+    """The rows ``ids`` of an embedding table ``[V, D]`` as float32 ``[*ids.shape, D]``: a tensor of any
+    float dtype, or a PackedLinear (a GGUF token_embd kept in its own type: only the looked-up rows decode)."""
+    if isinstance(table, PackedLinear):
+        return table.take_rows(ids)
+    return F.embedding(ids, table).float()
+
+
 def linear_many(x: torch.Tensor, weights: tuple, biases: tuple) -> list[torch.Tensor]:
     """``[linear(x, w, b) for w, b in zip(weights, biases)]``; bf16 weights at decode, or PackedLinear
     weights of one dtype, go to the native kernel in one call (an attention layer's q, k and v: x

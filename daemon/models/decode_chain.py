@@ -9,7 +9,7 @@ the same numbers, so the hidden state it returns is bit for bit the Python path'
 
 It applies when every expert runs on the CPU from the host bank (the CPU executor: GPU-free mode)
 and the model's layers are standard attention + routed MoE (softmax / top-k-softmax router, float32
-or bf16) or dense MLPs, with bf16 or q8/int4-packed projections: Qwen3-MoE, Mixtral, gpt-oss
+or bf16) or dense MLPs, with bf16 or packed projections (q8, int4, fp8, GGUF types): Qwen3-MoE, Mixtral, gpt-oss
 (biases, sinks, sliding windows), Qwen2-MoE (gated shared experts, dense layers). Anything else
 (MLA, whole-projection q/k norms, clipping, float32 or fp16 projections, a float32 shared-expert
 gate, sigmoid routers, the hybrid executor) keeps the Python path; ``DecodeChain.build`` says why
@@ -53,8 +53,8 @@ def _norm_ok(w: torch.Tensor, d: int) -> bool:
 
 
 def _linear_ok(w, k: int) -> bool:
-    if isinstance(w, PackedLinear):  # the chain's native linears read q8 / int4 rows (not FP8 ones)
-        return w.dtype in ("q8", "int4") and w.device.type == "cpu" and w.in_features == k
+    if isinstance(w, PackedLinear):  # q8 / int4 / fp8 rows or GGUF block rows, each its own native kernel
+        return w.device.type == "cpu" and w.in_features == k
     return isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() \
         and w.device.type == "cpu" and w.shape[1] == k
 
@@ -131,10 +131,10 @@ class DecodeChain:
             if dense is not None:
                 inter = dense.gate.shape[0]
                 if not (_linear_ok(dense.gate, d) and _linear_ok(dense.up, d) and _linear_ok(dense.down, inter)):
-                    return Unsupported(f"layer {i}'s dense MLP / shared expert is not bf16 or q8/int4 packed")
+                    return Unsupported(f"layer {i}'s dense MLP / shared expert is not bf16 or packed")
                 gate = getattr(mlp, "shared_gate", None)
                 if gate is not None and not _linear_ok(gate, d):
-                    return Unsupported(f"layer {i}'s shared expert gate is not bf16 or q8/int4 packed")
+                    return Unsupported(f"layer {i}'s shared expert gate is not bf16 or packed")
             if not isinstance(attention, MhaAttention):
                 return Unsupported(f"layer {i}'s attention")
             if not (_norm_ok(input_norm, d) and _norm_ok(post_norm, d)):
@@ -142,7 +142,7 @@ class DecodeChain:
             a_out = att.num_heads * att.head_dim
             if not all(_linear_ok(w, d) for w in (attention.wq, attention.wk, attention.wv)) \
                     or not _linear_ok(attention.wo, a_out):
-                return Unsupported(f"layer {i}'s projections are not bf16 or q8/int4 packed in host memory")
+                return Unsupported(f"layer {i}'s projections are not bf16 or packed in host memory")
             s = ChainLayer()
             if dense is not None:
                 mlp_lin = [linear_struct(w, None) for w in (dense.gate, dense.up, dense.down)]

@@ -15,7 +15,7 @@ from moed.experts.executor import ExpertExecutor
 from moed.layers.attention import MhaAttention
 from moed.layers.dense_mlp import DenseMlp
 from moed.layers.gated_deltanet import GatedDeltaNet, LinearAttentionBlock
-from moed.layers.linear import linear
+from moed.layers.linear import embedding, linear
 from moed.layers.mla_attention import MlaAttention
 from moed.layers.moe import MoeLayer
 from moed.kernels.native_cpu import torch_paths
@@ -160,7 +160,7 @@ class MoeTransformer:
     def _forward(self, batch: ForwardBatch, cache: KVCache, cos_sin: tuple[torch.Tensor, torch.Tensor],
                  last_only: bool) -> torch.Tensor:
         eps = self.config.rms_norm_eps
-        x = F.embedding(batch.input_ids, self.embed).float()  # [B, T, D] (the table may be bf16)
+        x = embedding(batch.input_ids, self.embed)  # [B, T, D] float32 (the table may be bf16 or packed)
         valid, all_valid = batch.valid, batch.all_valid
         chain = (self.decode_chain() if all_valid and x.shape[1] == 1 and not batch.packed and self.device is None
                  else None)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from moed.kernels.fp8_block_format import BLOCK_SIZES, FP8_B128, MXFP8
 from moed.kernels.rows_format import FP8_BLOCK
 from moed.layers.packed_linear import can_pack
 from moed.models.families import family_of, parse_model_config
@@ -35,15 +36,13 @@ class ConfigOnlyCheckpoint:
         self.keep_fp8 = ""  # the packed kind a CPU-only plan keeps ("fp8", "nvfp4"), "" for none
 
     def keep_fp8_linears(self, keep: bool) -> None:
-        """As ``HfCheckpoint.keep_fp8_linears``: the FP8 (128-wide blocks) and NVFP4 linears of an MLA or hybrid
-        model stay as stored on the CPU."""
+        """As ``HfCheckpoint.keep_fp8_linears``: the FP8 (128-wide blocks) and NVFP4 linears stay as stored on
+        the CPU."""
         q = self.raw.get("quantization_config")
         block = q.get("weight_block_size", [128, 128]) if isinstance(q, dict) else None
         fp8 = self.quant_method == "fp8" and isinstance(block, list) and len(block) == 2 and block[1] == FP8_BLOCK
         nvfp4 = self.micro is not None and self.micro.kind == "nvfp4"
-        chain_free = self.config.attention.kind == "mla" or self.config.has_recurrent_state
-        self.keep_fp8 = "fp8" if bool(keep) and chain_free and fp8 else "nvfp4" if bool(keep) and chain_free and nvfp4 \
-            else ""
+        self.keep_fp8 = "fp8" if bool(keep) and fp8 else "nvfp4" if bool(keep) and nvfp4 else ""
 
     def packed_weight_dtype(self, name: str) -> str | None:
         if not self.keep_fp8:
@@ -63,15 +62,33 @@ class ConfigOnlyCheckpoint:
     def weight_dtype(self, name: str) -> torch.dtype:
         return self._dtype
 
-    def prefers_ggml(self) -> bool:
+    def _ggml_kind(self) -> str | None:
+        """``HfCheckpoint._ggml_kind`` from the config: NVFP4, 128-wide block FP8 or MXFP8 experts in whole blocks
+        (a config cannot say whether the experts are the quantised tensors; the published ones are)."""
         d, inter = self.config.hidden_size, self.config.moe.intermediate_size
-        return self.micro is not None and self.micro.kind == "nvfp4" and keeps_ggml_rows(d) and keeps_ggml_rows(inter)
+        if self.micro is not None:
+            if self.micro.kind == "nvfp4":
+                return "nvfp4" if keeps_ggml_rows(d) and keeps_ggml_rows(inter) else None
+            return "mxfp8" if d % 32 == 0 and inter % 32 == 0 else None
+        q = self.raw.get("quantization_config")
+        block = q.get("weight_block_size", [128, 128]) if isinstance(q, dict) else None
+        if self.quant_method == "fp8" and isinstance(block, list) and len(block) == 2 and block[1] == FP8_BLOCK \
+                and d % FP8_BLOCK == 0 and inter % FP8_BLOCK == 0:
+            return "fp8"
+        return None
+
+    def prefers_ggml(self) -> bool:
+        return self._ggml_kind() is not None
 
     def ggml_bank_nbytes(self) -> int | None:
-        if not self.prefers_ggml():
+        kind = self._ggml_kind()
+        if kind is None:
             return None
         d, inter = self.config.hidden_size, self.config.moe.intermediate_size
-        return self.num_bank_rows * (3 * d * inter // 64 * 36 + 3 * 4)
+        if kind == "nvfp4":
+            return self.num_bank_rows * (3 * d * inter // 64 * 36 + 3 * 4)
+        weights, size = BLOCK_SIZES[FP8_B128 if kind == "fp8" else MXFP8]
+        return self.num_bank_rows * (3 * d * inter // weights * size)
 
     def default_bank_dtype(self) -> str:
         """``HfCheckpoint.default_bank_dtype``'s choice for the checkpoint this config describes."""

@@ -10,10 +10,12 @@ split kv_b_proj).
 Non-expert weights are read one at a time. ``read_weight`` dequantises them (F32/F16/BF16 stay as
 stored, quantised types become bf16: what ``moed convert`` writes and an explicit weights dtype
 loads). ``packed_weight_dtype`` / ``read_packed_weight`` keep the quantised 2-D weights that go
-through layers/linear.py (attention projections, an untied lm_head, shared-expert MLPs) packed as
-a PackedLinear instead, which the loader does by default: Q8_0 -> q8 bit for bit, Q4_0/Q4_1/Q4_K
--> int4 (codes kept, scale/min rounded to bf16), Q5_K/Q6_K -> q8 (re-quantised), as the experts
-are. Routed experts (``ffn_{gate,up,down}_exps``: numpy ``[E, I, D]``, ``[E, I, D]``,
+through layers/linear.py (attention projections, the lm_head, shared-expert MLPs) and the token
+embedding (looked up a row at a time, as llama.cpp's get_rows reads it) packed as
+a PackedLinear instead, which the loader does by default, each in its stored type: Q8_0 -> q8 bit
+for bit, every other type the ggml kernels read (Q4_K, Q6_K, IQ4_XS, ...) as its own GGUF block
+rows, byte for byte; a type those do not read, or a row length that is not whole blocks of it, is
+re-quantised to q8 (and listed by ``type_changes``). Routed experts (``ffn_{gate,up,down}_exps``: numpy ``[E, I, D]``, ``[E, I, D]``,
 ``[E, D, I]``) are read a chunk of experts at a time with pread and either repacked without
 dequantising into the bank layout the stored type matches (Q8_0 -> q8, MXFP4 -> mxfp4,
 Q4_0/Q4_1/Q4_K -> int4) or dequantised to float32 k-major rows; one chunk is all that is ever
@@ -32,11 +34,11 @@ import torch
 from moed.cache.expert_dtypes import GGML_BANK
 from moed.cache.host_bank import ExpertActivation, ExpertBank
 from moed.errors import InvalidRequestError, ModelFormatError, UnsupportedModelError, quoted
-from moed.kernels.ggml_rows_format import ROW_TYPES, row_bytes
+from moed.kernels.ggml_rows_format import GGUF_ROW_TYPES as ROW_TYPES, row_bytes
 from moed.kernels.int4_format import quantize_int4
 from moed.kernels.mxfp4_format import quantize_mxfp4
 from moed.kernels.q8_format import quantize_q8
-from moed.layers.packed_linear import PackedLinear, can_pack
+from moed.layers.packed_linear import PackedLinear, can_pack, ggml_linear_dtype
 from moed.models.families import Family, family_of, parse_model_config
 from moed.models.model_config import ModelConfig
 from moed.models.weight_spec import expected_weight_shapes
@@ -62,10 +64,10 @@ _REPACKERS = {"q8": q.to_q8_bank, "mxfp4": q.to_mxfp4_bank, "int4": q.to_int4_ba
 _QUANTISERS = {"q8": quantize_q8, "mxfp4": quantize_mxfp4, "int4": quantize_int4}
 # bank tensor suffixes, in the order the repackers and quantisers return them (cache/host_bank.py)
 _PACKED_PARTS = {"q8": ("qs", "d"), "mxfp4": ("fp4", "e8m0"), "int4": ("q", "scale", "min")}
-# stored type of a 2-D weight that goes through linear() -> the PackedLinear dtype it loads as
-PACKED_LINEAR = {q.Q8_0: "q8", q.Q4_0: "int4", q.Q4_1: "int4", q.Q4_K: "int4", q.Q5_K: "q8", q.Q6_K: "q8",
-                 q.Q5_0: "q8", q.Q5_1: "q8", q.Q2_K: "q8", q.Q3_K: "q8", q.IQ4_NL: "q8", q.IQ4_XS: "q8",
-                 q.NVFP4: "q8"}
+# stored type of a 2-D weight that goes through linear() -> the PackedLinear dtype it loads as: Q8_0 as
+# q8 (the same codes and scales), the other types the ggml kernels read as their own rows, anything else
+# that gguf decodes (IQ1-IQ3, TQ) re-quantised to q8
+PACKED_LINEAR = {q.Q8_0: "q8", **{t: ggml_linear_dtype(t) for t in ROW_TYPES if ggml_linear_dtype(t)}}
 # canonical names (after "model.layers.{i}.") of the weights layers/linear.py's linear() multiplies
 # with: the router (linear_f32, F32 in GGUF files) and the [1, D] shared-expert gate are not packed
 _LINEAR_WEIGHTS = frozenset({
@@ -135,15 +137,23 @@ class GgufCheckpoint:
         return tensor.reshape(self._shapes[name]).to(dtype or self.weight_dtype(name)).contiguous()
 
     def packed_weight_dtype(self, name: str) -> str | None:
-        """"q8" or "int4" when ``name`` is a quantised weight linear() multiplies with and fits the
-        packed formats (K % 32 == 0, N even); None for anything to load as a tensor."""
+        """The PackedLinear dtype of ``name`` when it is a quantised weight linear() multiplies with: its
+        own GGUF type's rows ("q4_k", ...) or q8 (Q8_0; or re-quantised, for a type the kernels do not
+        read); None for anything to load as a tensor (floats, and shapes no packed form fits)."""
         rel = name.partition(".layers.")[2].partition(".")[2] if ".layers." in name else None
-        if name != "lm_head.weight" and rel not in _LINEAR_WEIGHTS:
+        embedding = name == "model.embed_tokens.weight"
+        if name != "lm_head.weight" and not embedding and rel not in _LINEAR_WEIGHTS or name in self._parts:
             return None
         shape = self._shapes[name]
-        if len(shape) != 2 or not can_pack(shape[1], shape[0]):
+        stored = self.file.tensor(self.weight_keys[name]).ggml_type
+        if len(shape) != 2 or stored in NATIVE_DTYPES:
             return None
-        return PACKED_LINEAR.get(self.file.tensor(self.weight_keys[name]).ggml_type)
+        kept = PACKED_LINEAR.get(stored, None if embedding else "q8")  # an embedding is never re-quantised
+        if kept is None:
+            return None
+        if can_pack(shape[1], shape[0], kept):
+            return kept
+        return "q8" if not embedding and can_pack(shape[1], shape[0]) else None
 
     def read_packed_weight(self, name: str) -> PackedLinear:
         """One weight ``packed_weight_dtype`` accepts, as a PackedLinear (rows layout), converted as the
@@ -154,10 +164,13 @@ class GgufCheckpoint:
         info = self.file.tensor(self.weight_keys[name])
         n, k = self._shapes[name]
         raw = self._raw(name)
-        if REPACKED_BANK.get(info.ggml_type) == target:  # a 2-D weight is one expert
+        if PACKED_LINEAR.get(info.ggml_type) == target and target != "q8":  # the stored rows, byte for byte
+            return PackedLinear(target, (raw.view(n, -1).contiguous(), torch.ones(1)), k, n)
+        if REPACKED_BANK.get(info.ggml_type) == target:  # Q8_0: a 2-D weight is one expert
             arrays = tuple(t[0] for t in _REPACKERS[target](raw, info.ggml_type, (1, n, k)))
             return PackedLinear.from_kn(target, arrays, k, n)
-        # Q5_K / Q6_K: dequantised and re-quantised to q8, a slice of rows at a time
+        # a type the kernels do not read, or rows that are not whole blocks of it: dequantised and
+        # re-quantised to q8, a slice of rows at a time
         w = q.dequantize(raw, info.ggml_type, (n, k))  # [N, K] float32
         del raw
         qs, d = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 32, dtype=torch.float16)
@@ -206,7 +219,7 @@ class GgufCheckpoint:
             if info.ggml_type in NATIVE_DTYPES:
                 continue
             linear = self.packed_weight_dtype(name) if packed else None
-            if linear is not None and REPACKED_BANK.get(info.ggml_type) == linear:
+            if linear is not None and PACKED_LINEAR.get(info.ggml_type) == linear:
                 continue
             how = f"re-quantised to {linear}" if linear is not None else "decoded to bf16"
             for part in self._parts.get(name, (info.name,)):

@@ -32,7 +32,7 @@ import torch
 from moed.errors import ModelFormatError, quoted
 from moed.weights.direct_io import writable_view
 from moed.weights.file_checks import require_regular_file
-from moed.kernels.gguf_quants import UnsupportedGgufType, nbytes, type_name
+from moed.kernels.gguf_quants import MOED_TYPES, UnsupportedGgufType, nbytes, type_name
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -346,6 +346,8 @@ def _tensor_infos(path: Path, reader: _HeaderReader) -> dict[str, GgufTensor]:
 def _tensor_info(path: Path, name: str, ggml_type: int, ne: list[int], offset: int, base: int) -> GgufTensor:
     shape = tuple(int(d) for d in reversed(ne))
     try:
+        if ggml_type in MOED_TYPES:  # moed's own FP8 block ids: no GGUF file holds them
+            raise UnsupportedGgufType(ggml_type)
         size = nbytes(ggml_type, shape)
     except UnsupportedGgufType:
         raise ModelFormatError(f"{path}: tensor {quoted(name)} has GGML type id {ggml_type}, which ggml does not "

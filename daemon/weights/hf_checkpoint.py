@@ -18,6 +18,9 @@ import torch
 from moed.cache.expert_dtypes import EXPERT_DTYPES, GGML_BANK
 from moed.cache.host_bank import ExpertActivation, ExpertBank
 from moed.errors import InvalidRequestError, ModelFormatError, quoted
+from moed.kernels import fp8_block_format as fb
+from moed.kernels.ggml_rows_format import row_bytes
+from moed.kernels.gguf_quants import NVFP4 as GGML_NVFP4
 from moed.kernels.rows_format import FP8_BLOCK
 from moed.layers.packed_linear import NVFP4_BLOCK, PackedLinear, can_pack
 from moed.models.families import Family, family_of, parse_model_config
@@ -50,6 +53,8 @@ def read_config_json(path: Path) -> dict:
 # the non-expert linears an FP8 load may keep as stored (names after "model.layers.{i}."): what linear()
 # multiplies; MLA's kv_b_proj stays a tensor (the absorbed decode splits it per head), as do the router,
 # the embeddings, the lm_head and the indexer's head weights (multiplied in their own dtype)
+# the ggml row type each kept expert form loads into (HfCheckpoint.ggml_bank)
+GGML_ROW_TYPE = {"nvfp4": GGML_NVFP4, "fp8": fb.FP8_B128, "mxfp8": fb.MXFP8}
 FP8_KEPT_LINEARS = frozenset({
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
     "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
@@ -74,18 +79,16 @@ class HfCheckpoint:
         self.micro: MicroScaled | None = micro_scaled_of(self.raw_config, self.path, where)  # NVFP4 / MXFP8
         self.source = SafetensorsFiles(self.path)
         self.weight_keys = _canonical_keys(self.config, self.family, self.source.keys(), self.micro)  # canonical -> HF
-        # a CPU-only load keeps the FP8 / NVFP4 linears of a model the decode chain does not take (keep_fp8_linears)
+        # a CPU-only load keeps the FP8 / NVFP4 linears as stored (keep_fp8_linears)
         self.keep_fp8 = False
 
     def keep_fp8_linears(self, keep: bool) -> None:
         """Whether ``packed_weight_dtype`` keeps quantised linears as stored instead of widening them to bf16:
         block-scaled FP8 ones with 128-wide blocks ("fp8" PackedLinear: 1 byte a weight and a scale per 128)
-        and NVFP4 ones ("nvfp4": llama.cpp NVFP4 rows, 4.5 bits a weight, and the tensor's factor). For a
-        CPU-only load of a model whose CPU decode runs layer by layer anyway: MLA (DeepSeek-V3 / V3.2, GLM-5,
-        Kimi-K2) and hybrid (Qwen3-Next, Qwen3.5/3.6-MoE) models. A device multiplies plain tensors, and a GQA
-        model's CPU decode runs the native decode chain, which reads bf16 or q8/int4 rows: both keep bf16."""
-        chain_free = self.config.attention.kind == "mla" or self.config.has_recurrent_state
-        self.keep_fp8 = bool(keep) and chain_free
+        and NVFP4 ones ("nvfp4": llama.cpp NVFP4 rows, 4.5 bits a weight, and the tensor's factor), on a
+        CPU-only load: the layer-by-layer decode of MLA and hybrid models and the native decode chain of GQA
+        models multiply them as stored. A device multiplies plain tensors: a device load keeps bf16."""
+        self.keep_fp8 = bool(keep)
 
     def packed_weight_dtype(self, name: str) -> str | None:
         """"fp8" / "nvfp4" for a non-expert linear a load keeps as stored (``keep_fp8_linears``), else None."""
@@ -174,34 +177,55 @@ class HfCheckpoint:
     def _data_key(self, key: str) -> str:
         return self.micro.data_key(key) if self.micro is not None else key
 
-    def prefers_ggml(self) -> bool:
-        """Whether the ggml bank keeps the routed experts as stored: NVFP4 experts whose rows fill whole
-        llama.cpp NVFP4 blocks (kernels/nvfp4_format.py); every other bank re-quantises them."""
-        micro = self._micro_experts()
+    def _ggml_kind(self) -> str | None:
+        """The routed experts' stored form the ggml bank keeps as stored, or None: "nvfp4" (llama.cpp NVFP4 rows:
+        whole 64-weight blocks), "fp8" (block-scaled FP8 with 128-wide blocks: moed's FP8_B128 rows) or
+        "mxfp8" (MXFP8 rows); every other bank converts them."""
         d, inter = self.config.hidden_size, self.config.moe.intermediate_size
-        return micro is not None and micro.kind == "nvfp4" and keeps_ggml_rows(d) and keeps_ggml_rows(inter)
+        micro = self._micro_experts()
+        if micro is not None:
+            if micro.kind == "nvfp4" and keeps_ggml_rows(d) and keeps_ggml_rows(inter):
+                return "nvfp4"
+            return "mxfp8" if micro.kind == "mxfp8" and d % 32 == 0 and inter % 32 == 0 else None
+        key = self._first_expert_key()
+        if self.fp8 is not None and self.fp8.block[1] == FP8_BLOCK and d % FP8_BLOCK == 0 and inter % FP8_BLOCK == 0 \
+                and key is not None and key in self.source and self.source.dtype(key) == torch.float8_e4m3fn:
+            return "fp8"
+        return None
+
+    def prefers_ggml(self) -> bool:
+        """Whether the ggml bank keeps the routed experts as stored (``_ggml_kind``): NVFP4, block-scaled FP8 and
+        MXFP8 experts at 4.5 / 8.25 / 8.25 bits a weight, where every other bank would change them (NVFP4 -> int4)
+        or widen them to bf16 (FP8 and MXFP8: twice the memory)."""
+        return self._ggml_kind() is not None
 
     def ggml_bank_nbytes(self) -> int | None:
-        """Bytes of the ggml bank (NVFP4 rows and a float32 factor per expert matrix), None without one."""
-        if not self.prefers_ggml():
+        """Bytes of the ggml bank (the rows, and for NVFP4 a float32 factor per expert matrix), None without one."""
+        kind = self._ggml_kind()
+        if kind is None:
             return None
         d, inter = self.config.hidden_size, self.config.moe.intermediate_size
-        per_expert = 3 * d * inter // 64 * 36 + 3 * 4
+        if kind == "nvfp4":
+            per_expert = 3 * d * inter // 64 * 36 + 3 * 4
+        else:
+            weights, size = fb.BLOCK_SIZES[GGML_ROW_TYPE[kind]]
+            per_expert = 3 * d * inter // weights * size
         return self.num_bank_rows * per_expert
 
     def ggml_bank(self, activation: ExpertActivation) -> ExpertBank:
-        """NVFP4 routed experts kept block for block: each expert matrix's codes and E4M3 scales moved
-        into llama.cpp NVFP4 rows (no value changes), its per-tensor factor kept beside them
-        (``{kind}.{layer}.scale``, applied to the outputs by the kernels)."""
-        if not self.prefers_ggml():
+        """The routed experts kept block for block (``_ggml_kind``): each expert matrix's codes and scales moved
+        into rows of one ggml type, no value changed: NVFP4 into llama.cpp NVFP4 rows with its per-tensor factor
+        beside them (``{kind}.{layer}.scale``, applied to the outputs by the kernels); block-scaled FP8 into
+        FP8_B128 rows (each row's 128-wide blocks with their float32 scale); MXFP8 into MXFP8 rows."""
+        kind = self._ggml_kind()
+        if kind is None:
             raise InvalidRequestError(
-                f"--experts-dtype {GGML_BANK} keeps a GGUF file's own block types or an NVFP4 checkpoint's blocks; "
-                f"{self.path} is a Hugging Face directory without NVFP4 experts in whole 64-weight blocks: choose one "
-                f"of {', '.join(EXPERT_DTYPES)}")
-        from moed.kernels.gguf_quants import NVFP4 as GGML_NVFP4
-
+                f"--experts-dtype {GGML_BANK} keeps a GGUF file's own block types, or an NVFP4, FP8 or MXFP8 "
+                f"checkpoint's blocks; {self.path} is a Hugging Face directory without such experts in whole blocks: "
+                f"choose one of {', '.join(EXPERT_DTYPES)}")
         config, names, moe = self.config, self.family.names, self.config.moe
         d, inter, num_experts = config.hidden_size, moe.intermediate_size, moe.num_experts
+        ggml_type = GGML_ROW_TYPE[kind]
         tensors: dict[str, torch.Tensor] = {}
         types: dict[str, int] = {}
         for layer in range(config.num_layers):
@@ -209,19 +233,41 @@ class HfCheckpoint:
                 continue
             ml = config.moe_layer_index(layer)
             prefix = names.moe_prefix.format(i=layer) + "."
-            for kind, pattern, rows, k in (("gate", names.expert_gate, inter, d), ("up", names.expert_up, inter, d),
+            for part, pattern, rows, k in (("gate", names.expert_gate, inter, d), ("up", names.expert_up, inter, d),
                                            ("down", names.expert_down, d, inter)):
-                bank = torch.empty(num_experts, rows, k // 64 * 36, dtype=torch.uint8)
+                bank = torch.empty(num_experts, rows, row_bytes(ggml_type, k), dtype=torch.uint8)
                 keys = [self._data_key(prefix + pattern.format(e=e)) for e in range(num_experts)]
                 for key in keys:
-                    if not self._quantised(key) or self._shape(key) != (rows, k):
-                        raise ModelFormatError(f"{self.path}: expert tensor {quoted(key)} is not an NVFP4 weight of "
-                                               f"shape [{rows}, {k}] like the layer's others")
-                tensors[f"{kind}.{ml}.scale"] = self.micro.ggml_rows(self.source, keys, bank)
-                tensors[f"{kind}.{ml}"], types[f"{kind}.{ml}"] = bank, GGML_NVFP4
+                    if self._shape(key) != (rows, k) or (kind != "fp8" and not self._quantised(key)) \
+                            or (kind == "fp8" and self.source.dtype(key) != torch.float8_e4m3fn):
+                        raise ModelFormatError(f"{self.path}: expert tensor {quoted(key)} is not a {kind.upper()} "
+                                               f"weight of shape [{rows}, {k}] like the layer's others")
+                if kind == "nvfp4":
+                    tensors[f"{part}.{ml}.scale"] = self.micro.ggml_rows(self.source, keys, bank)
+                else:
+                    for e, key in enumerate(keys):
+                        self._fp8_rows(kind, key, bank[e])
+                tensors[f"{part}.{ml}"], types[f"{part}.{ml}"] = bank, ggml_type
         return ExpertBank(num_moe_layers=config.num_moe_layers, num_experts=num_experts, hidden_size=d,
                           intermediate_size=inter, dtype=GGML_BANK, activation=activation, tensors=tensors,
                           row_types=types)
+
+    def _fp8_rows(self, kind: str, key: str, out: torch.Tensor) -> None:
+        """One FP8 (block-scaled) or MXFP8 expert matrix moved into FP8_B128 / MXFP8 rows ``out``."""
+        if kind == "mxfp8":
+            self.micro.mxfp8_rows(self.source, key, out)
+            return
+        scale_key = key + SCALE_SUFFIX
+        if scale_key not in self.source:
+            raise ModelFormatError(f"{self.source.entries[key].file}: tensor {quoted(key)} is FP8 but "
+                                   f"{quoted(scale_key)} is missing; block-scaled FP8 needs both (is the checkpoint "
+                                   "complete?)")
+        n, k = self.source.shape(key)
+        try:
+            fb.fp8_b128_rows(self.source.get(key, None), self.source.get(scale_key, torch.float32), out,
+                             row_block=self.fp8.block[0])
+        except ValueError as exc:
+            raise ModelFormatError(f"{self.source.entries[key].file}: {quoted(scale_key)}: {exc}") from None
 
     def type_changes(self, bank_dtype: str, packed: bool = True) -> list[str]:
         """What a load in ``bank_dtype`` changes in an NVFP4 / MXFP8 checkpoint, one line per kind of change
@@ -231,7 +277,7 @@ class HfCheckpoint:
             return []
         lines = []
         experts = self._micro_experts()
-        lossless = {"nvfp4": (GGML_BANK, "fp32"), "mxfp8": ("bf16", "fp32")}
+        lossless = {"nvfp4": (GGML_BANK, "fp32"), "mxfp8": (GGML_BANK, "bf16", "fp32")}
         if experts is not None and bank_dtype not in lossless[micro.kind]:
             lines.append(f"the routed experts stored as {micro.label} are converted into the {bank_dtype} expert "
                          f"bank, which changes their values" + (": moed keeps NVFP4 experts as stored on the CPU (ggml bank) only"

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from moed.errors import ModelFormatError, UnsupportedModelError, quoted
+from moed.kernels.fp8_block_format import mxfp8_rows
 from moed.kernels.nvfp4_format import (GGML_NVFP4_BLOCK, MXFP8_GROUP, NVFP4_GROUP, dequantize_mxfp8,
                                        dequantize_nvfp4, to_ggml_nvfp4)
 from moed.weights.safetensors_files import SafetensorsFiles
@@ -106,6 +107,12 @@ class MicroScaled:
         except ValueError as exc:
             raise ModelFormatError(f"{source.path}: {quoted(keys[0].rsplit('.', 3)[0])}: {exc}") from None
         return factors
+
+    def mxfp8_rows(self, source: SafetensorsFiles, key: str, out: torch.Tensor) -> None:
+        """One MXFP8 weight moved into moed's MXFP8 rows ``out`` ``uint8 [N, K/32 * 33]`` (kernels/fp8_block_format.py),
+        the same values without loss."""
+        codes, scales = self._checked(source, key, key)
+        mxfp8_rows(codes, scales, out)
 
     def _checked(self, source: SafetensorsFiles, key: str, base: str) -> tuple[torch.Tensor, torch.Tensor]:
         where = f"{source.entries[key].file}: {quoted(key)}"

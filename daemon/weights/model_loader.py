@@ -62,7 +62,7 @@ def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bo
 
 def _bank_dtype(checkpoint, kind: str, experts_dtype: str | None, cpu_only: bool) -> str:
     """The bank a Hugging Face or GGUF load builds: the one asked for, else on a CPU-only machine a GGUF
-    file's (or an NVFP4 checkpoint's) experts as stored where another bank would re-quantise them,
+    file's (or an NVFP4, FP8 or MXFP8 checkpoint's) experts as stored where another bank would change or widen them,
     else the checkpoint's default."""
     if experts_dtype is None and kind != "ftw" and cpu_only and checkpoint.prefers_ggml():
         return GGML_BANK

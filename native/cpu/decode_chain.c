@@ -18,8 +18,11 @@
 #include "moed_api.h"
 
 typedef struct {
-    int32_t dtype;       /* MOED_BF16: m.w is bf16 [N][K] (torch's Linear weight); MOED_Q8 / MOED_INT4: the
-                          * rows layout of rows_quant.c (m.w, m.s, m.m) */
+    int32_t dtype;       /* MOED_BF16: m.w is bf16 [N][K] (torch's Linear weight); MOED_Q8 / MOED_INT4 /
+                          * MOED_ROWS_FP8: the rows layouts of rows_quant.c / rows_fp8.c (m.w, m.s, m.m);
+                          * MOED_ROWS_GGML: m.w the GGUF block rows [N][row bytes] of ggml_type, m.s a
+                          * float32 factor every output takes (or NULL) */
+    int32_t ggml_type;   /* MOED_ROWS_GGML: a MOED_GGML_* id */
     moed_matrix m;       /* K in, N out */
     const float *bias;   /* [N] or NULL */
 } moed_linear;
@@ -105,6 +108,22 @@ static int linears(void *h, const moed_linear *const *w, int n, const float *x, 
             int64_t N[3];
             for (int i = 0; i < count; i++) { W[i] = (const uint16_t *)w[i0 + i]->m.w; N[i] = w[i0 + i]->m.N; }
             rc = moed_cpu_dense_bf16_many(h, count, W, N, w[i0]->m.K, x, B, y + i0);
+        } else if (w[i0]->dtype == MOED_ROWS_GGML) {  /* types may differ: x is quantised once for all */
+            moed_ggml_matrix G[3];
+            const moed_ggml_matrix *GP[3];
+            for (int i = 0; i < count; i++) {
+                const moed_linear *l = w[i0 + i];
+                const int64_t blocks = l->m.K / moed_ggml_block_weights(l->ggml_type);
+                G[i] = (moed_ggml_matrix){(const uint8_t *)l->m.w, l->ggml_type, l->m.N, l->m.K,
+                                          blocks * moed_ggml_block_bytes(l->ggml_type)};
+                GP[i] = &G[i];
+            }
+            rc = moed_cpu_ggml_rows(h, count, GP, x, B, w[i0]->m.K, y + i0);
+            for (int i = 0; !rc && i < count; i++) {
+                const float *f = (const float *)w[i0 + i]->m.s;
+                if (f && *f != 1.0f)
+                    for (int64_t c = 0; c < (int64_t)B * w[i0 + i]->m.N; c++) y[i0 + i][c] *= *f;
+            }
         } else {
             const moed_matrix *M[3];
             for (int i = 0; i < count; i++) M[i] = &w[i0 + i]->m;
@@ -142,6 +161,11 @@ static int dense_mlp(void *h, const moed_chain_layer *L, const float *x, int B, 
 
 static int check_linear(const moed_linear *w, int64_t K) {
     if (!w->m.w || w->m.K != K || w->m.N < 1) return -1;
+    if (w->dtype == MOED_ROWS_GGML) {
+        const int bw = moed_ggml_block_weights(w->ggml_type);
+        return bw && K % bw == 0 ? 0 : -1;
+    }
+    if (w->dtype == MOED_ROWS_FP8) return K % MOED_FP8_BLOCK == 0 && w->m.s ? 0 : -1;
     if (w->dtype != MOED_BF16 && w->dtype != MOED_Q8 && w->dtype != MOED_INT4) return -1;
     return 0;
 }

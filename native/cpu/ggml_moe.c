@@ -28,11 +28,13 @@ typedef struct {
 typedef struct {
     const moed_ggml_layer *L;
     moed_ggml_dot_fn dg, du, dd;
+    moed_ggml_fdot_fn fg, fu, fd;  /* the FP8 types' float-activation dots (xf, h), else NULL */
     const run_expert *ex;
     int nex;
     int64_t D, I, rows1, rows3;   /* rows per task in phases 1 and 3 */
     int64_t t1, t3;               /* tasks per expert in phases 1 (gate and up) and 3 */
     const int8_t *xq; const float *xs, *xsum;   /* gathered [Tall][D] */
+    const float *xf;              /* gathered float rows [Tall][D] (when gate or up is an FP8 type) */
     float *g, *u;                 /* [Tall][I] */
     float *h; int8_t *hq; float *hs, *hsum;     /* [Tall][I] */
     float *o;                     /* [Tall][D] */
@@ -51,7 +53,12 @@ static void phase1(void *ctx, int64_t task, int thread) {
     const uint8_t *w = expert_rows(m, e->expert);
     float *out = (up ? j->u : j->g) + e->first * j->I;
     moed_ggml_dot_fn dot = up ? j->du : j->dg;
+    moed_ggml_fdot_fn fdot = up ? j->fu : j->fg;
     const int64_t G = j->D / 32;
+    if (fdot) {
+        for (int64_t r = r0; r < r1; r++) fdot(w + r * m->row_bytes, j->D, j->xf + e->first * j->D, e->T, out + r, j->I);
+        return;
+    }
     for (int64_t r = r0; r < r1; r++)
         dot(w + r * m->row_bytes, j->D, j->xq + e->first * j->D, j->xs + e->first * G, j->xsum + e->first * G, e->T,
             out + r, j->I);
@@ -85,6 +92,11 @@ static void phase3(void *ctx, int64_t task, int thread) {
     int64_t r0 = (task % j->t3) * j->rows3, r1 = r0 + j->rows3 < j->D ? r0 + j->rows3 : j->D;
     const uint8_t *w = expert_rows(m, e->expert);
     const int64_t G = j->I / 32;
+    if (j->fd) {
+        for (int64_t r = r0; r < r1; r++)
+            j->fd(w + r * m->row_bytes, j->I, j->h + e->first * j->I, e->T, j->o + e->first * j->D + r, j->D);
+        return;
+    }
     for (int64_t r = r0; r < r1; r++)
         j->dd(w + r * m->row_bytes, j->I, j->hq + e->first * j->I, j->hs + e->first * G, j->hsum + e->first * G, e->T,
               j->o + e->first * j->D + r, j->D);
@@ -117,8 +129,10 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
     const int64_t D = L->gate.K, I = L->gate.rows;
     if (D % 32 || I % 32 || !valid(&L->gate, I, D) || !valid(&L->up, I, D) || !valid(&L->down, D, I)) return -1;
     const int isa = moed_cpu_isa();
-    job j = {L, moed_ggml_dot(L->gate.type, isa), moed_ggml_dot(L->up.type, isa), moed_ggml_dot(L->down.type, isa)};
-    if (!j.dg || !j.du || !j.dd) return -1;
+    job j = {L, moed_ggml_dot(L->gate.type, isa), moed_ggml_dot(L->up.type, isa), moed_ggml_dot(L->down.type, isa),
+             moed_ggml_fdot(L->gate.type, isa), moed_ggml_fdot(L->up.type, isa), moed_ggml_fdot(L->down.type, isa)};
+    if ((!j.dg && !j.fg) || (!j.du && !j.fu) || (!j.dd && !j.fd)) return -1;
+    const int float_x = j.fg || j.fu;
     for (int64_t s = 0; s < (int64_t)N * A; s++)
         if (ids[s] < -1 || ids[s] >= L->E) return -1;
     /* the run experts in ascending id, each with its tokens */
@@ -139,7 +153,8 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
                    + (size_t)total * (size_t)D + 2 * sizeof(float) * (size_t)total * (size_t)GD  /* xq, xs, xsum */
                    + 3 * sizeof(float) * (size_t)total * (size_t)I                          /* g, u, h */
                    + (size_t)total * (size_t)I + 2 * sizeof(float) * (size_t)total * (size_t)GI  /* hq, hs, hsum */
-                   + sizeof(float) * (size_t)total * (size_t)D + 16 * 64;                  /* o, alignment */
+                   + sizeof(float) * (size_t)total * (size_t)D * (size_t)(1 + float_x)      /* o, xf */
+                   + 16 * 64;                                                               /* alignment */
     char *p = (char *)moed_pool_scratch((moed_pool *)h, bytes);
     if (!p) { free(count); return -2; }
     run_expert *ex = (run_expert *)take(&p, sizeof(run_expert) * (size_t)nex);
@@ -154,6 +169,7 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
     float *o = (float *)take(&p, sizeof(float) * (size_t)(total * D));
     int8_t *xq = (int8_t *)take(&p, (size_t)(total * D));
     int8_t *hq = (int8_t *)take(&p, (size_t)(total * I));
+    float *xf = float_x ? (float *)take(&p, sizeof(float) * (size_t)(total * D)) : NULL;
     /* gather: rows in expert order, tokens ascending within an expert */
     int64_t *next = count;  /* reused: the next row of each expert */
     int64_t first = 0;
@@ -174,6 +190,7 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
         int64_t row = next[ids[s]]++;
         slot_of[row] = s;
         moed_quantize_act_span(x + (s / A) * D, 1, D, x_span, xq + row * D, xs + row * GD, xsum + row * GD);
+        if (xf) memcpy(xf + row * D, x + (s / A) * D, sizeof(float) * (size_t)D);
     }
     free(count);
     j.ex = ex;
@@ -184,7 +201,7 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
     j.rows3 = rows_per_task(D, L->down.row_bytes);
     j.t1 = 2 * ((I + j.rows1 - 1) / j.rows1);
     j.t3 = (D + j.rows3 - 1) / j.rows3;
-    j.xq = xq; j.xs = xs; j.xsum = xsum;
+    j.xq = xq; j.xs = xs; j.xsum = xsum; j.xf = xf;
     j.g = g; j.u = u; j.h = hh; j.hq = hq; j.hs = hs; j.hsum = hsum; j.o = o;
     moed_pool *pool = (moed_pool *)h;
     moed_pool_run(pool, phase1, &j, (int64_t)nex * j.t1);

@@ -42,6 +42,10 @@ int moed_ggml_block_weights(int type) {
         return 256;
     case MOED_GGML_NVFP4:
         return 64;
+    case MOED_GGML_FP8_B128:
+        return 128;
+    case MOED_GGML_MXFP8:
+        return 32;
     default:
         return 0;
     }
@@ -68,6 +72,8 @@ int moed_ggml_block_bytes(int type) {
     case MOED_GGML_Q5_K: return 176;
     case MOED_GGML_Q6_K: return 210;
     case MOED_GGML_IQ4_XS: return 136;
+    case MOED_GGML_FP8_B128: return 132;
+    case MOED_GGML_MXFP8: return 33;
     default: return 0;
     }
 }
@@ -292,6 +298,8 @@ static int check_matrix(const moed_ggml_matrix *m, int64_t K) {
 typedef struct {
     const moed_ggml_matrix *const *m;
     moed_ggml_dot_fn const *dot;
+    moed_ggml_fdot_fn const *fdot;  /* the FP8 types' (float activations x), else NULL */
+    const float *x;
     int count;
     int64_t chunk;          /* rows per task */
     const int64_t *first;   /* first task of each matrix (count + 1 entries) */
@@ -308,8 +316,11 @@ static void rows_task(void *ctx, int64_t task, int thread) {
     while (task >= j->first[i + 1]) i++;
     const moed_ggml_matrix *m = j->m[i];
     int64_t r0 = (task - j->first[i]) * j->chunk, r1 = r0 + j->chunk < m->rows ? r0 + j->chunk : m->rows;
-    for (int64_t r = r0; r < r1; r++)
-        j->dot[i](m->w + r * m->row_bytes, m->K, j->xq, j->xs, j->xsum, j->T, j->y[i] + r, m->rows);
+    if (j->fdot[i])
+        for (int64_t r = r0; r < r1; r++) j->fdot[i](m->w + r * m->row_bytes, m->K, j->x, j->T, j->y[i] + r, m->rows);
+    else
+        for (int64_t r = r0; r < r1; r++)
+            j->dot[i](m->w + r * m->row_bytes, m->K, j->xq, j->xs, j->xsum, j->T, j->y[i] + r, m->rows);
 }
 
 /* y[i][t][r] = row r of matrix i . x[t], for `count` matrices of the same K (gate and up of one
@@ -318,6 +329,7 @@ int moed_cpu_ggml_rows(void *h, int count, const moed_ggml_matrix *const *m, con
                        float *const *y) {
     if (!h || count < 1 || count > 64 || T < 1 || K < 32 || K % 32 || !x) return -1;
     moed_ggml_dot_fn dot[64];
+    moed_ggml_fdot_fn fdot[64];
     int64_t first[65];
     /* one contiguous stretch of rows per thread and matrix: the hardware prefetcher streams it (tasks
      * of a few rows each measured ~2.5x slower from memory: every stretch restarts the stream) */
@@ -330,7 +342,8 @@ int moed_cpu_ggml_rows(void *h, int count, const moed_ggml_matrix *const *m, con
     for (int i = 0; i < count; i++) {
         if (!check_matrix(m[i], K) || !y[i]) return -1;
         dot[i] = moed_ggml_dot(m[i]->type, moed_cpu_isa());
-        if (!dot[i]) return -1;
+        fdot[i] = moed_ggml_fdot(m[i]->type, moed_cpu_isa());
+        if (!dot[i] && !fdot[i]) return -1;
         first[i + 1] = first[i] + (m[i]->rows + chunk - 1) / chunk;
     }
     int span = 32;
@@ -342,7 +355,7 @@ int moed_cpu_ggml_rows(void *h, int count, const moed_ggml_matrix *const *m, con
     int8_t *xq = (int8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *xs = (float *)(xq + (size_t)T * (size_t)K), *xsum = xs + groups;
     moed_quantize_act_span(x, T, K, span, xq, xs, xsum);
-    rows_job j = {m, dot, count, chunk, first, xq, xs, xsum, T, y};
+    rows_job j = {m, dot, fdot, x, count, chunk, first, xq, xs, xsum, T, y};
     moed_pool_run(pool, rows_task, &j, first[count]);
     return 0;
 }
@@ -385,6 +398,15 @@ static void bf16_task(void *ctx, int64_t task, int thread) {
         const uint8_t *row = m->w + r * m->row_bytes;
         uint16_t *o = j->out + r * m->K;
         if (simd && moed_ggml_row_to_bf16_avx2(m->type, row, m->K, o)) continue;
+        if (m->type == MOED_GGML_FP8_B128 || m->type == MOED_GGML_MXFP8) {  /* float values, not integer codes */
+            float f[256];
+            for (int64_t k0 = 0; k0 < m->K; k0 += 256) {
+                const int64_t n = m->K - k0 < 256 ? m->K - k0 : 256;
+                moed_ggml_fp8_row_to_f32(m->type, row + k0 / bw * bb, n, f);
+                for (int64_t l = 0; l < n; l++) o[k0 + l] = to_bf16(f[l]);
+            }
+            continue;
+        }
         for (int64_t g = 0; g < m->K / 32; g++) {
             int8_t c[32];
             float sc[2], mn[2];

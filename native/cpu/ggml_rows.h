@@ -39,6 +39,8 @@ enum {
     MOED_GGML_IQ4_NL = 20, MOED_GGML_IQ4_XS = 23, MOED_GGML_MXFP4 = 39, MOED_GGML_NVFP4 = 40,
     MOED_GGML_NUM_TYPES = 41
 };
+/* moed's own block types for FP8 checkpoints' experts (ggml_rows_fp8.c; ids no GGUF file uses) */
+enum { MOED_GGML_FP8_B128 = 1001, MOED_GGML_MXFP8 = 1002 };
 
 typedef struct {
     const uint8_t *w;     /* row 0's first block */
@@ -65,11 +67,28 @@ typedef struct {
 int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, int A, const int32_t *ids,
                       const float *weights, float *per_slot, float *y);
 
+/* y[i][t][r] = row r of matrix i . x[t] for `count` (<= 64) matrices of the same K (types may differ), on
+ * the pool; x is quantised to int8 once. 0, -1 bad arguments, -2 no memory (ggml_rows.c). */
+int moed_cpu_ggml_rows(void *h, int count, const moed_ggml_matrix *const *m, const float *x, int T, int64_t K,
+                       float *const *y);
+
 /* one row dotted with T tokens' int8 activations: y[t * ldy] for t < T */
 typedef void (*moed_ggml_dot_fn)(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
                                  const float *xsum, int T, float *y, int64_t ldy);
 
-/* the dot function of (type, isa), or NULL for a type these kernels do not read */
+/* one row dotted with T tokens' float activations x [T][K]: y[t * ldy] (moed's FP8 types, whose codes are not
+ * integers: they read the float activations, not the int8 ones) */
+typedef void (*moed_ggml_fdot_fn)(const uint8_t *row, int64_t K, const float *x, int T, float *y, int64_t ldy);
+
+/* ggml_rows_fp8.c: the FP8 types' (weights, bytes, header bytes) per block (1, or 0 for another type),
+ * their float-activation dot (NULL for every other type: those have a moed_ggml_dot), and one row decoded to
+ * float32 (1, or 0 for another type) */
+int moed_ggml_fp8_block(int type, int *weights, int *bytes, int *head);
+moed_ggml_fdot_fn moed_ggml_fdot(int type, int isa);
+int moed_ggml_fp8_row_to_f32(int type, const uint8_t *row, int64_t K, float *out);
+
+/* the int8-activation dot of (type, isa), or NULL for a type these kernels do not read (and for the FP8 types,
+ * which have a moed_ggml_fdot instead) */
 moed_ggml_dot_fn moed_ggml_dot(int type, int isa);
 /* the values per activation scale a type's kernels need (32 or 256; see above) */
 int moed_ggml_act_span(int type);

@@ -48,6 +48,8 @@ enum { MOED_ISA_SCALAR = 0, MOED_ISA_AVX2 = 1, MOED_ISA_AVX512 = 2, MOED_ISA_AVX
 enum { MOED_FP32 = 0, MOED_BF16 = 1, MOED_INT4 = 2, MOED_Q8 = 3, MOED_MXFP4 = 4, MOED_NUM_DTYPES = 5 };
 /* row-major matrices only (moed_cpu_rows_many / _rows_to_bf16): block-scaled FP8 linears (rows_fp8.c) */
 enum { MOED_ROWS_FP8 = 16, MOED_FP8_BLOCK = 128 };
+/* a decode-chain linear kept as GGUF block rows (decode_chain.c: moed_cpu_ggml_rows, ggml_rows.h) */
+enum { MOED_ROWS_GGML = 17 };
 
 typedef struct {
     const void *w;   /* main array of this one matrix (already offset to the expert) */

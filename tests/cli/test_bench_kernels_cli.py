@@ -25,12 +25,13 @@ def test_the_ggml_types_are_benchmarked_where_their_blocks_fit() -> None:
     from moed.experts.kernel_bench import bench_kernels, ggml_bench_dtypes, ggml_shape_ok
 
     kept = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-            "MXFP4", "NVFP4"}
+            "MXFP4", "NVFP4", "FP8_B128", "MXFP8"}  # the last two: moed's FP8 types (FP8 / MXFP8 checkpoints)
     assert set(ggml_bench_dtypes()) == {"ggml:" + name for name in kept}
     assert ggml_shape_ok("ggml:Q4_K", 512, 256) and not ggml_shape_ok("ggml:Q4_K", 576, 1536)
-    rows = bench_kernels([(256, 256), (96, 64)], ["ggml:Q6_K", "ggml:Q8_0"], bank_bytes=4 * 2**20,
-                         read_bytes=2**20, trials=1)
-    assert [(r["dtype"], r["hidden"]) for r in rows] == [("ggml:Q6_K", 256), ("ggml:Q8_0", 256), ("ggml:Q8_0", 96)]
+    rows = bench_kernels([(256, 256), (96, 64)], ["ggml:Q6_K", "ggml:Q8_0", "ggml:FP8_B128", "ggml:MXFP8"],
+                         bank_bytes=4 * 2**20, read_bytes=2**20, trials=1)
+    assert [(r["dtype"], r["hidden"]) for r in rows] == [("ggml:Q6_K", 256), ("ggml:Q8_0", 256), ("ggml:Q8_0", 96),
+                                                         ("ggml:FP8_B128", 256), ("ggml:MXFP8", 256), ("ggml:MXFP8", 96)]
     assert all(r["weight_gbps"] > 0 and r["bytes_per_expert"] > 0 for r in rows)
 
 

@@ -11,12 +11,12 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from helpers.gguf_writer import random_blocks
-from moed.kernels.ggml_rows_format import ROW_TYPES, act_span, dequantize_rows, row_bytes, rows_product_reference
+from moed.kernels.ggml_rows_format import GGUF_ROW_TYPES, ROW_TYPES, act_span, dequantize_rows, row_bytes, rows_product_reference
 from moed.kernels.native_cpu import native
 from moed.kernels.native_cpu_reference import quantize_activations
 from moed.kernels import gguf_quants as q
 
-TYPES = [T(t) for t in ROW_TYPES]
+TYPES = [T(t) for t in GGUF_ROW_TYPES]  # moed's own FP8 types: tests/kernels/test_fp8_block_rows.py
 
 
 def _rows(qtype: T, rows: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -35,8 +35,9 @@ def _lib():
 
 
 def test_the_kept_types_and_their_row_sizes():
-    assert {q.type_name(t) for t in ROW_TYPES} == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
-                                                  "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4"}
+    assert {q.type_name(t) for t in GGUF_ROW_TYPES} == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+                                                       "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4"}
+    assert set(ROW_TYPES) - set(GGUF_ROW_TYPES) == set(q.MOED_TYPES)
     for t in TYPES:
         weights, size = GGML_QUANT_SIZES[t]
         assert row_bytes(int(t), 3 * weights) == 3 * size

@@ -22,6 +22,7 @@ from moed.kernels.q8_format import quantize_q8
 from moed.layers import packed_linear as pl
 from moed.layers.linear import linear, linear_f32
 from moed.layers.packed_linear import PackedLinear, packed_nbytes, weight_nbytes
+from moed.models.decode_chain import DecodeChain
 from moed.runner.forward_batch import ForwardBatch
 from moed.weights.gguf_checkpoint import GgufCheckpoint
 from moed.weights.model_loader import estimate_load
@@ -140,7 +141,8 @@ def test_a_q8_0_gguf_loads_attention_and_lm_head_packed_bit_for_bit(q8_gguf):
         weights = runtime.loaded.weights
         packed = {name for name, t in weights.items() if isinstance(t, PackedLinear)}
         layers = gg.config.num_layers
-        want = {f"model.layers.{i}.self_attn.{p}.weight" for i in range(layers) for p in ATTENTION} | {"lm_head.weight"}
+        want = {f"model.layers.{i}.self_attn.{p}.weight" for i in range(layers) for p in ATTENTION}
+        want |= {"lm_head.weight", "model.embed_tokens.weight"}  # the embedding too, looked up a row at a time
         if gg.config.moe.shared_intermediate_size:  # qwen2_moe's shared expert (its [1, D] gate is not packed)
             want |= {f"model.layers.{i}.mlp.shared.{p}_proj.weight" for i in range(layers) for p in ("gate", "up", "down")}
             assert isinstance(weights["model.layers.0.mlp.shared_gate.weight"], torch.Tensor)
@@ -149,9 +151,10 @@ def test_a_q8_0_gguf_loads_attention_and_lm_head_packed_bit_for_bit(q8_gguf):
             t = weights[name]
             assert t.dtype == "q8" and tuple(t.shape) == gg.weight_shapes()[name]
             assert torch.equal(t.dequantize(torch.float32), ref[gg.weight_keys[name]].reshape(t.shape)), name
-        # embeddings, norms and the (F32) routers load as tensors, as before
-        assert isinstance(weights["model.embed_tokens.weight"], torch.Tensor)
-        assert weights["model.embed_tokens.weight"].dtype == torch.bfloat16
+        # a looked-up row is the file's row, decoded exactly; norms and the (F32) routers load as tensors
+        embed, ids = weights["model.embed_tokens.weight"], torch.tensor([[3, 0], [7, 3]])
+        want_rows = ref[gg.weight_keys["model.embed_tokens.weight"]].reshape(embed.shape)[ids]
+        assert torch.equal(embed.take_rows(ids), want_rows)
         assert weights["model.layers.0.mlp.router.weight"].dtype == torch.float32
         # the packed arrays are the file's Q8_0 blocks, row by row as in the file: d and qs exactly
         name = "model.layers.0.self_attn.q_proj.weight"
@@ -230,30 +233,53 @@ def test_the_estimate_counts_the_packed_bytes_the_load_allocates(q8_gguf, weight
         runtime.close()
 
 
-@pytest.mark.parametrize("weight_type, dtype", [(T.Q4_0, "int4"), (T.Q4_1, "int4"), (T.Q4_K, "int4"),
-                                                (T.Q5_K, "q8"), (T.Q6_K, "q8")], ids=lambda v: getattr(v, "name", v))
-def test_other_quantised_types_pack_as_the_experts_do(tmp_path, weight_type, dtype):
+KEPT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4,
+              T.NVFP4]
+
+
+@pytest.mark.parametrize("weight_type", KEPT_TYPES, ids=lambda v: v.name)
+def test_quantised_linears_keep_their_gguf_type_block_for_block(tmp_path, weight_type):
+    """Every GGUF type the ggml kernels read loads as its own rows, byte for byte (the values gguf decodes,
+    exactly), runs through the decode chain, and the estimate counts its bytes."""
     path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path, expert_type=T.Q8_0, weight_type=weight_type,
                                  hidden_size=256, head_dim=64)
     gg = GgufCheckpoint(path)
     ref = _reference(path)
     name = "model.layers.0.self_attn.o_proj.weight"
-    assert gg.packed_weight_dtype(name) == dtype
+    assert gg.packed_weight_dtype(name) == weight_type.name.lower()
     t = gg.read_packed_weight(name)
+    assert t.dtype == weight_type.name.lower() and t.ggml_type == int(weight_type)
     src = ref[gg.weight_keys[name]].reshape(t.shape)
-    got = t.dequantize(torch.float32)
-    if dtype == "int4":  # codes kept; scale and min rounded to bf16: <= 2^-8 (15 |scale| + |min|) per weight
-        step = src.abs().max()
-        assert float((got - src).abs().max()) <= 2 ** -8 * 16 * float(step)
-    else:  # re-quantised to q8: at most half a q8 step (max |w| of the group / 127 / 2, fp16-rounded up)
-        amax = src.view(src.shape[0], -1, 32).abs().amax(dim=-1, keepdim=True)
-        assert bool(((got - src).abs().view_as(amax.expand(-1, -1, 32)) <= amax / 127 * 0.5 * 1.001 + 1e-12).all())
+    assert torch.equal(t.dequantize(torch.float32), src.float())
+    changes = [line for line in gg.type_changes() if "token_embd" not in line]  # the embedding: bf16 rows
+    assert not changes, changes  # no linear re-quantised: no warning
     runtime = open_runtime(path)
     try:
-        assert isinstance(runtime.loaded.weights[name], PackedLinear)
+        weights = runtime.loaded.weights
+        assert isinstance(weights[name], PackedLinear) and weights[name].dtype == weight_type.name.lower()
+        if native() is not None:  # the native decode chain takes GGUF rows
+            assert isinstance(runtime.model.decode_chain(), DecodeChain), runtime.model.decode_chain()
         assert est_equals_load(path, runtime)
     finally:
         runtime.close()
+
+
+def test_a_type_the_kernels_do_not_read_is_requantised_to_q8_and_said(tmp_path):
+    """IQ2_XS has no moed kernel: its linears are decoded (gguf's reference) and re-quantised to q8, within
+    half a q8 step, and type_changes names them."""
+    path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path, expert_type=T.Q8_0, weight_type=T.IQ2_XS,
+                                 hidden_size=256, head_dim=64)
+    gg = GgufCheckpoint(path)
+    ref = _reference(path)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert gg.packed_weight_dtype(name) == "q8"
+    t = gg.read_packed_weight(name)
+    src = ref[gg.weight_keys[name]].reshape(t.shape)
+    got = t.dequantize(torch.float32)
+    amax = src.view(src.shape[0], -1, 32).abs().amax(dim=-1, keepdim=True)
+    assert bool(((got - src).abs().view_as(amax.expand(-1, -1, 32)) <= amax / 127 * 0.5 * 1.001 + 1e-12).all())
+    changes = gg.type_changes()
+    assert any("IQ2_XS" in line and "re-quantised to q8" in line for line in changes), changes
 
 
 def est_equals_load(path, runtime) -> bool:

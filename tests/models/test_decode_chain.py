@@ -1,6 +1,6 @@
 """The native decode chain (models/decode_chain.py, native/cpu/decode_chain.c) gives the Python decode
 path's numbers bit for bit: logits (its final norm and lm_head included), KV cache, expert counts, on every family and weight kind it
-takes (bf16 and q8/int4 packed projections, f32 and bf16 routers, biases, sinks, windows,
+takes (bf16, q8 and GGUF-type packed projections, f32 and bf16 routers, biases, sinks, windows,
 per-head q/k norms, dense layers and gated shared experts), one row or several at different positions; and models it does not take say why."""
 
 from __future__ import annotations
@@ -40,7 +40,12 @@ CASES = {
     "qwen2_moe-hf-bf16": lambda root: _hf_bf16("qwen2_moe", root),  # a dense layer, a gated shared expert
     "gpt_oss-hf-bf16": lambda root: _hf_bf16("gpt_oss", root),  # biases, sinks, sliding windows, top-k softmax
     "qwen3_moe-gguf-q8": lambda root: _gguf("qwen3_moe", root, T.Q8_0, T.Q8_0),  # q8 packed projections
-    "qwen3_moe-gguf-q4_1": lambda root: _gguf("qwen3_moe", root, T.Q4_1, T.Q4_1),  # int4 packed, f32 router
+    "qwen3_moe-gguf-q4_1": lambda root: _gguf("qwen3_moe", root, T.Q4_1, T.Q4_1),  # int4 bank, Q4_1 rows, f32 router
+    # a Q4_K_M-style mix of projections: Q4_K q/k/o and a Q6_K v (one ggml call), a Q8_0 (q8) lm_head
+    "qwen3_moe-gguf-kquants": lambda root: write_tiny_gguf(
+        "qwen3_moe", root, expert_type=T.Q4_K, weight_type=T.Q4_K, hidden_size=256, head_dim=64,
+        moe_intermediate_size=256, tensor_types={"blk.0.attn_v.weight": T.Q6_K, "blk.1.attn_v.weight": T.Q6_K,
+                                                 "output.weight": T.Q8_0, "blk.1.attn_q.weight": T.Q5_0})[0],
     "gpt_oss-gguf-bf16": lambda root: _gguf("gpt_oss", root, T.Q8_0, T.BF16),
     # the ggml bank (GGUF block rows in their own types: Q4_K, a Q6_K down) through the chain's ggml layers
     "qwen3_moe-gguf-ggml": lambda root: (write_tiny_gguf("qwen3_moe", root, expert_type=T.Q4_K, weight_type=T.Q8_0,

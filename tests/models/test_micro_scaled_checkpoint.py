@@ -166,10 +166,48 @@ def test_what_each_load_changes_is_said(checkpoints, caplog):
         assert load_model(paths["nvfp4"]).bank.dtype == "int4"
     assert any("converted into the int4 expert bank" in r.getMessage() for r in caplog.records)
     mx = HfCheckpoint(paths["mxfp8"])
-    assert mx.default_bank_dtype() == "bf16" and not mx.prefers_ggml() and mx.type_changes("bf16") == []
-    loaded = load_model(paths["mxfp8"], cpu_only=True)
+    assert mx.default_bank_dtype() == "bf16" and mx.prefers_ggml() and mx.type_changes("bf16") == []
+    assert mx.type_changes("ggml") == []
+    assert load_model(paths["mxfp8"], cpu_only=True).bank.dtype == "ggml"  # MXFP8 rows, 8.25 bits a weight
+    loaded = load_model(paths["mxfp8"])  # a device's bank: bf16, every MXFP8 value exactly
     assert loaded.bank.dtype == "bf16"
     assert all(t.dtype in (torch.bfloat16, torch.float32) for t in loaded.weights.values())
+
+
+def test_on_the_cpu_mxfp8_experts_stay_as_stored(checkpoints):
+    """The CPU default keeps MXFP8 experts block for block (ggml bank, MXFP8 rows: E8M0 + 32 e4m3 codes): the
+    rows hold compressed-tensors' values exactly, the torch path is the reference model, and the native kernels
+    (int8 activations) stay within 5% of the logits' range, in half the bytes of bf16."""
+    from moed.kernels.fp8_block_format import MXFP8
+    from moed.kernels.ggml_rows_format import dequantize_rows
+    from moed.kernels.nvfp4_format import dequantize_mxfp8
+
+    family, paths, refs = checkpoints
+    est = estimate_load(paths["mxfp8"], cpu_only=True)
+    bank = load_model(paths["mxfp8"], cpu_only=True).bank
+    assert bank.dtype == "ggml" and set(bank.row_types.values()) == {MXFP8}
+    assert est.bank_dtype == "ggml" and est.bank_bytes == bank.nbytes()
+    widened = load_model(paths["mxfp8"], experts_dtype="bf16").bank
+    assert bank.nbytes() * 2 < widened.nbytes() * 1.1  # 8.25 bits a weight against 16
+    source = load_file(paths["mxfp8"] / "model.safetensors")
+    config = HfCheckpoint(paths["mxfp8"]).config
+    layer = config.moe_layers.index(True)
+    for kind in ("gate", "up", "down"):  # the first MoE layer's rows hold the checkpoint's values exactly
+        rows, ggml_type = bank.ggml_matrix(kind, 0)
+        assert ggml_type == MXFP8
+        for e in range(bank.num_experts):
+            key = f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.weight"
+            want = dequantize_mxfp8(source[key], source[key + "_scale"])  # compressed-tensors-checked reference
+            assert torch.equal(dequantize_rows(rows[e], MXFP8, want.shape[1]), want), (kind, e)
+    runtime = open_runtime(paths["mxfp8"], experts_dtype="ggml", weights_dtype="fp32")
+    try:
+        with without_native_kernels():
+            assert_matches_reference(runtime, refs["mxfp8"], tol=1e-3, steps=8, what=f"{family} mxfp8 torch")
+        if native() is not None:
+            assert_matches_reference(runtime, refs["mxfp8"], tol=5e-2, tokens_equal=False, steps=1)
+    finally:
+        runtime.close()
+
 
 
 def _edited(src, dst, *, state=None, config=None):
@@ -248,21 +286,20 @@ def test_a_modelopt_export_with_only_hf_quant_config_is_nvfp4(checkpoints, tmp_p
 
 
 @pytest.mark.parametrize("layout", ["nvfp4", "modelopt"])
-def test_an_mla_models_nvfp4_linears_stay_as_stored_on_the_cpu(checkpoints, layout):
+def test_nvfp4_linears_stay_as_stored_on_the_cpu(checkpoints, layout):
     """A CPU-only load of an MLA model keeps its NVFP4 attention and dense linears block for block (llama.cpp
     NVFP4 rows and the tensor's factor, ``PackedLinear("nvfp4")``, 4.5 bits a weight) and still matches
-    transformers; a GQA model (whose CPU decode runs the native decode chain) and a device load decode them
-    to bf16, and say so."""
+    transformers; so does a GQA model's (its decode chain multiplies the rows natively); a device load decodes
+    them to bf16."""
     from moed.layers.packed_linear import PackedLinear
+    from moed.models.decode_chain import DecodeChain
 
     family, paths, refs = checkpoints
     loaded = load_model(paths[layout], cpu_only=True)
     packed = {n: w for n, w in loaded.weights.items() if isinstance(w, PackedLinear)}
-    if family == "qwen3_moe":
-        assert not packed
-        return
     assert packed and {w.dtype for w in packed.values()} == {"nvfp4"}
-    assert any(n.endswith("self_attn.q_a_proj.weight") for n in packed)
+    assert any(n.endswith("self_attn.q_a_proj.weight" if family == "deepseek_v3" else "self_attn.q_proj.weight")
+               for n in packed)
     w = next(iter(packed.values()))
     assert float(w.arrays[1]) > 0  # the tensor's factor
     assert all(not isinstance(loaded.weights[n], PackedLinear) for n in loaded.weights if n.endswith("kv_b_proj.weight"))
@@ -271,6 +308,8 @@ def test_an_mla_models_nvfp4_linears_stay_as_stored_on_the_cpu(checkpoints, layo
     runtime = open_runtime(paths[layout], experts_dtype="fp32")  # the CPU: linears kept, native kernels
     try:
         assert any(isinstance(t, PackedLinear) for t in runtime.loaded.weights.values())
+        if family == "qwen3_moe":
+            assert isinstance(runtime.model.decode_chain(), DecodeChain), runtime.model.decode_chain()
         # the kept linears multiply int8 activations (as a quantised GGUF's do): logits within 5% of their range
         assert_matches_reference(runtime, refs[layout], tol=0.05, tokens_equal=False, what=f"{family} {layout}")
     finally:

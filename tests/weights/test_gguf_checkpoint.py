@@ -208,18 +208,20 @@ def test_types_without_a_bank_form_load_re_quantised_and_say_so(tmp_path, expert
     experts = [line for line in lines if f"into the {bank_dtype} expert bank" in line]
     assert len(experts) == 1 and experts[0].startswith(f"{3 * gg.config.num_moe_layers} tensor(s) stored as {name} ")
     assert "blk.0.ffn_gate_exps.weight" in experts[0] and f"moed keeps no {name} form there yet" in experts[0]
-    assert any(f"stored as {weight_type.name}" in line and "re-quantised to q8" in line for line in lines)  # attention
+    # the attention projections keep their own type (GGUF rows): not listed
+    assert not any(f"stored as {weight_type.name}" in line and "re-quantised to q8" in line for line in lines)
     with caplog.at_level("WARNING", logger="moed.weights"):
         load_model(path)
     assert any(f"stored as {name}" in r.getMessage() and "expert bank" in r.getMessage() for r in caplog.records)
 
 
-def test_a_q8_0_file_changes_only_its_embedding_table(tmp_path):
-    """Experts and linear() weights keep Q8_0's blocks (q8); the embedding table is looked up, not
-    multiplied, and is decoded to bf16 (8 significant bits where qs * d can need 19): it is reported."""
+def test_a_q8_0_file_changes_nothing(tmp_path):
+    """Experts, linear() weights and the embedding table keep Q8_0's blocks (q8); only an explicit fp32
+    weights dtype (no packed forms) decodes the quantised non-expert weights, and says so."""
     path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path, expert_type=T.Q8_0, weight_type=T.Q8_0)
-    assert GgufCheckpoint(path).type_changes() == [
-        "1 tensor(s) stored as Q8_0 (token_embd.weight) are decoded to bf16: moed keeps no Q8_0 form there yet"]
+    assert GgufCheckpoint(path).type_changes() == []
+    unpacked = GgufCheckpoint(path).type_changes(packed=False)
+    assert any("stored as Q8_0" in line and "are decoded to bf16" in line for line in unpacked), unpacked
     path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path / "f32", expert_type=T.F32, weight_type=T.F32)
     assert GgufCheckpoint(path).type_changes() == []
 
@@ -229,7 +231,7 @@ def test_a_q4_k_m_mix_reports_its_q6_k_down_re_quantised_to_int4(tmp_path):
                                  tensor_types={"blk.0.ffn_down_exps.weight": T.Q6_K}, **K_QUANT_DIMS)
     lines = GgufCheckpoint(path).type_changes()
     assert lines[0].startswith("1 tensor(s) stored as Q6_K (blk.0.ffn_down_exps.weight) are re-quantised into the "
-                               "int4 expert bank") and len(lines) == 2 and "token_embd.weight" in lines[1]
+                               "int4 expert bank") and len(lines) == 1  # the rest keeps its types
 
 
 @pytest.mark.parametrize("weight_type, dtype", [(T.F16, torch.float16), (T.BF16, torch.bfloat16)])
