@@ -33,16 +33,16 @@ class ConfigOnlyCheckpoint:
         self.micro = micro_scaled_of(raw, path or Path("/nonexistent"), where)
         stored = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
         self._dtype = torch.float32 if stored in ("float32", "float") else torch.bfloat16
-        self.keep_fp8 = ""  # the packed kind a CPU-only plan keeps ("fp8", "nvfp4"), "" for none
+        self.keep_fp8 = ""  # the packed kind a CPU-only plan keeps ("fp8", "nvfp4", "mxfp8"), "" for none
 
     def keep_fp8_linears(self, keep: bool) -> None:
-        """As ``HfCheckpoint.keep_fp8_linears``: the FP8 (128-wide blocks) and NVFP4 linears stay as stored on
-        the CPU."""
+        """As ``HfCheckpoint.keep_fp8_linears``: the FP8 (128-wide blocks), NVFP4 and MXFP8 linears stay as stored
+        on the CPU."""
         q = self.raw.get("quantization_config")
         block = q.get("weight_block_size", [128, 128]) if isinstance(q, dict) else None
         fp8 = self.quant_method == "fp8" and isinstance(block, list) and len(block) == 2 and block[1] == FP8_BLOCK
-        nvfp4 = self.micro is not None and self.micro.kind == "nvfp4"
-        self.keep_fp8 = "fp8" if bool(keep) and fp8 else "nvfp4" if bool(keep) and nvfp4 else ""
+        micro = self.micro.kind if self.micro is not None else ""  # "nvfp4" / "mxfp8" linears keep their rows
+        self.keep_fp8 = "fp8" if bool(keep) and fp8 else micro if bool(keep) else ""
 
     def packed_weight_dtype(self, name: str) -> str | None:
         if not self.keep_fp8:

@@ -85,13 +85,14 @@ class HfCheckpoint:
     def keep_fp8_linears(self, keep: bool) -> None:
         """Whether ``packed_weight_dtype`` keeps quantised linears as stored instead of widening them to bf16:
         block-scaled FP8 ones with 128-wide blocks ("fp8" PackedLinear: 1 byte a weight and a scale per 128)
-        and NVFP4 ones ("nvfp4": llama.cpp NVFP4 rows, 4.5 bits a weight, and the tensor's factor), on a
+        NVFP4 ones ("nvfp4": llama.cpp NVFP4 rows, 4.5 bits a weight, and the tensor's factor) and MXFP8 ones
+        ("mxfp8": moed's MXFP8 rows, 8.25 bits a weight), on a
         CPU-only load: the layer-by-layer decode of MLA and hybrid models and the native decode chain of GQA
         models multiply them as stored. A device multiplies plain tensors: a device load keeps bf16."""
         self.keep_fp8 = bool(keep)
 
     def packed_weight_dtype(self, name: str) -> str | None:
-        """"fp8" / "nvfp4" for a non-expert linear a load keeps as stored (``keep_fp8_linears``), else None."""
+        """"fp8" / "nvfp4" / "mxfp8" for a non-expert linear a load keeps as stored (``keep_fp8_linears``), else None."""
         if not self.keep_fp8:
             return None
         rel = name.partition(".layers.")[2].partition(".")[2] if ".layers." in name else None
@@ -100,7 +101,7 @@ class HfCheckpoint:
             return None
         if self._quantised(key):
             shape = self._shape(key)
-            kind = "nvfp4" if self.micro.kind == "nvfp4" else None
+            kind = self.micro.kind  # "nvfp4" (llama.cpp NVFP4 rows) or "mxfp8" (moed's MXFP8 rows)
         elif self.fp8 is not None and self.fp8.block[1] == FP8_BLOCK and self.source.dtype(key) == torch.float8_e4m3fn:
             shape, kind = self.source.shape(key), "fp8"
         else:
@@ -111,6 +112,11 @@ class HfCheckpoint:
         """One weight ``packed_weight_dtype`` keeps: FP8 codes as stored with their block scales per row, or
         NVFP4 codes and scales moved into llama.cpp NVFP4 rows with the tensor's factor (no value changes)."""
         key = self.weight_keys[name]
+        if self.packed_weight_dtype(name) == "mxfp8":
+            n, k = self._shape(key)
+            rows = torch.empty(n, row_bytes(fb.MXFP8, k), dtype=torch.uint8)
+            self.micro.mxfp8_rows(self.source, key, rows)
+            return PackedLinear("mxfp8", (rows, torch.ones(1)), k, n)
         if self.packed_weight_dtype(name) == "nvfp4":
             n, k = self._shape(key)
             rows = torch.empty(1, n, k // NVFP4_BLOCK * 36, dtype=torch.uint8)

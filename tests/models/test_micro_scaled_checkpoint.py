@@ -285,23 +285,30 @@ def test_a_modelopt_export_with_only_hf_quant_config_is_nvfp4(checkpoints, tmp_p
         HfCheckpoint(bare)
 
 
-@pytest.mark.parametrize("layout", ["nvfp4", "modelopt"])
-def test_nvfp4_linears_stay_as_stored_on_the_cpu(checkpoints, layout):
+@pytest.mark.parametrize("layout", ["nvfp4", "modelopt", "mxfp8"])
+def test_nvfp4_and_mxfp8_linears_stay_as_stored_on_the_cpu(checkpoints, layout):
     """A CPU-only load of an MLA model keeps its NVFP4 attention and dense linears block for block (llama.cpp
-    NVFP4 rows and the tensor's factor, ``PackedLinear("nvfp4")``, 4.5 bits a weight) and still matches
-    transformers; so does a GQA model's (its decode chain multiplies the rows natively); a device load decodes
-    them to bf16."""
+    NVFP4 rows and the tensor's factor, ``PackedLinear("nvfp4")``, 4.5 bits a weight; MXFP8 ones as moed's
+    MXFP8 rows, 8.25 bits) and still matches transformers; so does a GQA model's (its decode chain multiplies
+    the rows natively); a device load decodes them to bf16."""
     from moed.layers.packed_linear import PackedLinear
     from moed.models.decode_chain import DecodeChain
 
     family, paths, refs = checkpoints
     loaded = load_model(paths[layout], cpu_only=True)
     packed = {n: w for n, w in loaded.weights.items() if isinstance(w, PackedLinear)}
-    assert packed and {w.dtype for w in packed.values()} == {"nvfp4"}
+    kept = "mxfp8" if layout == "mxfp8" else "nvfp4"
+    assert packed and {w.dtype for w in packed.values()} == {kept}
     assert any(n.endswith("self_attn.q_a_proj.weight" if family == "deepseek_v3" else "self_attn.q_proj.weight")
                for n in packed)
     w = next(iter(packed.values()))
-    assert float(w.arrays[1]) > 0  # the tensor's factor
+    assert float(w.arrays[1]) > 0  # the tensor's factor (1 for MXFP8)
+    if layout == "mxfp8":  # the rows hold the checkpoint's values exactly
+        from moed.kernels.nvfp4_format import dequantize_mxfp8
+
+        source = load_file(paths[layout] / "model.safetensors")
+        name = next(n for n in packed)
+        assert torch.equal(packed[name].dequantize(torch.float32), dequantize_mxfp8(source[name], source[name + "_scale"]))
     assert all(not isinstance(loaded.weights[n], PackedLinear) for n in loaded.weights if n.endswith("kv_b_proj.weight"))
     assert estimate_load(paths[layout], cpu_only=True).weight_bytes < estimate_load(paths[layout]).weight_bytes
     assert not any(isinstance(t, PackedLinear) for t in load_model(paths[layout], cpu_only=False).weights.values())
