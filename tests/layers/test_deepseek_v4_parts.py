@@ -1,0 +1,126 @@
+"""DeepSeek-V4's residual stream and KV compressors (layers/hyper_connections.py, layers/kv_compressor.py) against
+transformers 5.25's own modules, with random weights: the hyper-connections' mixes (Sinkhorn included), merge and
+head; the heavily compressed (HCA) and compressed sparse (CSA) compressors and the indexer's, in one pass and fed a
+token at a time (the open-window state a paged cache keeps), with the default and the YaRN compress rotary.
+(issue #33: the first parts of the DeepSeek-V4 family; the model itself is not built yet.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers")
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as ref  # noqa: E402
+
+from moed.layers import hyper_connections as hc  # noqa: E402
+from moed.layers.kv_compressor import CompressorWeights, OpenWindows, compress, rope_pairs  # noqa: E402
+from moed.layers.layer_config import RopeConfig  # noqa: E402
+from moed.layers.rotary import RotaryEmbedding  # noqa: E402
+
+EPS = 1e-6
+
+
+def _config(**over):
+    kw = dict(vocab_size=64, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+              head_dim=32, q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=2, o_groups=2, o_lora_rank=16,
+              index_n_heads=2, index_head_dim=16, index_topk=4, sliding_window=8, hc_mult=4, hc_sinkhorn_iters=20,
+              compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+              layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+              mlp_layer_types=["hash_moe", "moe", "moe"])
+    kw.update(over)
+    return tf.DeepseekV4Config(**kw)
+
+
+def _randomise(module, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() > 1 else 1.0))
+    return module
+
+
+def test_hyper_connections_match_transformers():
+    config = _config()
+    block = _randomise(ref.DeepseekV4HyperConnection(config), 1)
+    head = _randomise(ref.DeepseekV4HyperHead(config), 2)
+    cfg = hc.HyperConnectionConfig(streams=4, sinkhorn_iters=20, eps=config.hc_eps, norm_eps=config.rms_norm_eps)
+    streams = torch.randn(1, 5, 4, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        post, comb, collapsed = block(streams)
+        out = torch.randn(1, 5, 64)
+        merged = post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+        final = head(merged)
+    got_post, got_comb, got_collapsed = hc.block_mixes(streams[0], block.fn, block.base, block.scale, cfg)
+    assert torch.allclose(got_post, post[0], atol=1e-6) and torch.allclose(got_comb, comb[0], atol=1e-6)
+    assert torch.allclose(got_collapsed, collapsed[0], atol=1e-5)
+    # after Sinkhorn the mixing matrix is (nearly) doubly stochastic
+    assert torch.allclose(got_comb.sum(-2), torch.ones(5, 4), atol=1e-4)
+    got_merged = hc.merge(streams[0], out[0], got_post, got_comb)
+    assert torch.allclose(got_merged, merged[0], atol=1e-5)
+    assert torch.allclose(hc.head_collapse(got_merged, head.hc_fn, head.hc_base, head.hc_scale, cfg), final[0], atol=1e-5)
+    assert torch.equal(hc.expand(out[0], 4)[:, 2], out[0])
+
+
+def _rotary(config) -> RotaryEmbedding:
+    params = dict(config.rope_parameters["compress"])
+    rope_type = params.pop("rope_type", "default")
+    theta = params.pop("rope_theta")
+    params.pop("partial_rotary_factor", None)
+    rope = RopeConfig(rope_type=rope_type, theta=float(theta), dim=config.qk_rope_head_dim, interleaved=True,
+                      params=tuple(sorted(params.items())))
+    return RotaryEmbedding(rope, config.max_position_embeddings)
+
+
+def _weights(module, overlap):
+    return CompressorWeights(module.kv_proj.weight.detach(), module.gate_proj.weight.detach(),
+                             module.position_bias.detach(), module.kv_norm.weight.detach(), overlap)
+
+
+ROPES = {"default": {}, "yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64}}}
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+@pytest.mark.parametrize("kind", ["hca", "csa", "indexer"])
+def test_compressors_match_transformers_in_one_pass_and_token_by_token(kind, rope):
+    config = _config(**ROPES[rope])
+    rotary = _rotary(config)
+    seq = 37  # whole windows and a partial one (ratio 8: 4 of them; ratio 4: 9)
+    hidden = torch.randn(1, seq, 64, generator=torch.Generator().manual_seed(5))
+    q_residual = torch.randn(1, seq, 48, generator=torch.Generator().manual_seed(6))
+    positions = torch.arange(seq).view(1, -1)
+    if kind == "hca":
+        module = _randomise(ref.DeepseekV4HCACompressor(config), 7)
+        with torch.no_grad():
+            want = module(hidden, q_residual, positions, None, 2)[0][0, 0]
+        weights = _weights(module, overlap=False)
+    else:
+        module = _randomise(ref.DeepseekV4CSACompressor(config), 8)
+        seen = {}
+        scorer = module.indexer.scorer.forward
+        module.indexer.scorer.forward = lambda q, ckv, h: (seen.setdefault("ckv", ckv), scorer(q, ckv, h))[1]
+        with torch.no_grad():
+            out = module(hidden, q_residual, positions, None, 1)[0][0, 0]
+        want = out if kind == "csa" else seen["ckv"][0]
+        weights = _weights(module if kind == "csa" else module.indexer, overlap=True)
+    got = compress(weights, hidden[0], rotary, config.rms_norm_eps)
+    assert got.shape == want.shape and got.shape[0] == seq // weights.ratio
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    # a token at a time, in uneven steps: the same entries, emitted as each window closes
+    state = OpenWindows(weights)
+    for start, stop in ((0, 1), (1, 6), (6, 19), (19, 20), (20, seq)):
+        state.add(hidden[0, start:stop], rotary, config.rms_norm_eps)
+    assert len(state.entries) == got.shape[0] and state.position == seq
+    assert torch.allclose(torch.stack(state.entries), got, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_pairs_rotates_in_place_and_back():
+    x = torch.randn(3, 2, 10)
+    angles = torch.rand(3, 1, 2) * 6
+    y = rope_pairs(x, angles.cos(), angles.sin())
+    assert torch.equal(y[..., :6], x[..., :6])
+    assert torch.allclose(y[..., 6:].view(3, 2, 2, 2).norm(dim=-1), x[..., 6:].view(3, 2, 2, 2).norm(dim=-1), atol=1e-6)
+    assert torch.allclose(rope_pairs(y, angles.cos(), -angles.sin()), x, atol=1e-6)
+    cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+    want = torch.cat([x[..., :6], x[..., 6:] * cos + ref.rotate_half(x[..., 6:]) * sin], dim=-1)
+    assert torch.allclose(y, want, atol=1e-6)
