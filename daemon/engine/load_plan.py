@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from moed.layers.kv_compressor import open_window_floats
 from moed.cache.expert_dtypes import LOAD_DTYPES
 from moed.cache import q8_0
 from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE, KV_TYPES
@@ -73,6 +74,9 @@ DEFAULT_CHECKPOINT_BYTES = 1 << 30  # a hybrid model's state checkpoints, at mos
 
 def recurrent_state_bytes(config) -> int:
     """Bytes of one sequence's recurrent state (fp32 conv window + delta-rule matrix per linear layer)."""
+    if config.attention.kind == "compressed":  # DeepSeek-V4's open compression windows (layers/kv_compressor.py)
+        return 4 * sum(open_window_floats(config.attention, r, config.has_indexer(i))
+                       for i, r in enumerate(config.compress_ratios))
     d = config.linear_attention
     if d is None or not config.has_recurrent_state:
         return 0

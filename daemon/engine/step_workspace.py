@@ -30,6 +30,12 @@ def _attention(config, tokens: int, reference_blocks: bool) -> int:
         if a.index_topk:  # sparse attention: the indexer's queries, keys and weights, and the chosen positions
             per_token += a.index_num_heads * (a.index_head_dim + 1) + a.index_head_dim + 2 * a.index_topk  # int64
             block += sparse_indexer.SCORE_FLOATS + sparse_indexer.QUERY_TILE * (a.index_topk + sparse_indexer.KEY_CHUNK) * 3
+    elif a.kind == "compressed":  # DeepSeek-V4 (planned): q, the shared K=V row, the output and its groups, the
+        # compressors' projections, and each query's scores over its window and chosen compressed entries
+        per_token = (3 * a.num_heads * a.head_dim + 8 * a.head_dim + a.o_groups * a.o_lora_rank
+                     + a.index_num_heads * (a.index_head_dim + 1) + 4 * a.index_head_dim
+                     + a.num_heads * (config.sliding_windows[0] + a.index_topk))
+        block = paged_attention.KEY_BLOCK * a.head_dim * 2
     else:
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         per_token = (3 if a.gated else 2) * q + 4 * kv + 2 * q  # q, k, v and their rotated/normed copies, out

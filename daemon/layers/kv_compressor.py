@@ -26,7 +26,28 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moed.layers.layer_config import AttentionConfig
 from moed.layers.rotary import RotaryEmbedding
+
+
+def cache_entries_for(att: AttentionConfig, ratio: int, indexer: bool) -> dict[str, tuple[int, ...]]:
+    """A V4 attention layer's per-token entries in the paged pool (docs/design.md, DeepSeek-V4): the shared K=V
+    row, and for a compressed layer its entries sliced over their windows' slots (head_dim / ratio a token),
+    the indexer's keys too on a CSA layer."""
+    entries = {"kv": (att.head_dim,)}
+    if ratio:
+        entries["ckv"] = (att.head_dim // ratio,)
+        if indexer:
+            entries["cidx"] = (att.index_head_dim // ratio,)
+    return entries
+
+
+def open_window_floats(att: AttentionConfig, ratio: int, indexer: bool) -> int:
+    """Floats of one sequence's open-window state on one layer (``OpenWindows``: 3 vectors a pool; CSA keeps two
+    pools for its entries and two for its indexer's)."""
+    if not ratio:
+        return 0
+    return 3 * (2 * att.head_dim + 2 * att.index_head_dim if indexer else att.head_dim)
 
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ class MoeConfig:
     num_experts: int
     top_k: int
     intermediate_size: int
-    scoring: str = "softmax"  # softmax | sigmoid | topk_softmax (gpt-oss: softmax over the top-k logits)
+    scoring: str = "softmax"  # softmax | sigmoid | topk_softmax (gpt-oss: softmax over the top-k logits) | sqrtsoftplus
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     num_groups: int = 1  # DeepSeek group-limited routing
@@ -43,7 +43,7 @@ class MoeConfig:
     has_router_bias: bool = False
     shared_intermediate_size: int = 0  # 0 = no shared expert
     has_shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(Linear(D, 1)) scales the shared expert
-    activation: str = "silu"  # silu | gpt_oss
+    activation: str = "silu"  # silu | gpt_oss | clamped_silu (DeepSeek-V4: gate <= limit, |up| <= limit)
     has_expert_bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
@@ -76,3 +76,7 @@ class AttentionConfig:
     index_num_heads: int = 0
     index_head_dim: int = 0
     index_rope_interleaved: bool = False  # GLM-5 rotates the indexer's pairs (x0, x1)...; V3.2 its halves
+    # DeepSeek-V4 ("compressed" attention): one shared K=V head of head_dim, the heads' outputs projected by
+    # o_groups groups to o_lora_rank each, then mixed to the hidden size
+    o_groups: int = 0
+    o_lora_rank: int = 0

@@ -1,4 +1,5 @@
-"""The MoE layer: router (softmax / sigmoid with group-limited top-k / top-k softmax), then the executor.
+"""The MoE layer: router (softmax / sigmoid or sqrt-softplus with group-limited top-k / top-k softmax / a token-id
+table), then the executor.
 
 Shapes: N routed tokens, D hidden, E experts, A experts per token.
 """
@@ -6,6 +7,7 @@ Shapes: N routed tokens, D hidden, E experts, A experts per token.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from moed.experts.executor import ExpertExecutor
 from moed.kernels.native_cpu import MAX_TOKENS, native
@@ -15,8 +17,10 @@ from moed.layers.layer_config import MoeConfig
 
 
 def route(cfg: MoeConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-          score_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, D] -> (topk_ids [N, A] int64, topk_weights [N, A] f32)."""
+          score_bias: torch.Tensor | None, *, token_ids: torch.Tensor | None = None,
+          table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, D] -> (topk_ids [N, A] int64, topk_weights [N, A] f32). ``table`` (DeepSeek-V4's hash layers,
+    int ``[V, A]``): the experts are the row of each token in ``token_ids [N]``, the scores still weigh them."""
     if cfg.scoring in ("softmax", "topk_softmax") and _native_router(x, weight, bias):
         # decode: logits, softmax and top-k in one native call (native/cpu/router.c; this code is its reference)
         return native().route(x, weight, bias, cfg.scoring, cfg.top_k,
@@ -35,8 +39,13 @@ def route(cfg: MoeConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights
-    # sigmoid scoring with a correction bias and group-limited choice (DeepSeek-V3)
-    scores = logits.sigmoid()
+    # sigmoid (DeepSeek-V3) or sqrt(softplus) (DeepSeek-V4) scores, chosen by score + correction bias, group-limited
+    scores = logits.sigmoid() if cfg.scoring == "sigmoid" else F.softplus(logits).sqrt()
+    if table is not None:
+        ids = table[token_ids.reshape(-1).to(table.device)].long()
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) if cfg.norm_topk_prob else weights
+        return ids, weights * cfg.routed_scaling_factor
     choice = scores + score_bias if score_bias is not None else scores
     if cfg.num_groups > 1:
         grouped = choice.view(-1, cfg.num_groups, cfg.num_experts // cfg.num_groups)

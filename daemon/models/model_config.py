@@ -11,6 +11,7 @@ from typing import Any
 
 from moed.errors import ModelFormatError
 from moed.layers.gated_deltanet import DeltaNetConfig
+from moed.layers.hyper_connections import HyperConnectionConfig
 from moed.layers.layer_config import AttentionConfig, MoeConfig, RopeConfig
 
 
@@ -40,6 +41,14 @@ class ModelConfig:
     # sparse attention (attention.index_topk > 0): per layer, whether it runs its own indexer (True) or reuses
     # the top-k keys of the nearest indexer layer before it (GLM-5's "shared" layers); empty: every layer runs one
     indexer_layers: tuple[bool, ...] = ()
+    # DeepSeek-V4: per layer, the compression ratio of its KV (0: sliding window only; the CSA ratio: compressed
+    # sparse attention with an indexer; the HCA ratio: heavily compressed), which layers route by token id
+    # (tid2eid), the hyper-connection residual, and the compressed branches' own rotary
+    compress_ratios: tuple[int, ...] = ()
+    csa_ratio: int = 0
+    hash_layers: tuple[bool, ...] = ()
+    hyper: HyperConnectionConfig | None = None
+    compress_rope: RopeConfig | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def has_indexer(self, layer: int) -> bool:

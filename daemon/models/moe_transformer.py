@@ -15,6 +15,7 @@ from moed.experts.executor import ExpertExecutor
 from moed.layers.attention import MhaAttention
 from moed.layers.dense_mlp import DenseMlp
 from moed.layers.gated_deltanet import GatedDeltaNet, LinearAttentionBlock
+from moed.layers.kv_compressor import cache_entries_for as compressed_cache_entries
 from moed.layers.linear import embedding, linear
 from moed.layers.mla_attention import MlaAttention
 from moed.layers.moe import MoeLayer
@@ -211,6 +212,9 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: 
 def kv_cache_entries(config: ModelConfig, layer: int | None = None) -> dict[str, tuple[int, ...]]:
     """The per-token KV entries of attention layer ``layer`` (default: the largest layer's), name -> shape,
     from the config alone."""
+    if config.attention.kind == "compressed":  # DeepSeek-V4 (planned; layers/kv_compressor.py)
+        layer = 0 if layer is None else layer
+        return compressed_cache_entries(config.attention, config.compress_ratios[layer], config.has_indexer(layer))
     if config.attention.kind != "mla":
         return MhaAttention.cache_entries_for(config.attention)
     if layer is None:

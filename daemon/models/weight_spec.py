@@ -6,6 +6,8 @@ from moed.models.model_config import ModelConfig
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    if config.attention.kind == "compressed":
+        return _deepseek_v4_shapes(config)
     d, att, moe = config.hidden_size, config.attention, config.moe
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, d), "model.norm.weight": (d,)}
     if not config.tie_word_embeddings:
@@ -96,4 +98,48 @@ def _attention_shapes(config: ModelConfig, p: str, layer: int) -> dict[str, tupl
         shapes.update({f"{p}.q_norm.weight": (q_out,), f"{p}.k_norm.weight": (kv_out,)})
     if att.has_sinks:
         shapes[f"{p}.sinks"] = (att.num_heads,)
+    return shapes
+
+
+def _deepseek_v4_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V4's tensors under DeepSeek's own names (what its checkpoints and transformers store), but the MoE
+    parts' canonical ones (``mlp.router.*``, ``mlp.shared.*``); ``mlp.router.tid2eid`` is int64."""
+    d, att, moe, n = config.hidden_size, config.attention, config.moe, config.hyper.streams
+    heads, hd, ihd = att.num_heads, att.head_dim, att.index_head_dim
+    mixes = (2 + n) * n
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, d), "model.norm.weight": (d,),
+        "lm_head.weight": (config.vocab_size, d),
+        "model.hc_head.hc_fn": (n, n * d), "model.hc_head.hc_base": (n,), "model.hc_head.hc_scale": (1,)}
+    for i in range(config.num_layers):
+        p, a = f"model.layers.{i}", f"model.layers.{i}.attn"
+        shapes.update({f"{p}.attn_norm.weight": (d,), f"{p}.ffn_norm.weight": (d,)})
+        for block in ("attn", "ffn"):
+            shapes.update({f"{p}.hc_{block}_fn": (mixes, n * d), f"{p}.hc_{block}_base": (mixes,),
+                           f"{p}.hc_{block}_scale": (3,)})
+        shapes.update({
+            f"{a}.wq_a.weight": (att.q_lora_rank, d), f"{a}.q_norm.weight": (att.q_lora_rank,),
+            f"{a}.wq_b.weight": (heads * hd, att.q_lora_rank), f"{a}.wkv.weight": (hd, d), f"{a}.norm.weight": (hd,),
+            f"{a}.wo_a.weight": (att.o_groups * att.o_lora_rank, heads * hd // att.o_groups),
+            f"{a}.wo_b.weight": (d, att.o_groups * att.o_lora_rank), f"{a}.attn_sink": (heads,)})
+        ratio = config.compress_ratios[i]
+        if ratio:
+            csa = config.has_indexer(i)
+            c = 2 * hd if csa else hd
+            shapes.update({f"{a}.compressor.wkv.weight": (c, d), f"{a}.compressor.wgate.weight": (c, d),
+                           f"{a}.compressor.ape": (ratio, c), f"{a}.compressor.norm.weight": (hd,)})
+            if csa:
+                x = f"{a}.indexer"
+                shapes.update({f"{x}.wq_b.weight": (att.index_num_heads * ihd, att.q_lora_rank),
+                               f"{x}.weights_proj.weight": (att.index_num_heads, d),
+                               f"{x}.compressor.wkv.weight": (2 * ihd, d), f"{x}.compressor.wgate.weight": (2 * ihd, d),
+                               f"{x}.compressor.ape": (ratio, 2 * ihd), f"{x}.compressor.norm.weight": (ihd,)})
+        m = f"{p}.mlp"
+        shapes[f"{m}.router.weight"] = (moe.num_experts, d)
+        if config.hash_layers[i]:
+            shapes[f"{m}.router.tid2eid"] = (config.vocab_size, moe.top_k)
+        else:
+            shapes[f"{m}.router.score_bias"] = (moe.num_experts,)
+        if moe.shared_intermediate_size:
+            shapes.update(_mlp_shapes(f"{m}.shared", d, moe.shared_intermediate_size))
     return shapes

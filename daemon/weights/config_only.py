@@ -73,7 +73,7 @@ class ConfigOnlyCheckpoint:
         q = self.raw.get("quantization_config")
         block = q.get("weight_block_size", [128, 128]) if isinstance(q, dict) else None
         if self.quant_method == "fp8" and isinstance(block, list) and len(block) == 2 and block[1] == FP8_BLOCK \
-                and d % FP8_BLOCK == 0 and inter % FP8_BLOCK == 0:
+                and d % FP8_BLOCK == 0 and inter % FP8_BLOCK == 0 and self._expert_dtype() in (None, "fp8"):
             return "fp8"
         return None
 
@@ -90,9 +90,15 @@ class ConfigOnlyCheckpoint:
         weights, size = BLOCK_SIZES[FP8_B128 if kind == "fp8" else MXFP8]
         return self.num_bank_rows * (3 * d * inter // weights * size)
 
+    def _expert_dtype(self) -> str | None:
+        """DeepSeek-V4's ``quantization_config.expert_dtype`` ("fp4": MXFP4 experts beside FP8 linears), or None."""
+        q = self.raw.get("quantization_config")
+        value = q.get("expert_dtype") if isinstance(q, dict) else self.raw.get("expert_dtype")
+        return str(value).lower() if value else None
+
     def default_bank_dtype(self) -> str:
         """``HfCheckpoint.default_bank_dtype``'s choice for the checkpoint this config describes."""
-        if self.quant_method == "mxfp4":
+        if self.quant_method == "mxfp4" or self._expert_dtype() in ("fp4", "mxfp4"):
             return "mxfp4"
         if self.micro is not None:
             return "bf16" if self.micro.kind == "mxfp8" else "int4"

@@ -313,6 +313,8 @@ class HfCheckpoint:
         stored = self.source.dtype(key)
         if stored in FP8_DTYPES or self._quantised(key):
             return torch.bfloat16
+        if not stored.is_floating_point:  # an index table (DeepSeek-V4's tid2eid) keeps its integers
+            return stored
         return stored if stored in NATIVE_WEIGHT_DTYPES else torch.float32
 
     def read_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -439,8 +441,10 @@ def _canonical_keys(config: ModelConfig, family: Family, keys: list[str], micro:
     if names.score_bias:
         renames[names.score_bias] = "router.score_bias"
     if names.shared:
-        for part in ("gate_proj", "up_proj", "down_proj"):
-            renames[f"{names.shared}.{part}.weight"] = f"shared.{part}.weight"
+        for part, canonical in zip(names.shared_parts, ("gate_proj", "up_proj", "down_proj")):
+            renames[f"{names.shared}.{part}.weight"] = f"shared.{canonical}.weight"
+    if names.router_table:
+        renames[names.router_table] = "router.tid2eid"
     if names.shared_gate:
         renames[names.shared_gate + ".weight"] = "shared_gate.weight"
     mapping: dict[str, str] = {}
@@ -459,6 +463,9 @@ def _canonical_keys(config: ModelConfig, family: Family, keys: list[str], micro:
             continue  # e.g. DeepSeek's multi-token-prediction layers: not used for generation
         if key.endswith("rotary_emb.inv_freq") or key.endswith(SCALE_SUFFIX):
             continue  # FP8 block scales are read with their weights
+        if key == names.lm_head and key != "lm_head.weight":
+            mapping["lm_head.weight"] = hf_key
+            continue
         if layer is not None and config.moe_layers[layer]:
             prefix = names.moe_prefix.format(i=layer) + "."
             if name.startswith(prefix):

@@ -111,10 +111,14 @@ def test_the_cli_prints_the_table_and_refuses_what_it_cannot_plan(glm5, tmp_path
     with pytest.raises(SystemExit):
         main(["fit", str(glm5), "--ram", "lots"])
     assert "give sizes in GB" in capsys.readouterr().err
-    v4 = tmp_path / "v4.json"
+    v4 = tmp_path / "v4.json"  # a config that names its family and nothing else: the first missing field
     v4.write_text(json.dumps({"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]}))
     assert main(["fit", str(v4)]) == 2
-    assert "'deepseek_v4' is not supported" in capsys.readouterr().err
+    assert "required field 'num_hidden_layers' is missing" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model_type": "llama4", "architectures": ["Llama4ForCausalLM"]}))
+    assert main(["fit", str(other)]) == 2
+    assert "'llama4' is not supported" in capsys.readouterr().err
     assert main(["fit", str(tmp_path / "missing")]) == 2
 
 

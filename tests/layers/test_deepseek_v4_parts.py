@@ -124,3 +124,32 @@ def test_rope_pairs_rotates_in_place_and_back():
     cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
     want = torch.cat([x[..., :6], x[..., 6:] * cos + ref.rotate_half(x[..., 6:]) * sin], dim=-1)
     assert torch.allclose(y, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_the_routers_match_transformers(hashed):
+    """sqrt(softplus) scores, the choice by score + correction bias (or, on a hash layer, the token's row of
+    tid2eid), the chosen scores renormalised and scaled."""
+    from moed.layers.layer_config import MoeConfig
+    from moed.layers.moe import route
+
+    config = _config(n_routed_experts=16, num_experts_per_tok=4)
+    router = (ref.DeepseekV4HashRouter if hashed else ref.DeepseekV4TopKRouter)(config)
+    _randomise(router, 9)
+    gen = torch.Generator().manual_seed(10)
+    if hashed:
+        router.tid2eid.copy_(torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(64)]))
+    else:
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=gen))
+    x = torch.randn(7, 64, generator=gen)
+    tokens = torch.randint(0, 64, (7,), generator=gen)
+    with torch.no_grad():
+        _, want_w, want_ids = router(x, tokens) if hashed else router(x)
+    cfg = MoeConfig(num_experts=16, top_k=4, intermediate_size=32, scoring="sqrtsoftplus", norm_topk_prob=True,
+                    routed_scaling_factor=config.routed_scaling_factor, has_score_correction_bias=not hashed)
+    ids, weights = route(cfg, x, router.weight.detach(), None,
+                         None if hashed else router.e_score_correction_bias, token_ids=tokens,
+                         table=router.tid2eid if hashed else None)
+    order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)  # the same experts (topk's order is unspecified)
+    assert torch.equal(order.values, want_order.values)
+    assert torch.allclose(weights.gather(1, order.indices), want_w.gather(1, want_order.indices), atol=1e-6)

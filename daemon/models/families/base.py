@@ -30,7 +30,10 @@ class FamilyNames:
     router_bias: str = ""
     score_bias: str = ""  # DeepSeek e_score_correction_bias
     shared: str = ""  # shared expert module
+    shared_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # its gate, up, down (DeepSeek-V4: w1, w3, w2)
     shared_gate: str = ""  # Qwen2-MoE sigmoid gate
+    router_table: str = ""  # DeepSeek-V4's hash layers: the token id -> experts table (int64 [V, top_k])
+    lm_head: str = "lm_head.weight"  # DeepSeek-V4: "head.weight"
     # a multimodal checkpoint's language model: its tensors' prefix (read as "model."), and the
     # prefixes of the tensors moed does not use (a vision tower, multi-token prediction)
     language_prefix: str = ""
@@ -45,6 +48,7 @@ class Family:
     architectures: tuple[str, ...] = ()  # config.json "architectures" entries that name this family
     tool_format: str = "plain"  # how its answers write tool calls and reasoning (moed.text.output_parser)
     chat_template: str | None = None  # moed's template for checkpoints that ship none (moed.text.builtin_templates)
+    not_runnable: str = ""  # why moed can plan (moed fit) but not run this family yet; "" when it runs
 
 
 def base_config(cfg: dict, attention: AttentionConfig, moe: MoeConfig, moe_layers: tuple[bool, ...],
