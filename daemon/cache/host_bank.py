@@ -42,16 +42,17 @@ import torch
 from moed.cache.expert_dtypes import EXPERT_DTYPES, GGML_BANK, PACKED_DTYPES  # noqa: F401  (re-exported)
 from moed.kernels.int4_format import INT4_GROUP_SIZE  # noqa: F401  (re-exported: part of the bank layout)
 
-ACTIVATIONS = ("silu", "gpt_oss")
+ACTIVATIONS = ("silu", "gpt_oss", "clamped_silu")
 
 
 @dataclass(frozen=True)
 class ExpertActivation:
-    """How gate and up combine: ``silu`` is SwiGLU; ``gpt_oss`` is its clamped variant."""
+    """How gate and up combine: ``silu`` is SwiGLU; ``gpt_oss`` its clamped variant with a sigmoid gate and a
+    shifted up; ``clamped_silu`` (DeepSeek-V4) SwiGLU on gate <= limit and |up| <= limit."""
 
     kind: str = "silu"
     alpha: float = 1.702  # gpt_oss only
-    limit: float = 7.0  # gpt_oss only
+    limit: float = 7.0  # gpt_oss and clamped_silu
 
     def __post_init__(self) -> None:
         if self.kind not in ACTIVATIONS:

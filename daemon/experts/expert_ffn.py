@@ -42,7 +42,7 @@ from moed.kernels.prefill_gemm import prefill_gemm_dtype
 from moed.kernels.native_cpu import descriptor_of, native
 
 _Matmul = Callable[[dict[str, torch.Tensor], str, int, torch.Tensor], torch.Tensor]
-_KIND_CODES = {"silu": 0, "gpt_oss": 1}
+_KIND_CODES = {"silu": 0, "gpt_oss": 1, "clamped_silu": 2}
 
 
 def apply_activation(gate_up: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
@@ -51,6 +51,8 @@ def apply_activation(gate_up: torch.Tensor, act: ExpertActivation) -> torch.Tens
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
     if act.kind == "silu":
         return F.silu(gate) * up
+    if act.kind == "clamped_silu":  # DeepSeek-V4: SwiGLU on gate <= limit and |up| <= limit
+        return F.silu(gate.clamp(max=act.limit)) * up.clamp(min=-act.limit, max=act.limit)
     # gpt_oss: clamped SwiGLU with a sigmoid gate and an up that is shifted by one.
     gate = gate.clamp(max=act.limit)
     up = up.clamp(min=-act.limit, max=act.limit)
@@ -91,6 +93,10 @@ def _activate(
                 g += gu_bias[fid, j]
                 u += gu_bias[fid, inter + j]
             if kind == 0:
+                out[t, j] = g / (one + np.exp(-g)) * u
+            elif kind == 2:
+                g = min(g, lim)
+                u = max(min(u, lim), -lim)
                 out[t, j] = g / (one + np.exp(-g)) * u
             else:
                 g = min(g, lim)

@@ -42,7 +42,7 @@ ISA_NAMES = ("scalar", "avx2", "avx512", "avx512vnni")
 DTYPE_CODES = {"fp32": 0, "bf16": 1, "int4": 2, "q8": 3, "mxfp4": 4}
 ROWS_CODES = {"q8": 3, "int4": 2, "fp8": 16}  # row-major matrices (moed_cpu_rows_many; MOED_ROWS_FP8)
 ROWS_GGML = 17  # a decode-chain linear kept as GGUF block rows (MOED_ROWS_GGML)
-ACT_CODES = {"silu": 0, "gpt_oss": 1}
+ACT_CODES = {"silu": 0, "gpt_oss": 1, "clamped_silu": 2}  # moed_activate's kinds
 SPIN_NS = int(float(os.environ.get("MOED_SPIN_US", "30")) * 1000)  # idle threads spin this long, then sleep
 MAX_DENSE = 8  # weights per dense_bf16_many call (MOED_DENSE_MAX in moe.c)
 MAX_TOKENS = 16  # the native MoE path serves decode and small batches; more tokens go to torch GEMMs
@@ -97,7 +97,7 @@ def ggml_layer(bank, moe_layer: int) -> _GgmlLayer:
         if s is not None and (s.dtype != torch.float32 or tuple(s.shape) != (e,) or not s.is_contiguous()):
             raise ValueError(f"ggml bank {kind}.{moe_layer}.scale: {s.dtype} {tuple(s.shape)} is not contiguous "
                              f"float32 [{e}]")
-    return _GgmlLayer(*mats, e, 0 if act.kind == "silu" else 1, act.alpha,
+    return _GgmlLayer(*mats, e, ACT_CODES[act.kind], act.alpha,
                       act.limit if math.isfinite(act.limit) else 3.0e38,
                       None if gu is None else gu.data_ptr() + moe_layer * e * gu.shape[1] * 4,
                       None if dn is None else dn.data_ptr() + moe_layer * e * dn.shape[1] * 4,

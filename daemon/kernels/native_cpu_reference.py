@@ -84,11 +84,14 @@ def strip_reference(dtype: str, arrays: tuple[torch.Tensor, ...], x: torch.Tenso
 
 
 def _activate(gate_up: torch.Tensor, act) -> torch.Tensor:
-    """``[T, 2I]`` (gate, then up) -> ``[T, I]``: SwiGLU, or gpt-oss's clamped variant (``act.kind``)."""
+    """``[T, 2I]`` (gate, then up) -> ``[T, I]``: SwiGLU, DeepSeek-V4's clamped SwiGLU, or gpt-oss's clamped variant
+    (``act.kind``)."""
     inter = gate_up.shape[-1] // 2
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
     if act.kind == "silu":
         return torch.nn.functional.silu(gate) * up
+    if act.kind == "clamped_silu":
+        return torch.nn.functional.silu(gate.clamp(max=act.limit)) * up.clamp(min=-act.limit, max=act.limit)
     gate = gate.clamp(max=act.limit)
     up = up.clamp(min=-act.limit, max=act.limit)
     return (up + 1.0) * (gate * torch.sigmoid(gate * act.alpha))

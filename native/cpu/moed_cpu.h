@@ -111,11 +111,14 @@ void moed_quantize_act(const float *x, int T, int64_t K, int8_t *xq, float *xs, 
 void moed_quantize_act_span(const float *x, int T, int64_t K, int span, int8_t *xq, float *xs, float *xsum);
 
 /* the expert activation of gate g and up u: 0 silu(g) * u; 1 gpt-oss's clamped SwiGLU */
+/* kind 0: SwiGLU; 1: gpt-oss's (gate <= limit, |up| <= limit, sigmoid(alpha g) gate, up + 1); 2: DeepSeek-V4's
+ * (SwiGLU on gate <= limit and |up| <= limit) */
 static inline float moed_activate(int kind, float g, float u, float alpha, float limit) {
     if (kind == 0) return g / (1.0f + expf(-g)) * u;
     g = g < limit ? g : limit;
     u = u < limit ? u : limit;
     u = u > -limit ? u : -limit;
+    if (kind == 2) return g / (1.0f + expf(-g)) * u;
     return (u + 1.0f) * (g / (1.0f + expf(-g * alpha)));
 }
 

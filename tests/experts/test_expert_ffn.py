@@ -28,7 +28,7 @@ def _bank(dtype: str, kind: str, bias: bool, seed: int = 0) -> ExpertBank:
     if bias:
         biases = dict(gate_up_bias=torch.randn(n, 2 * I, generator=gen), down_bias=torch.randn(n, D, generator=gen))
     return build_expert_bank(
-        gate_up * 4,  # large enough that gpt_oss's clamps are hit
+        gate_up * 4,  # large enough that the clamps (gpt_oss, clamped_silu) are hit
         down,
         num_moe_layers=LAYERS,
         num_experts=EXPERTS,
@@ -40,7 +40,7 @@ def _bank(dtype: str, kind: str, bias: bool, seed: int = 0) -> ExpertBank:
 
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "int4", "q8", "mxfp4"])
-@pytest.mark.parametrize("kind,bias", [("silu", False), ("gpt_oss", True), ("silu", True)])
+@pytest.mark.parametrize("kind,bias", [("silu", False), ("gpt_oss", True), ("silu", True), ("clamped_silu", True)])
 def test_matches_reference(dtype: str, kind: str, bias: bool, tokens: int) -> None:
     bank = _bank(dtype, kind, bias)
     x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens))

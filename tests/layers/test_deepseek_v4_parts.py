@@ -153,3 +153,16 @@ def test_the_routers_match_transformers(hashed):
     order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)  # the same experts (topk's order is unspecified)
     assert torch.equal(order.values, want_order.values)
     assert torch.allclose(weights.gather(1, order.indices), want_w.gather(1, want_order.indices), atol=1e-6)
+
+
+def test_the_clamped_swiglu_matches_transformers_experts():
+    """DeepSeek-V4's experts: silu(min(gate, limit)) * clamp(up, -limit, limit), in moed's torch path."""
+    from moed.cache.host_bank import ExpertActivation
+    from moed.experts.expert_ffn import apply_activation
+
+    experts = ref.DeepseekV4Experts(_config())
+    gate_up = torch.randn(9, 64, generator=torch.Generator().manual_seed(11)) * 20  # past the limit (10) both ways
+    with torch.no_grad():
+        want = experts._apply_gate(gate_up)
+    got = apply_activation(gate_up, ExpertActivation("clamped_silu", limit=experts.limit))
+    assert torch.allclose(got, want, atol=1e-6) and bool((gate_up.abs() > 10).any())
