@@ -117,3 +117,15 @@ def test_fit_plans_the_real_v4_flash_config(tmp_path):
     assert all(f.runs for f in fits[9:])
     report = format_report(needs, fits)
     assert "deepseek_v4: 43 layers, 256 experts (top 6), 284." in report and "as mxfp4" in report
+
+
+def test_the_attention_weights_come_from_the_checkpoint(tiny_v4):
+    from moed.layers.compressed_attention import CompressedAttentionWeights
+
+    checkpoint = HfCheckpoint(tiny_v4)
+    weights = {name: checkpoint.read_weight(name) for name in checkpoint.weight_keys}
+    sliding, csa, hca = (CompressedAttentionWeights.from_weights(weights, f"model.layers.{i}.attn") for i in range(3))
+    assert sliding.compressor is None and sliding.indexer is None
+    assert csa.compressor.overlap and csa.compressor.ratio == 4 and csa.indexer.compressor.head_dim == 16
+    assert not hca.compressor.overlap and hca.compressor.ratio == 8 and hca.indexer is None
+    assert tuple(csa.wo_a.shape) == (2 * 16, 4 * 32 // 2) and tuple(hca.sinks.shape) == (4,)
