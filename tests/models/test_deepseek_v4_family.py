@@ -30,11 +30,27 @@ TINY = dict(vocab_size=64, hidden_size=64, moe_intermediate_size=32, num_hidden_
 
 
 @pytest.fixture(scope="module")
-def tiny_v4(tmp_path_factory):
+def tiny_v4_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("v4")
     torch.manual_seed(0)
-    tf.AutoModelForCausalLM.from_config(tf.DeepseekV4Config(**TINY)).save_pretrained(path)
-    return path
+    config = tf.DeepseekV4Config(**TINY)
+    config._attn_implementation = "eager"
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # hash tables and correction biases that route (zeros would send every token to expert 0)
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if hasattr(gate, "tid2eid"):
+                gate.tid2eid.copy_(torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(64)]))
+            else:
+                gate.e_score_correction_bias.copy_(torch.randn(4, generator=gen) * 0.1)
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tiny_v4_model):
+    return tiny_v4_model[0]
 
 
 def test_the_config_parses_into_v4s_parts(tiny_v4):
@@ -129,3 +145,25 @@ def test_the_attention_weights_come_from_the_checkpoint(tiny_v4):
     assert csa.compressor.overlap and csa.compressor.ratio == 4 and csa.indexer.compressor.head_dim == 16
     assert not hca.compressor.overlap and hca.compressor.ratio == 8 and hca.indexer is None
     assert tuple(csa.wo_a.shape) == (2 * 16, 4 * 32 // 2) and tuple(hca.sinks.shape) == (4,)
+
+
+def test_the_reference_forward_is_transformers(tiny_v4_model):
+    """The parts composed as the model runs them (models/deepseek_v4_reference.py), on the checkpoint's tensors
+    as moed reads them: transformers' logits over a prompt longer than the window and several compression windows."""
+    from moed.models.deepseek_v4_reference import forward_sequence
+
+    path, model = tiny_v4_model
+    checkpoint = HfCheckpoint(path)
+    weights = {name: checkpoint.read_weight(name) for name in checkpoint.weight_keys}
+
+    def experts(layer, e):
+        prefix = f"model.layers.{layer}.ffn.experts.{e}."
+        return tuple(checkpoint.source.get(prefix + w + ".weight", None) for w in ("w1", "w3", "w2"))
+
+    ids = torch.randint(3, 64, (27,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(ids.view(1, -1)).logits[0]
+        got = forward_sequence(checkpoint.config, weights, experts, ids)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
