@@ -70,33 +70,41 @@ def ggml_shape_ok(dtype: str, hidden: int, inter: int) -> bool:
 def _random_ggml_bank(hidden: int, inter: int, dtype: str, bank_bytes: int, seed: int) -> ExpertBank:
     """A one-layer ggml bank of random valid blocks of one type, at least ``bank_bytes``."""
     from moed.kernels.ggml_rows_format import row_bytes
-    from moed.kernels.gguf_quants import block_size, type_id
+    from moed.kernels.gguf_quants import type_id
 
     name = dtype[len(GGML_PREFIX):]
     ggml_type = type_id(name)
-    bsize = block_size(ggml_type)[1]
     per_expert = 2 * inter * row_bytes(ggml_type, hidden) + hidden * row_bytes(ggml_type, inter)
     experts = max(8, math.ceil(bank_bytes / per_expert))
     gen = torch.Generator().manual_seed(seed)
     tensors, types = {}, {}
     for kind, rows, k in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
-        raw = torch.randint(0, 256, (experts, rows, row_bytes(ggml_type, k)), dtype=torch.uint8, generator=gen)
-        blocks = raw.view(-1, bsize)
-        if name == "MXFP4":
-            blocks[:, 0] = 127
-        if name == "NVFP4":  # its four E4M3 scales: 0x38 is 1.0
-            blocks[:, 0:4] = 0x38
-        if name == "MXFP8":  # 2^0, and finite e4m3 codes (0x7F / 0xFF are NaN)
-            blocks[:, 0] = 127
-            blocks[:, 1:] &= 0x77
-        if name == "FP8_B128":  # a float32 scale of 0.01, finite codes
-            blocks[:, 0:4] = torch.tensor([0.01], dtype=torch.float32).view(torch.uint8)
-            blocks[:, 4:] &= 0x77
-        for off in _FP16_FIELDS.get(name, ()):
-            blocks[:, off:off + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
-        tensors[f"{kind}.0"], types[f"{kind}.0"] = raw, ggml_type
+        tensors[f"{kind}.0"], types[f"{kind}.0"] = random_rows(name, (experts, rows), k, gen), ggml_type
     return ExpertBank(num_moe_layers=1, num_experts=experts, hidden_size=hidden, intermediate_size=inter,
                       dtype=GGML_BANK, activation=ExpertActivation("silu"), tensors=tensors, row_types=types)
+
+
+def random_rows(name: str, lead: tuple[int, ...], k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random valid rows of GGML type ``name`` (``uint8 [*lead, row_bytes]``): finite, moderate scales."""
+    from moed.kernels.ggml_rows_format import row_bytes
+    from moed.kernels.gguf_quants import block_size, type_id
+
+    ggml_type = type_id(name)
+    raw = torch.randint(0, 256, (*lead, row_bytes(ggml_type, k)), dtype=torch.uint8, generator=gen)
+    blocks = raw.view(-1, block_size(ggml_type)[1])
+    if name == "MXFP4":
+        blocks[:, 0] = 127
+    if name == "NVFP4":  # its four E4M3 scales: 0x38 is 1.0
+        blocks[:, 0:4] = 0x38
+    if name == "MXFP8":  # 2^0, and finite e4m3 codes (0x7F / 0xFF are NaN)
+        blocks[:, 0] = 127
+        blocks[:, 1:] &= 0x77
+    if name == "FP8_B128":  # a float32 scale of 0.01, finite codes
+        blocks[:, 0:4] = torch.tensor([0.01], dtype=torch.float32).view(torch.uint8)
+        blocks[:, 4:] &= 0x77
+    for off in _FP16_FIELDS.get(name, ()):
+        blocks[:, off:off + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    return raw
 
 
 def _read_pass(buf: np.ndarray) -> float:
@@ -205,7 +213,8 @@ def bench_kernels(
     return rows
 
 
-DENSE_DTYPES = ("bf16", "q8", "int4", "fp8")  # dense projections: bf16, a quantised GGUF's rows, FP8 as stored
+# dense projections: bf16, q8 / int4 rows, FP8 as stored, and a GGUF's own types (Q4_K_M's Q4_K and Q6_K)
+DENSE_DTYPES = ("bf16", "q8", "int4", "fp8", "q4_k", "q6_k")
 
 
 def _dense_matrices(n: int, k: int, dtype: str, total_bytes: int, seed: int) -> tuple[list, int]:
@@ -215,8 +224,13 @@ def _dense_matrices(n: int, k: int, dtype: str, total_bytes: int, seed: int) -> 
     from moed.kernels.q8_format import quantize_q8
     from moed.kernels.rows_format import rows_from_kn
 
+    from moed.layers.packed_linear import GGML_LINEAR
+    from moed.kernels.gguf_quants import type_name
+
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
-    if dtype == "bf16":
+    if dtype in GGML_LINEAR:  # random valid rows of the GGUF type, as a file keeps them
+        one = (random_rows(type_name(GGML_LINEAR[dtype]), (n,), k, torch.Generator().manual_seed(seed)),)
+    elif dtype == "bf16":
         one: tuple[torch.Tensor, ...] = (w.bfloat16(),)
     elif dtype == "fp8":  # e4m3 codes and a float32 scale per 128 weights of a row (an FP8 checkpoint's)
         one = ((w * 400).to(torch.float8_e4m3fn).view(torch.uint8).contiguous(), torch.full((n, k // 128), 1 / 400.0))
@@ -246,8 +260,10 @@ def bench_dense(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str] = DENSE
     rows: list[dict[str, Any]] = []
     for dtype in dtypes:
         for n, k in shapes:
-            if dtype == "fp8" and k % 128:
-                continue  # FP8 rows hold whole 128-weight blocks
+            from moed.layers.packed_linear import GGML_LINEAR, can_pack
+
+            if (dtype == "fp8" and k % 128) or (dtype in GGML_LINEAR and not can_pack(k, n, dtype)):
+                continue  # FP8 rows hold whole 128-weight blocks, a GGUF type's rows whole blocks of it
             mats, nbytes = _dense_matrices(n, k, dtype, total_bytes, seed)
             x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed))
 
@@ -256,6 +272,8 @@ def bench_dense(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str] = DENSE
                 for arrays in mats:
                     if dtype == "bf16":
                         lib.dense_bf16_many(x, arrays)
+                    elif dtype in GGML_LINEAR:
+                        lib.ggml_rows([(arrays[0], GGML_LINEAR[dtype])], x)
                     else:
                         lib.rows_many(dtype, [arrays], x)
                 return time.perf_counter() - t0
