@@ -142,11 +142,62 @@ static inline __attribute__((always_inline)) void fdot_avx2(int type, const uint
     for (int t0 = 0; t0 < T; t0 += MAXT) /* MAXT tokens at a time: the accumulators stay in registers */          \
         fn(TYPE, row, K, x + (int64_t)t0 * K, T - t0 < MAXT ? T - t0 : MAXT, y + (int64_t)t0 * ldy, ldy)
 
+/* 32 codes of one group times 32 activations, two chains */
+static inline __attribute__((always_inline)) __m256 group32_avx2(const uint8_t *c, const float *x) {
+    __m256 p0 = _mm256_mul_ps(fp8x8_avx2(c), _mm256_loadu_ps(x));
+    __m256 p1 = _mm256_mul_ps(fp8x8_avx2(c + 8), _mm256_loadu_ps(x + 8));
+    p0 = _mm256_fmadd_ps(fp8x8_avx2(c + 16), _mm256_loadu_ps(x + 16), p0);
+    p1 = _mm256_fmadd_ps(fp8x8_avx2(c + 24), _mm256_loadu_ps(x + 24), p1);
+    return _mm256_add_ps(p0, p1);
+}
+
+/* one token (decode): named accumulators, several blocks' chains side by side */
+static inline __attribute__((always_inline)) float fdot1_avx2(int type, const uint8_t *row, int64_t K,
+                                                              const float *x) {
+    int bw, bb, head;
+    moed_ggml_fp8_block(type, &bw, &bb, &head);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    const int64_t blocks = K / bw;
+    int64_t b = 0;
+    if (bw == 32) {
+        for (; b + 4 <= blocks; b += 4) {
+            const uint8_t *blk = row + b * 33;
+            const float *xb = x + b * 32;
+            _mm_prefetch((const char *)blk + FP8_PF, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + FP8_PF + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + FP8_PF + 128, _MM_HINT_T0);
+            a0 = _mm256_fmadd_ps(group32_avx2(blk + 1, xb), _mm256_broadcast_ss(scale_at(type, blk)), a0);
+            a1 = _mm256_fmadd_ps(group32_avx2(blk + 34, xb + 32), _mm256_broadcast_ss(scale_at(type, blk + 33)), a1);
+            a2 = _mm256_fmadd_ps(group32_avx2(blk + 67, xb + 64), _mm256_broadcast_ss(scale_at(type, blk + 66)), a2);
+            a3 = _mm256_fmadd_ps(group32_avx2(blk + 100, xb + 96), _mm256_broadcast_ss(scale_at(type, blk + 99)), a3);
+        }
+    }
+    for (; b < blocks; b++) {
+        const uint8_t *blk = row + b * bb;
+        const float *xb = x + b * bw;
+        _mm_prefetch((const char *)blk + FP8_PF, _MM_HINT_T0);
+        if (bw == 128) _mm_prefetch((const char *)blk + FP8_PF + 64, _MM_HINT_T0);
+        __m256 p = group32_avx2(blk + head, xb);
+        for (int g = 32; g < bw; g += 32) p = _mm256_add_ps(p, group32_avx2(blk + head + g, xb + g));
+        if (b & 1)
+            a1 = _mm256_fmadd_ps(p, _mm256_broadcast_ss(scale_at(type, blk)), a1);
+        else
+            a0 = _mm256_fmadd_ps(p, _mm256_broadcast_ss(scale_at(type, blk)), a0);
+    }
+    const __m256 acc = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v) * 256.0f;  /* the codes were read as value / 256 */
+}
+
 static void fdot_fp8_b128_avx2(const uint8_t *row, int64_t K, const float *x, int T, float *y, int64_t ldy) {
+    if (T == 1) { y[0] = fdot1_avx2(MOED_GGML_FP8_B128, row, K, x); return; }
     FDOT_TOKENS(fdot_avx2, MOED_GGML_FP8_B128);
 }
 
 static void fdot_mxfp8_avx2(const uint8_t *row, int64_t K, const float *x, int T, float *y, int64_t ldy) {
+    if (T == 1) { y[0] = fdot1_avx2(MOED_GGML_MXFP8, row, K, x); return; }
     FDOT_TOKENS(fdot_avx2, MOED_GGML_MXFP8);
 }
 #pragma GCC pop_options
