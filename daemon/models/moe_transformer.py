@@ -7,7 +7,6 @@ from __future__ import annotations
 
 
 import torch
-import torch.nn.functional as F
 
 from moed.cache.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, kv_bytes_per_token, kv_dtype_for
 from moed.errors import ModelFormatError

@@ -103,8 +103,6 @@ def test_an_mla_models_fp8_linears_stay_fp8_on_a_cpu_only_load(tmp_path, family)
     """DeepSeek-V3's layout with 128 x 128 blocks: a CPU-only load keeps the FP8 linears as stored (e4m3 codes
     and their block scales, ``PackedLinear("fp8")``, half the bytes of bf16) and its logits are transformers'
     on the dequantised weights; kv_b (the absorbed decode splits it per head) and a device load widen to bf16."""
-    import transformers as tf
-
     from helpers.tiny_models import tiny_config
     from moed.config import EngineConfig
     from moed.layers.packed_linear import PackedLinear
@@ -114,15 +112,7 @@ def test_an_mla_models_fp8_linears_stay_fp8_on_a_cpu_only_load(tmp_path, family)
     config.hidden_size = config.q_lora_rank = config.kv_lora_rank = 128
     config.intermediate_size = config.moe_intermediate_size = 128
     config.qk_nope_head_dim, config.v_head_dim = 32, 32  # o_proj's K: 4 heads x 32
-    src = tmp_path / "f32"
-    build_tiny_model(family, src, config=config)
-    dst = tmp_path / "fp8"
-    weights = write_fp8_checkpoint(src, dst, (128, 128))
-    ref_dir = tmp_path / "dequantised"
-    ref_dir.mkdir()
-    save_file(weights, ref_dir / "model.safetensors")
-    (ref_dir / "config.json").write_text((src / "config.json").read_text())
-    reference = tf.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    dst, reference = _fp8_checkpoint_and_reference(tmp_path, family, config)
     stored = load_file(dst / "model.safetensors")
 
     runtime = open_runtime(dst, experts_dtype="fp32")  # the CPU (open_runtime's default device)
@@ -156,8 +146,6 @@ def test_gqa_and_hybrid_models_fp8_attention_stays_fp8_on_a_cpu_only_load(tmp_pa
     """Qwen3-Next's layout (its CPU decode runs layer by layer) and Qwen3-MoE's (Qwen3-30B-A3B-FP8: the native
     decode chain multiplies the FP8 rows): the attention layers' FP8 projections stay as stored and the model
     matches transformers on the dequantised weights."""
-    import transformers as tf
-
     from helpers.tiny_models import tiny_config
     from moed.layers.packed_linear import PackedLinear
     from moed.models.decode_chain import DecodeChain
@@ -168,15 +156,8 @@ def test_gqa_and_hybrid_models_fp8_attention_stays_fp8_on_a_cpu_only_load(tmp_pa
         config.shared_expert_intermediate_size = 128
     else:  # o_proj's K: 4 heads x 32
         config.num_attention_heads, config.head_dim = 4, 32
-    src = tmp_path / "f32"
-    build_tiny_model(family, src, config=config)
-    weights = write_fp8_checkpoint(src, tmp_path / "fp8", (128, 128))
-    ref_dir = tmp_path / "dequantised"
-    ref_dir.mkdir()
-    save_file(weights, ref_dir / "model.safetensors")
-    (ref_dir / "config.json").write_text((src / "config.json").read_text())
-    reference = tf.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    runtime = open_runtime(tmp_path / "fp8", experts_dtype="fp32")
+    dst, reference = _fp8_checkpoint_and_reference(tmp_path, family, config)
+    runtime = open_runtime(dst, experts_dtype="fp32")
     try:
         w = runtime.loaded.weights
         assert all(isinstance(w[f"model.layers.1.self_attn.{p}_proj.weight"], PackedLinear) for p in "qkvo")
@@ -196,8 +177,6 @@ def test_fp8_experts_stay_fp8_on_a_cpu_only_load(tmp_path, family):
     every row decodes to the independent reference's values, the estimate counts those bytes, the model matches
     transformers on the dequantised weights within the int8 activations' error, and a device load still builds
     the bf16 bank."""
-    import transformers as tf
-
     from helpers.tiny_models import tiny_config
     from moed.config import EngineConfig
     from moed.kernels.fp8_block_format import FP8_B128
@@ -212,15 +191,7 @@ def test_fp8_experts_stay_fp8_on_a_cpu_only_load(tmp_path, family):
     else:
         config.q_lora_rank = config.kv_lora_rank = 128
         config.qk_nope_head_dim, config.v_head_dim = 32, 32
-    src = tmp_path / "f32"
-    build_tiny_model(family, src, config=config)
-    dst = tmp_path / "fp8"
-    weights = write_fp8_checkpoint(src, dst, (128, 128))
-    ref_dir = tmp_path / "dequantised"
-    ref_dir.mkdir()
-    save_file(weights, ref_dir / "model.safetensors")
-    (ref_dir / "config.json").write_text((src / "config.json").read_text())
-    reference = tf.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    dst, reference = _fp8_checkpoint_and_reference(tmp_path, family, config)
 
     checkpoint = HfCheckpoint(dst)
     assert checkpoint.default_bank_dtype() == "bf16" and checkpoint.prefers_ggml()
@@ -251,3 +222,20 @@ def test_fp8_experts_stay_fp8_on_a_cpu_only_load(tmp_path, family):
         assert device.loaded.bank.dtype == "bf16"
     finally:
         device.close()
+
+
+def _fp8_checkpoint_and_reference(tmp_path, family, config):
+    """``config`` built as a tiny float model, written as a 128 x 128 block-scaled FP8 checkpoint; returns its path
+    and transformers in float32 on its dequantised weights."""
+    import transformers as tf
+
+    src = tmp_path / "f32"
+    build_tiny_model(family, src, config=config)
+    dst = tmp_path / "fp8"
+    weights = write_fp8_checkpoint(src, dst, (128, 128))
+    ref_dir = tmp_path / "dequantised"
+    ref_dir.mkdir()
+    save_file(weights, ref_dir / "model.safetensors")
+    (ref_dir / "config.json").write_text((src / "config.json").read_text())
+    reference = tf.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="eager")
+    return dst, reference.eval()
