@@ -254,6 +254,18 @@ class KVCache:
             return q8_0.dequantize(out, take(self.layers[layer][name + q8_0.SCALE_SUFFIX]), dtype or torch.float32)
         return out if dtype is None else out.to(dtype)
 
+    def write_positions(self, layer: int, name: str, values: torch.Tensor, batch, row: int,
+                        positions: torch.Tensor) -> None:
+        """Store ``values [P, ...]`` at ``positions`` (int64 [P], inside what row ``row``'s block table covers)
+        of one row: entries written for earlier positions than the step's own (DeepSeek-V4's compressed entries,
+        sliced over their window's slots). Float pools only."""
+        if self.quantized:
+            raise ValueError(f"KV entry {name!r}: position writes need a float pool, not q8_0")
+        bs = self.block_size
+        flat = self._row_blocks(batch, row)[positions // bs] * bs + positions % bs
+        store = self.layers[layer][name]
+        store.view(-1, *store.shape[2:]).index_copy_(0, flat, values.to(store.dtype))
+
     def write(self, layer: int, name: str, values: torch.Tensor, batch) -> None:
         """values [R, T, ...]: store each sequence's new tokens at their positions (cast to the pool's dtype)."""
         store = self.layers[layer][name]

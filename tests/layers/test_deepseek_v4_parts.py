@@ -212,3 +212,63 @@ def test_the_attention_over_a_sequence_matches_transformers(layer, rope):
                               eps=config.rms_norm_eps)
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def _moed_attention(config, layer, seed):
+    """transformers' attention module with random weights, and the same weights as moed's."""
+    from moed.layers.compressed_attention import CompressedAttentionWeights, IndexerWeights
+
+    config._attn_implementation = "eager"
+    m = _randomise(ref.DeepseekV4Attention(config, layer), seed).eval()
+
+    def comp(c, overlap):
+        return CompressorWeights(c.kv_proj.weight.detach(), c.gate_proj.weight.detach(), c.position_bias.detach(),
+                                 c.kv_norm.weight.detach(), overlap)
+
+    compressor = indexer = None
+    if m.compressor is not None:
+        csa = hasattr(m.compressor, "indexer")
+        compressor = comp(m.compressor, csa)
+        if csa:
+            x = m.compressor.indexer
+            indexer = IndexerWeights(x.q_b_proj.weight.detach(), x.scorer.weights_proj.weight.detach(), comp(x, True))
+    d = lambda t: t.detach()  # noqa: E731
+    return m, CompressedAttentionWeights(d(m.q_a_proj.weight), d(m.q_a_norm.weight), d(m.q_b_proj.weight),
+                                         d(m.kv_proj.weight), d(m.kv_norm.weight), d(m.o_a_proj.weight),
+                                         d(m.o_b_proj.weight), d(m.sinks), compressor, indexer)
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
+def test_the_paged_attention_gives_the_sequence_attention_step_by_step(layer):
+    """Two sequences in one batch, prefilled in uneven chunks then decoded a token at a time on the paged cache
+    (shared K=V rows, compressed entries sliced over their windows' slots, open windows in the state slots): every
+    position's output is the whole-sequence attention's."""
+    from moed.cache.kv_cache import KVCache
+    from moed.layers.compressed_attention import CompressedAttention, attend_sequence
+    from moed.models.families import parse_model_config
+    from moed.runner.forward_batch import ForwardBatch
+
+    config = _config(index_n_heads=16)  # relu(q.k) of few heads is often exactly 0: ties the top-k may break either way
+    _, weights = _moed_attention(config, layer, 30 + layer)
+    parsed = parse_model_config({**config.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]})
+    main, comp_rope = (RotaryEmbedding(r, parsed.max_position_embeddings) for r in (parsed.rope, parsed.compress_rope))
+    kw = dict(window=config.sliding_window, ratio=parsed.compress_ratios[layer], rotary=main, compress_rotary=comp_rope,
+              eps=config.rms_norm_eps)
+    paged = CompressedAttention(parsed.attention, weights, 0, **kw)
+    seq = 29
+    hidden = [torch.randn(seq, 64, generator=torch.Generator().manual_seed(s)) for s in (40, 41)]
+    with torch.no_grad():
+        want = [attend_sequence(weights, parsed.attention, h, **kw) for h in hidden]
+    cache = KVCache.for_slots([paged.cache_entries()], 2, 64, block_size=4, state_shapes=[paged.state_shapes()])
+    got = [torch.zeros(seq, 64) for _ in hidden]
+    start = 0
+    for n in (13, 7) + (1,) * 9:
+        batch = ForwardBatch.from_token_lists([[0] * n, [0] * n], [start, start], [1, 0])
+        x = torch.stack([h[start:start + n] for h in hidden])
+        with torch.no_grad():
+            out = paged.forward(x, batch, cache)
+        for i in range(2):
+            got[i][start:start + n] = out[i]
+        start += n
+    for g, w_ in zip(got, want):
+        assert torch.allclose(g, w_, atol=1e-4, rtol=1e-4), (g - w_).abs().max()
