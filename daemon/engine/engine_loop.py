@@ -100,7 +100,9 @@ class EngineLoop:
             eos |= set(runtime.tokenizer.eos_token_ids)
         self._eos_ids = frozenset(eos)
         # hybrid models: prefill stops and recurrent-state snapshots at semantic boundaries
-        self._checkpoints = HybridCheckpoints(self._kv, self._scheduler, boundary_ids(runtime.tokenizer, eos))
+        # (DeepSeek-V4 snaps them to a multiple of its largest compression ratio: checkpoint_granularity)
+        self._checkpoints = HybridCheckpoints(self._kv, self._scheduler, boundary_ids(runtime.tokenizer, eos),
+                                              getattr(runtime.model, "checkpoint_granularity", DEFAULT_BLOCK_SIZE))
         self._cache = (runtime.model.new_pool(num_blocks, DEFAULT_BLOCK_SIZE, state_slots=max_batch) if recurrent
                        else runtime.model.new_pool(num_blocks, DEFAULT_BLOCK_SIZE))
 

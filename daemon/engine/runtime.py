@@ -98,7 +98,13 @@ def open_runtime(path: str | Path, *, experts_dtype: str | None = None, verify: 
     compile_expert_kernels(loaded.bank)
     executor = build_executor(loaded.bank, engine, trace_out=trace_out)
     device = model_device(executor, engine, loaded.weights)
-    model = MoeTransformer(loaded.config, loaded.weights, executor, where=str(loaded.path), device=device)
+    if loaded.config.attention.kind == "compressed":  # DeepSeek-V4: its own model, on the host
+        from moed.models.deepseek_v4 import DeepseekV4Transformer
+
+        device = None
+        model = DeepseekV4Transformer(loaded.config, loaded.weights, executor, where=str(loaded.path))
+    else:
+        model = MoeTransformer(loaded.config, loaded.weights, executor, where=str(loaded.path), device=device)
     if device is not None:
         executor.model_on_device = True  # hidden states, routing and results stay on the device
         # the host copies go: on a GPU the weights now live in VRAM, and host RAM would hold them twice

@@ -224,7 +224,7 @@ def _dense_matrices(n: int, k: int, dtype: str, total_bytes: int, seed: int) -> 
     from moed.kernels.q8_format import quantize_q8
     from moed.kernels.rows_format import rows_from_kn
 
-    from moed.layers.packed_linear import GGML_LINEAR
+    from moed.kernels.ggml_rows_format import LINEAR_TYPES as GGML_LINEAR
     from moed.kernels.gguf_quants import type_name
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
@@ -260,9 +260,10 @@ def bench_dense(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str] = DENSE
     rows: list[dict[str, Any]] = []
     for dtype in dtypes:
         for n, k in shapes:
-            from moed.layers.packed_linear import GGML_LINEAR, can_pack
+            from moed.kernels.ggml_rows_format import LINEAR_TYPES as GGML_LINEAR
+            from moed.kernels.gguf_quants import block_size
 
-            if (dtype == "fp8" and k % 128) or (dtype in GGML_LINEAR and not can_pack(k, n, dtype)):
+            if (dtype == "fp8" and k % 128) or (dtype in GGML_LINEAR and k % block_size(GGML_LINEAR[dtype])[0]):
                 continue  # FP8 rows hold whole 128-weight blocks, a GGUF type's rows whole blocks of it
             mats, nbytes = _dense_matrices(n, k, dtype, total_bytes, seed)
             x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed))

@@ -23,6 +23,11 @@ ROW_TYPES: tuple[int, ...] = (q.Q8_0, q.Q4_0, q.Q4_1, q.Q5_0, q.Q5_1, q.Q2_K, q.
 GGUF_ROW_TYPES: tuple[int, ...] = tuple(t for t in ROW_TYPES if t not in q.MOED_TYPES)
 
 
+# the row types a PackedLinear keeps by name (the type's name in lower case: "q4_k", "mxfp8" ...; layers/packed_linear.py).
+# Q8_0 is left out: a linear keeps it as "q8", the same codes and scales in moed's q8 rows layout
+LINEAR_TYPES: dict[str, int] = {q.type_name(t).lower(): t for t in ROW_TYPES if t != q.Q8_0}
+
+
 # values per activation scale the kernels of a type need (native/cpu/ggml_rows.h, moed_ggml_act_span):
 # the K-quants' AVX-512 VNNI kernels sum a super-block in integers, so its activations share one scale
 ACT_SPAN: dict[int, int] = {q.Q2_K: 256, q.Q3_K: 256, q.Q4_K: 256, q.Q5_K: 256, q.Q6_K: 256}

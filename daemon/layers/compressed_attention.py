@@ -237,6 +237,9 @@ class CompressedAttention:
             if not n:
                 continue
             part = slice(off, off + n)
+            if self.ratio and start == 0:  # a new sequence: its slot's windows start empty
+                for t in cache.states[self.layer].values():
+                    t[slots[seq]].zero_()
             if self.ratio:
                 self._compress_into(cache, batch, seq, slots[seq], "c", w.compressor, "ckv", h[row, part], start)
                 if w.indexer is not None:

@@ -35,7 +35,7 @@ GROUP = 32  # weights per scale along K, q8 and int4 (fp8: FP8_BLOCK; GGUF types
 NVFP4_BLOCK = 64  # weights of one llama.cpp NVFP4 block (36 bytes)
 # GGUF block types kept as stored: dtype name (the type's name in lower case) -> GGML type id. Q8_0 is
 # "q8" (its rows layout holds the same codes and fp16 scales, and the decode chain's q8 kernels read it)
-GGML_LINEAR: dict[str, int] = {q.type_name(t).lower(): t for t in ggml_rows_format.ROW_TYPES if t != q.Q8_0}
+GGML_LINEAR: dict[str, int] = ggml_rows_format.LINEAR_TYPES
 PACKED_DTYPES = ("q8", "int4", "fp8", *GGML_LINEAR)
 
 

@@ -20,7 +20,7 @@ from moed.weights.ftw_format import source_fingerprint_of
 from moed.weights.ftw_writer import FtwStreamWriter, StaleReport, TensorSpec
 from moed.weights.expert_chunk import bank_rows
 from moed.weights.checkpoint import open_checkpoint
-from moed.weights.model_loader import BANK_PREFIX, bank_metadata_for, check_bank_dtype, is_ftw_dir, refuse_unrunnable
+from moed.weights.model_loader import BANK_PREFIX, bank_metadata_for, check_bank_dtype, is_ftw_dir
 
 log = logging.getLogger("moed.weights")
 
@@ -39,7 +39,6 @@ def convert_model(src: str | Path, dst: str | Path, *, experts_dtype: str | None
     if is_ftw_dir(src):
         raise ModelFormatError(f"{src} is already an FTW model; convert from the Hugging Face directory or GGUF file")
     checkpoint = open_checkpoint(src)
-    refuse_unrunnable(checkpoint, src)
     config = checkpoint.config
     experts_dtype = experts_dtype or checkpoint.default_bank_dtype()
     check_bank_dtype(config, experts_dtype)

@@ -14,7 +14,7 @@ from moed.cache.bank_builder import bank_tensor_specs
 from moed.cache.expert_dtypes import GGML_BANK
 from moed.cache.host_bank import EXPERT_DTYPES, INT4_GROUP_SIZE, ExpertActivation, ExpertBank
 from moed.cache.kv_cache import kv_dtype_for
-from moed.errors import InvalidRequestError, ModelFormatError, UnsupportedModelError
+from moed.errors import InvalidRequestError, ModelFormatError
 from moed.layers.packed_linear import PackedLinear
 from moed.models.families import parse_model_config
 from moed.models.model_config import ModelConfig
@@ -85,7 +85,6 @@ def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights
                     "to change the expert format")
         return _load_ftw_model(path, verify, progress)
     checkpoint = open_checkpoint(path)
-    refuse_unrunnable(checkpoint, path)
     _keep_fp8(checkpoint, cpu_only and weights_dtype == "auto")
     bank_dtype = _bank_dtype(checkpoint, kind, experts_dtype, cpu_only)
     if kind in ("gguf", "hf"):  # nothing the file holds changes silently (issue #31)
@@ -99,13 +98,6 @@ def _load(path: Path, experts_dtype: str | None, verify: bool, progress, weights
     weights = {name: _read_run_weight(checkpoint, name, wanted) for name in checkpoint.weight_keys}
     tokenizer_files = checkpoint.tokenizer_files() if kind == "gguf" else None
     return LoadedModel(path, kind, checkpoint.config, weights, bank, tokenizer_files)
-
-
-def refuse_unrunnable(checkpoint: Checkpoint, path: Path) -> None:
-    """A family moed plans (``moed fit``) but cannot run yet is refused by name before anything is read."""
-    reason = checkpoint.family.not_runnable if hasattr(checkpoint, "family") else ""
-    if reason:
-        raise UnsupportedModelError(f"{path}: {reason}. `moed fit {path}` shows what it would need")
 
 
 def _keep_fp8(checkpoint: Checkpoint, keep: bool) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next",
-            "qwen3_5_moe_text", "deepseek_v32", "glm_moe_dsa")
+            "qwen3_5_moe_text", "deepseek_v32", "glm_moe_dsa", "deepseek_v4")
 
 COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
@@ -75,6 +75,18 @@ def tiny_config(family: str):
                                 head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                                 first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
                                 use_qk_norm=True, attention_bias=True)
+    if family == "deepseek_v4":
+        # one layer of each kind, windows short enough that the parity prompts (5-13 tokens, then 32 decoded)
+        # close several of them: sliding window 8, compressed sparse (ratio 4, its indexer keeps 4 entries; 16
+        # indexer heads keep exact score ties rare) and heavily compressed (ratio 8); the first layer hash-routed
+        v4 = {k: v for k, v in COMMON.items() if k != "num_attention_heads"}
+        return tf.DeepseekV4Config(**v4, num_attention_heads=4, head_dim=32, q_lora_rank=32, moe_intermediate_size=64,
+                                   n_routed_experts=8, num_experts_per_tok=2, o_groups=2, o_lora_rank=16,
+                                   index_n_heads=16, index_head_dim=16, index_topk=4, sliding_window=8,
+                                   compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                                   layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
+                                                "sliding_attention"],
+                                   mlp_layer_types=["hash_moe", "moe", "moe"])
     raise ValueError(family)
 
 
@@ -94,9 +106,14 @@ def build_tiny_model(family: str, dst: Path, *, seed: int = 0, scale: float = 4.
                 param.normal_(0, 0.5)
             elif "norm" in name:
                 param.uniform_(0.8, 1.2)
+        gen = torch.Generator().manual_seed(seed)
         for name, buf in model.named_buffers():
             if "e_score_correction_bias" in name:
                 buf.normal_(0, 0.05)
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash layers: distinct experts per token
+                experts = int(buf.max()) + 1 if int(buf.max()) > 0 else config.n_routed_experts
+                buf.copy_(torch.stack([torch.randperm(experts, generator=gen)[: buf.shape[1]]
+                                       for _ in range(buf.shape[0])]))
     model.save_pretrained(dst)
     return model
 

@@ -1,8 +1,9 @@
-"""DeepSeek-V4 as a family moed plans but does not run yet (issue #33): its config (transformers 5.25's
-DeepseekV4Config, legacy keys included) parses into the per-layer compression, hash routing, hyper-connection
-and rotary fields; the names moed expects are exactly the tensors transformers saves (DeepSeek's own layout);
-`moed fit` plans the real V4-Flash config (284 B parameters, 13 B active); a load or a conversion is refused by
-name, pointing at `moed fit`."""
+"""DeepSeek-V4's family (issue #33): its config (transformers 5.25's DeepseekV4Config, legacy keys included) parses
+into the per-layer compression, hash routing, hyper-connection and rotary fields; the names moed expects are exactly
+the tensors transformers saves (DeepSeek's own layout); the whole-sequence reference forward is transformers; a load
+builds the model; `moed fit` plans the real V4-Flash config (284 B parameters, 13 B active). (Parity through the
+engine, CLI, daemon and HTTP: tests/models/test_family_parity.py, test_sparse_attention.py; prefix reuse:
+tests/engine/test_prefix_cache.py.)"""
 
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ import torch
 tf = pytest.importorskip("transformers")
 
 from moed.engine.fit_plan import GB, fit_machine, format_report, model_needs  # noqa: E402
-from moed.errors import ModelFormatError, UnsupportedModelError  # noqa: E402
+from moed.errors import ModelFormatError  # noqa: E402
 from moed.models.families import parse_model_config  # noqa: E402
 from moed.models.weight_spec import expected_weight_shapes  # noqa: E402
 from moed.weights.hf_checkpoint import HfCheckpoint  # noqa: E402
-from moed.weights.model_loader import load_model  # noqa: E402
 
 TINY = dict(vocab_size=64, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
             head_dim=32, q_lora_rank=48, n_routed_experts=4, num_experts_per_tok=2, o_groups=2, o_lora_rank=16,
@@ -104,13 +104,19 @@ def test_moeds_names_are_the_tensors_transformers_saves(tiny_v4):
     assert set(stored) - mapped == experts  # every other tensor has its canonical name
 
 
-def test_a_load_and_a_conversion_are_refused_with_fit_named(tiny_v4, tmp_path):
-    from moed.weights.converter import convert_model
+def test_a_load_builds_the_v4_model_on_the_host(tiny_v4):
+    from moed.engine.runtime import open_runtime
+    from moed.models.deepseek_v4 import DeepseekV4Transformer
 
-    with pytest.raises(UnsupportedModelError, match="moed does not run it yet.*moed fit"):
-        load_model(tiny_v4)
-    with pytest.raises(UnsupportedModelError, match="moed fit"):
-        convert_model(tiny_v4, tmp_path / "ftw")
+    runtime = open_runtime(tiny_v4)
+    try:
+        model = runtime.model
+        assert isinstance(model, DeepseekV4Transformer) and model.has_recurrent_state
+        assert model.checkpoint_granularity == 16  # the block size, a multiple of the ratios 4 and 8
+        assert runtime.loaded.bank.activation.kind == "clamped_silu" and runtime.loaded.bank.activation.limit == 10.0
+        assert [sorted(e) for e in model.cache_entries()] == [["kv"], ["cidx", "ckv", "kv"], ["ckv", "kv"], ["cidx", "ckv", "kv"]]
+    finally:
+        runtime.close()
 
 
 def test_fit_plans_the_real_v4_flash_config(tmp_path):

@@ -279,10 +279,14 @@ def test_glm5_indexer_pattern_fields_give_its_shared_layers():
 
 # ---- the user-facing paths: CLI, gRPC daemon, HTTP ----
 
+# the user-facing paths run DeepSeek-V4 too (its compressed sparse attention has the same indexer idea)
+USER_FACING = (*DSA_FAMILIES, "deepseek_v4")
+
+
 @pytest.fixture(scope="module")
 def dsa_models_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("dsa-models")
-    for family in DSA_FAMILIES:
+    for family in USER_FACING:
         build_tiny_model_dir(root, family, family)
     return root
 
@@ -306,7 +310,7 @@ PROMPT = "The router reads the weights again and again, then the scheduler finds
 def test_cli_generate_prints_transformers_greedy_text(dsa_models_dir, capsys):
     from moed.cli.main import main
 
-    for family in DSA_FAMILIES:
+    for family in USER_FACING:
         _, text = _expected(dsa_models_dir, family, PROMPT)
         code = main(["generate", "--model", str(dsa_models_dir / family), "--prompt", PROMPT, "--max-tokens", "32",
                      "--ignore-eos"])
@@ -321,7 +325,7 @@ def test_the_grpc_daemon_generates_transformers_greedy_tokens(dsa_models_dir, tm
     daemon = start_daemon(tmp_path / "home", models_dir=dsa_models_dir)
     try:
         with daemon.client() as client:
-            for family in DSA_FAMILIES:
+            for family in USER_FACING:
                 for _ in client.load(family, name=family, max_batch=2):
                     pass
                 ids = []
@@ -336,10 +340,10 @@ def test_the_http_api_answers_transformers_greedy_text(dsa_models_dir):
     from helpers.http_daemon import start_http_daemon
     from moed.text.tokenizer import Tokenizer
 
-    daemon = start_http_daemon(dsa_models_dir, models=DSA_FAMILIES)
+    daemon = start_http_daemon(dsa_models_dir, models=USER_FACING)
     try:
         client = daemon.openai()
-        for family in DSA_FAMILIES:
+        for family in USER_FACING:
             answer = client.completions.create(model=family, prompt=PROMPT, max_tokens=32, temperature=0)
             tokens, _ = _expected(dsa_models_dir, family, PROMPT)
             # the API stops at the first end-of-sequence token (the reference ran on past it)

@@ -48,7 +48,6 @@ class Family:
     architectures: tuple[str, ...] = ()  # config.json "architectures" entries that name this family
     tool_format: str = "plain"  # how its answers write tool calls and reasoning (moed.text.output_parser)
     chat_template: str | None = None  # moed's template for checkpoints that ship none (moed.text.builtin_templates)
-    not_runnable: str = ""  # why moed can plan (moed fit) but not run this family yet; "" when it runs
 
 
 def base_config(cfg: dict, attention: AttentionConfig, moe: MoeConfig, moe_layers: tuple[bool, ...],

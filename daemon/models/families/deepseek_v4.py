@@ -5,8 +5,7 @@ clamped SwiGLU experts (issue #33).
 
 The config is transformers 5.25's ``DeepseekV4Config`` (its legacy keys too: ``compress_ratios``,
 ``num_hash_layers``, ``qk_rope_head_dim``); the checkpoint names are DeepSeek's own (``attn.wq_a``, ``ffn.experts.{e}.w1``,
-``hc_attn_fn`` ...; what transformers saves and the published checkpoints use). The family is planned (``moed fit``)
-but not yet run: ``Family.runnable`` says why, and a load refuses it by name.
+``hc_attn_fn`` ...; what transformers saves and the published checkpoints use). The model: models/deepseek_v4.py.
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ from moed.models.model_config import ModelConfig, require, rope_from_config
 
 LAYER_TYPES = {"sliding_attention": "", "compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}
 DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-NOT_RUNNABLE = ("DeepSeek-V4 is planned by `moed fit` but moed does not run it yet: its compressed attention, "
-                "hyper-connection residual and hash routing are only partly built (issue #33)")
 
 
 def _layer_types(cfg: dict, n: int) -> list[str]:
@@ -135,5 +132,5 @@ DEEPSEEK_V4_NAMES = FamilyNames(moe_prefix="model.layers.{i}.ffn", router="gate"
 
 FAMILIES = (
     Family("deepseek_v4", _parse_deepseek_v4, DEEPSEEK_V4_NAMES, architectures=("DeepseekV4ForCausalLM",),
-           tool_format="dsml", not_runnable=NOT_RUNNABLE),
+           tool_format="dsml"),
 )
