@@ -174,12 +174,11 @@ def test_the_attention_over_a_sequence_matches_transformers(layer, rope):
     """A whole prompt longer than the window and several compression windows: the sliding keys, the compressed
     entries (all closed ones on HCA, the indexer's top-k on CSA), the sinks, the inverse rotary and the grouped
     output projection, against transformers' DeepseekV4Attention (eager, no cache)."""
-    from moed.layers.compressed_attention import CompressedAttentionWeights, IndexerWeights, attend_sequence
+    from moed.layers.compressed_attention import attend_sequence
     from moed.models.families import parse_model_config
 
     config = _config(**ROPES[rope])
-    config._attn_implementation = "eager"
-    module = _randomise(ref.DeepseekV4Attention(config, layer), 20 + layer).eval()
+    module, weights = _moed_attention(config, layer, 20 + layer)
     seq = 29
     hidden = torch.randn(1, seq, 64, generator=torch.Generator().manual_seed(21))
     positions = torch.arange(seq).view(1, -1)
@@ -189,21 +188,6 @@ def test_the_attention_over_a_sequence_matches_transformers(layer, rope):
     mask = torch.where((j <= i) & (j > i - config.sliding_window), 0.0, float("-inf")).view(1, 1, seq, seq)
     with torch.no_grad():
         want = module(hidden, position_embeddings=embeddings, position_ids=positions, attention_mask=mask)[0][0]
-
-    def comp(c, overlap):
-        return CompressorWeights(c.kv_proj.weight, c.gate_proj.weight, c.position_bias, c.kv_norm.weight, overlap)
-
-    m = module
-    compressor = indexer = None
-    if m.compressor is not None:
-        csa = hasattr(m.compressor, "indexer")
-        compressor = comp(m.compressor, csa)
-        if csa:
-            x = m.compressor.indexer
-            indexer = IndexerWeights(x.q_b_proj.weight, x.scorer.weights_proj.weight, comp(x, True))
-    weights = CompressedAttentionWeights(m.q_a_proj.weight, m.q_a_norm.weight, m.q_b_proj.weight, m.kv_proj.weight,
-                                         m.kv_norm.weight, m.o_a_proj.weight, m.o_b_proj.weight, m.sinks,
-                                         compressor, indexer)
     parsed = parse_model_config({**config.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]})
     main, compress_rope = (RotaryEmbedding(r, parsed.max_position_embeddings) for r in (parsed.rope, parsed.compress_rope))
     with torch.no_grad():
