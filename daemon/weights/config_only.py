@@ -14,12 +14,11 @@ from pathlib import Path
 
 import torch
 
-from moed.kernels.fp8_block_format import BLOCK_SIZES, FP8_B128, MXFP8
 from moed.kernels.rows_format import FP8_BLOCK
 from moed.layers.packed_linear import can_pack
 from moed.models.families import family_of, parse_model_config
 from moed.models.weight_spec import expected_weight_shapes
-from moed.weights.hf_checkpoint import FP8_KEPT_LINEARS
+from moed.weights.hf_checkpoint import FP8_KEPT_LINEARS, ggml_bank_bytes
 from moed.weights.micro_scaled import keeps_ggml_rows, micro_scaled_of
 
 
@@ -82,13 +81,7 @@ class ConfigOnlyCheckpoint:
 
     def ggml_bank_nbytes(self) -> int | None:
         kind = self._ggml_kind()
-        if kind is None:
-            return None
-        d, inter = self.config.hidden_size, self.config.moe.intermediate_size
-        if kind == "nvfp4":
-            return self.num_bank_rows * (3 * d * inter // 64 * 36 + 3 * 4)
-        weights, size = BLOCK_SIZES[FP8_B128 if kind == "fp8" else MXFP8]
-        return self.num_bank_rows * (3 * d * inter // weights * size)
+        return None if kind is None else ggml_bank_bytes(kind, self.config, self.num_bank_rows)
 
     def _expert_dtype(self) -> str | None:
         """DeepSeek-V4's ``quantization_config.expert_dtype`` ("fp4": MXFP4 experts beside FP8 linears), or None."""

@@ -55,6 +55,16 @@ def read_config_json(path: Path) -> dict:
 # the embeddings, the lm_head and the indexer's head weights (multiplied in their own dtype)
 # the ggml row type each kept expert form loads into (HfCheckpoint.ggml_bank)
 GGML_ROW_TYPE = {"nvfp4": GGML_NVFP4, "fp8": fb.FP8_B128, "mxfp8": fb.MXFP8}
+def ggml_bank_bytes(kind: str, config: ModelConfig, rows: int) -> int:
+    """Bytes of a ggml bank of ``rows`` experts kept as ``kind`` ("nvfp4": NVFP4 rows and a float32 factor per
+    expert matrix; "fp8" / "mxfp8": FP8_B128 / MXFP8 rows)."""
+    d, inter = config.hidden_size, config.moe.intermediate_size
+    if kind == "nvfp4":
+        return rows * (3 * d * inter // 64 * 36 + 3 * 4)
+    weights, size = fb.BLOCK_SIZES[GGML_ROW_TYPE[kind]]
+    return rows * (3 * d * inter // weights * size)
+
+
 FP8_KEPT_LINEARS = frozenset({
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
     "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
@@ -208,15 +218,7 @@ class HfCheckpoint:
     def ggml_bank_nbytes(self) -> int | None:
         """Bytes of the ggml bank (the rows, and for NVFP4 a float32 factor per expert matrix), None without one."""
         kind = self._ggml_kind()
-        if kind is None:
-            return None
-        d, inter = self.config.hidden_size, self.config.moe.intermediate_size
-        if kind == "nvfp4":
-            per_expert = 3 * d * inter // 64 * 36 + 3 * 4
-        else:
-            weights, size = fb.BLOCK_SIZES[GGML_ROW_TYPE[kind]]
-            per_expert = 3 * d * inter // weights * size
-        return self.num_bank_rows * per_expert
+        return None if kind is None else ggml_bank_bytes(kind, self.config, self.num_bank_rows)
 
     def ggml_bank(self, activation: ExpertActivation) -> ExpertBank:
         """The routed experts kept block for block (``_ggml_kind``): each expert matrix's codes and scales moved
