@@ -22,6 +22,7 @@ import torch
 
 from moed.layers.kv_compressor import CompressorWeights, compress, rope_pairs
 from moed.layers.layer_config import AttentionConfig
+from moed.layers.linear import linear
 from moed.layers.rotary import RotaryEmbedding
 
 
@@ -222,9 +223,9 @@ class CompressedAttention:
         rows, steps, _ = x.shape
         heads, hd = att.num_heads, att.head_dim
         h = x.float()
-        q_residual = _rms(h @ w.wq_a.float().t(), self.eps, w.q_norm)
-        q = _rms((q_residual @ w.wq_b.float().t()).view(rows, steps, heads, hd), self.eps)
-        kv = _rms(h @ w.wkv.float().t(), self.eps, w.kv_norm)
+        q_residual = _rms(linear(h, w.wq_a), self.eps, w.q_norm)
+        q = _rms(linear(q_residual, w.wq_b).view(rows, steps, heads, hd), self.eps)
+        kv = _rms(linear(h, w.wkv), self.eps, w.kv_norm)
         rot = self.compress_rotary if self.ratio else self.rotary
         cos, sin = rot.cos_sin(batch.positions)  # [R, T, R/2]
         q = rope_pairs(q, cos[:, :, None], sin[:, :, None])
@@ -280,14 +281,14 @@ class CompressedAttention:
         o = rope_pairs(o, cos[:, None], -sin[:, None])
         grouped = o.reshape(n, att.o_groups, -1)
         wo_a = w.wo_a.float().view(att.o_groups, att.o_lora_rank, -1)
-        return torch.einsum("tgi,gri->tgr", grouped, wo_a).reshape(n, -1) @ w.wo_b.float().t()
+        return linear(torch.einsum("tgi,gri->tgr", grouped, wo_a).reshape(n, -1), w.wo_b)
 
     def _index(self, iw: IndexerWeights, q_residual, hidden, entries, pos, closed) -> torch.Tensor:
         """The indexer's top-k entries for each query (``index_topk``'s rule, closed windows only; -1 past them)."""
         att = self.att
         heads, ihd = att.index_num_heads, att.index_head_dim
         n = q_residual.shape[0]
-        q = (q_residual.float() @ iw.wq_b.float().t()).view(n, heads, ihd)
+        q = linear(q_residual.float(), iw.wq_b).view(n, heads, ihd)
         cos, sin = self.compress_rotary.cos_sin(pos.view(1, -1))
         q = rope_pairs(q, cos[0][:, None], sin[0][:, None])
         scores = torch.relu(torch.einsum("thd,wd->thw", q, entries)) * ihd ** -0.5

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moed.layers.layer_config import AttentionConfig
+from moed.layers.linear import linear
 from moed.layers.rotary import RotaryEmbedding
 
 
@@ -88,7 +89,7 @@ class CompressorWeights:
 def project(w: CompressorWeights, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [T, D]`` -> (kv, gate) ``[T, c]`` float32 (the bias is added per slot later)."""
     h = hidden.float()
-    return h @ w.kv_proj.float().t(), h @ w.gate_proj.float().t()
+    return linear(h, w.kv_proj), linear(h, w.gate_proj)
 
 
 def finish(w: CompressorWeights, pooled: torch.Tensor, first_positions: torch.Tensor, rotary: RotaryEmbedding,

@@ -71,7 +71,11 @@ FP8_KEPT_LINEARS = frozenset({
     "self_attn.kv_a_proj_with_mqa.weight", "self_attn.o_proj.weight",
     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
     "mlp.shared.gate_proj.weight", "mlp.shared.up_proj.weight", "mlp.shared.down_proj.weight",
-    "self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight"})  # DeepSeek-V3.2 / GLM-5's indexer
+    "self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight",  # DeepSeek-V3.2 / GLM-5's indexer
+    # DeepSeek-V4 (its own names): the query, the shared K=V head, the output's mix, the compressors and indexer
+    "attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_b.weight", "attn.indexer.wq_b.weight",
+    "attn.compressor.wkv.weight", "attn.compressor.wgate.weight", "attn.indexer.compressor.wkv.weight",
+    "attn.indexer.compressor.wgate.weight"})
 
 
 class HfCheckpoint:
@@ -88,6 +92,9 @@ class HfCheckpoint:
         self.is_mxfp4 = isinstance(quant, dict) and quant.get("quant_method") == MXFP4_METHOD
         self.micro: MicroScaled | None = micro_scaled_of(self.raw_config, self.path, where)  # NVFP4 / MXFP8
         self.source = SafetensorsFiles(self.path)
+        self.source.rename(_reader_names(self.family, set(self.source.keys())))
+        # DeepSeek-V4's published experts: two E2M1 values a byte (int8 [rows, K/2]) and an E8M0 scale per 32
+        self.fp4_experts = "fp4" in (self.raw_config.get("expert_dtype"), (quant or {}).get("expert_dtype"))
         self.weight_keys = _canonical_keys(self.config, self.family, self.source.keys(), self.micro)  # canonical -> HF
         # a CPU-only load keeps the FP8 / NVFP4 linears as stored (keep_fp8_linears)
         self.keep_fp8 = False
@@ -156,7 +163,7 @@ class HfCheckpoint:
         """The bank dtype that holds the routed experts without loss, or with the least: MXFP4 experts
         stay mxfp4 (bit for bit); bf16 experts stay bf16; FP8 experts become bf16 (one rounding of
         fp8 x block scale, 1/16 of an FP8 step); fp16 and fp32 experts need fp32 to stay exact."""
-        if self.is_mxfp4:
+        if self.is_mxfp4 or self.fp4_experts:
             return "mxfp4"
         if self.fp8 is not None:
             return "bf16"
@@ -368,6 +375,9 @@ class HfCheckpoint:
                     yield ExpertChunk(base + e0, gate_up[e0:e1], down[e0:e1],
                                       None if gub is None else gub[e0:e1], None if db is None else db[e0:e1])
                 continue
+            if self.fp4_experts:
+                yield from self._fp4_chunks(prefix, base, chunk_experts)
+                continue
             for e0 in range(0, num_experts, chunk_experts):
                 e1 = min(num_experts, e0 + chunk_experts)
                 gate_up = torch.empty(e1 - e0, d, 2 * inter)
@@ -408,6 +418,47 @@ class HfCheckpoint:
             yield ExpertChunk(base + e0, gate_up_bias=None if gub is None else gub[e0:e1],
                               down_bias=None if db is None else db[e0:e1], packed=packed, packed_dtype="mxfp4")
 
+    def _fp4_chunks(self, prefix: str, base: int, chunk_experts: int) -> Iterator[ExpertChunk]:
+        """DeepSeek-V4's FP4 experts of one layer (``expert_dtype: "fp4"``): each projection's weight int8
+        ``[rows, K/2]`` (two E2M1 codes a byte, the low nibble first) and its scale E8M0 ``[rows, K/32]`` are
+        gpt-oss's MXFP4 blocks under other shapes: moved bit for bit into mxfp4 bank rows."""
+        from moed.kernels.mxfp4_format import from_gpt_oss_blocks
+
+        names, moe = self.family.names, self.config.moe
+        d, inter, num_experts = self.config.hidden_size, moe.intermediate_size, moe.num_experts
+
+        def blocks(pattern: str, e: int, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            key = prefix + pattern.format(e=e)
+            scale_key = key + SCALE_SUFFIX
+            if key not in self.source or scale_key not in self.source:
+                raise ModelFormatError(f"{self.path}: FP4 expert tensor {quoted(key)} or its scale is missing "
+                                       "(config.json says expert_dtype fp4); is the checkpoint complete?")
+            for name, dtypes, shape in ((key, (torch.int8, torch.uint8), (rows, k // 2)),
+                                        (scale_key, (torch.float8_e8m0fnu, torch.uint8), (rows, k // 32))):
+                if self.source.dtype(name) not in dtypes or self.source.shape(name) != shape:
+                    raise ModelFormatError(
+                        f"{self.source.entries[name].file}: FP4 expert tensor {quoted(name)} is "
+                        f"{self.source.dtype(name)} {list(self.source.shape(name))}, but config.json (expert_dtype fp4) "
+                        f"implies {dtypes[0]} {list(shape)}; the config and the weights do not belong together")
+            return (self.source.get(key, None).view(torch.uint8).reshape(rows, k // 32, 16),
+                    self.source.get(scale_key, None).view(torch.uint8))
+
+        if d % 32 or inter % 32:
+            raise ModelFormatError(f"{self.path}: FP4 experts need hidden_size and moe_intermediate_size to be "
+                                   f"multiples of 32, got {d} and {inter}")
+        for e0 in range(0, num_experts, chunk_experts):
+            experts = range(e0, min(num_experts, e0 + chunk_experts))
+            gu = [[blocks(p, e, inter, d) for p in (names.expert_gate, names.expert_up)] for e in experts]
+            dn = [blocks(names.expert_down, e, d, inter) for e in experts]
+            try:
+                gu_fp4, gu_e8m0 = from_gpt_oss_blocks(torch.stack([torch.cat([g[0], u[0]]) for g, u in gu]),
+                                                      torch.stack([torch.cat([g[1], u[1]]) for g, u in gu]))
+                dn_fp4, dn_e8m0 = from_gpt_oss_blocks(torch.stack([b for b, _ in dn]), torch.stack([s for _, s in dn]))
+            except ValueError as exc:
+                raise ModelFormatError(f"{self.path}: the FP4 experts of {prefix.rstrip('.')}: {exc}") from None
+            packed = {"gate_up.fp4": gu_fp4, "gate_up.e8m0": gu_e8m0, "down.fp4": dn_fp4, "down.e8m0": dn_e8m0}
+            yield ExpertChunk(base + e0, packed=packed, packed_dtype="mxfp4")
+
     def _packed(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A uint8 tensor of packed MXFP4 data, shape checked against the config."""
         if key not in self.source:
@@ -430,6 +481,21 @@ class HfCheckpoint:
                 f"{self.path}: tensor {quoted(key)} has shape {list(got)} but config.json implies {list(shape)}; "
                 "the config and the weights do not belong together")
         return self._read(key).float()
+
+
+def _reader_names(family: Family, keys: set[str]):
+    """The name moed reads each stored tensor by: the family's ``renames`` (a published layout -> transformers'
+    names), and DeepSeek's ``X.scale`` beside an ``X.weight`` as ``X.weight_scale_inv`` (one name for every
+    block-scaled FP8 / FP4 weight's scales)."""
+    renames = [(re.compile(pattern), repl) for pattern, repl in family.names.renames]
+
+    def name(key: str) -> str:
+        if key.endswith(".scale") and key[:-len("scale")] + "weight" in keys:
+            key = key[:-len("scale")] + "weight" + SCALE_SUFFIX
+        for pattern, repl in renames:
+            key = pattern.sub(repl, key)
+        return key
+    return name
 
 
 def _canonical_keys(config: ModelConfig, family: Family, keys: list[str], micro: MicroScaled | None = None

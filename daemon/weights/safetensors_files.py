@@ -15,6 +15,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # power-of-two block scales (DeepSeek-V4's ue8m0 FP8 / FP4 scales)
 }
 CORRUPT = "the file is corrupt or truncated"
 
@@ -65,6 +67,18 @@ class SafetensorsFiles:
 
     def keys(self) -> list[str]:
         return list(self.entries)
+
+    def rename(self, new_name: Callable[[str], str]) -> None:
+        """Re-key every tensor as ``new_name(name)``: a checkpoint published under other names than the ones moed
+        reads (DeepSeek-V4's ``embed.weight``, ``layers.{i}.…``); errors then quote the new names, with the file."""
+        renamed: dict[str, TensorEntry] = {}
+        for name, entry in self.entries.items():
+            key = new_name(name)
+            if key in renamed:
+                raise ModelFormatError(f"{entry.file}: tensors {quoted(name)} and another both read as {quoted(key)}; "
+                                       "the checkpoint mixes two naming layouts")
+            renamed[key] = entry
+        self.entries = renamed
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries

@@ -1,19 +1,23 @@
-"""moed's chat template for DeepSeek-V3.2 (the checkpoint ships a Python encoder and no template): DeepSeek's
-published example prompt, tool turns the DSML parser reads back, and its use only where a checkpoint has none."""
+"""moed's chat templates for DeepSeek-V3.2 and V4 (their checkpoints ship a Python encoder and no template):
+DeepSeek's published example prompts, prompts DeepSeek-V4's encoder (``encoding/encoding_dsv4.py``) produced for
+agent conversations (tests/data/deepseek_v4_encoder_prompts.json), tool turns the DSML parser reads back, and
+their use only where a checkpoint has none."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from helpers.tiny_models import build_tiny_model
 from helpers.tiny_tokenizer import write_tiny_tokenizer
 from moed.engine.runtime import open_runtime
-from moed.text.builtin_templates import DEEPSEEK_V32, builtin_template
+from moed.text.builtin_templates import DEEPSEEK_V4, DEEPSEEK_V32, builtin_template
 from moed.text.chat_template import render_chat, template_renders_tools
 from moed.text.output_parser import has_native_tools, output_parser_for
 
+V4_PROMPTS = json.loads((Path(__file__).parent.parent / "data" / "deepseek_v4_encoder_prompts.json").read_text())
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {
@@ -79,3 +83,45 @@ def test_a_deepseek_v32_checkpoint_without_a_template_gets_moeds(tmp_path, own_t
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
         assert prompt.endswith("<｜User｜>hi<｜Assistant｜></think>")
     assert builtin_template("qwen3_moe") is None
+
+
+def _as_moed_passes_them(messages: list[dict]) -> list[dict]:
+    """The API layer hands templates a tool call's arguments as an object (the encoder takes the JSON text)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("case", V4_PROMPTS, ids=[c["name"] for c in V4_PROMPTS])
+def test_deepseek_v4_renders_what_its_encoder_does(case):
+    """Each prompt was produced by DeepSeek-V4's own encoder (the first two are DeepSeek's published examples; the
+    request's tools given to it on the system message, an empty one when the conversation has none)."""
+    variables = {"enable_thinking": case["enable_thinking"]}
+    if case["reasoning_effort"]:
+        variables["reasoning_effort"] = case["reasoning_effort"]
+    got = render_chat(DEEPSEEK_V4, _as_moed_passes_them(case["messages"]), tools=case["tools"], bos_token=BOS,
+                      **variables)
+    assert got == case["prompt"]
+
+
+def test_deepseek_v4_tool_calls_read_back_and_the_family_uses_the_template():
+    """What V4's template writes for a call, the DSML parser reads back as the same call; the family names the
+    template, so a V4 checkpoint without one gets it."""
+    from moed.models.families import FAMILIES
+
+    case = next(c for c in V4_PROMPTS if c["name"].startswith("chat agent turn"))
+    prompt = case["prompt"]
+    written = prompt[prompt.index("<｜DSML｜tool_calls>"):prompt.index(EOS, prompt.index("<｜DSML｜tool_calls>"))]
+    parser = output_parser_for("dsml", tools=True)
+    parser.feed(written)
+    parser.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}),
+        ("search", {"query": "Paris news", "filters": {"lang": ["fr", "en"], "recent": True}})]
+    assert template_renders_tools(DEEPSEEK_V4) and has_native_tools("dsml", DEEPSEEK_V4)
+    assert builtin_template(FAMILIES["deepseek_v4"].chat_template)[0] == DEEPSEEK_V4

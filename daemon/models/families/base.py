@@ -38,6 +38,9 @@ class FamilyNames:
     # prefixes of the tensors moed does not use (a vision tower, multi-token prediction)
     language_prefix: str = ""
     skip_prefixes: tuple[str, ...] = ()
+    # (regex, replacement) pairs, applied in order to every tensor name of a checkpoint published under other
+    # names than transformers saves (DeepSeek-V4's own layout: "embed.weight", "layers.{i}.…")
+    renames: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

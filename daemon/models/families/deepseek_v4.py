@@ -5,7 +5,9 @@ clamped SwiGLU experts (issue #33).
 
 The config is transformers 5.25's ``DeepseekV4Config`` (its legacy keys too: ``compress_ratios``,
 ``num_hash_layers``, ``qk_rope_head_dim``); the checkpoint names are DeepSeek's own (``attn.wq_a``, ``ffn.experts.{e}.w1``,
-``hc_attn_fn`` ...; what transformers saves and the published checkpoints use). The model: models/deepseek_v4.py.
+``hc_attn_fn`` ...; what transformers saves), also without its ``model.`` prefix as the published checkpoints
+name them (``embed.weight``, ``layers.{i}.…``, ``hc_head_fn``), with their FP8 linears' E8M0 block scales and FP4
+experts (``expert_dtype: "fp4"``, weights/hf_checkpoint.py). The model: models/deepseek_v4.py.
 """
 
 from __future__ import annotations
@@ -123,14 +125,19 @@ def _parse_deepseek_v4(cfg: dict) -> ModelConfig:
                                indexer_layers=tuple(t == "compressed_sparse_attention" for t in types))
 
 
+# the published checkpoints (deepseek-ai/DeepSeek-V4-Flash ...) name their tensors without transformers' "model."
+# prefix and name the head's parts apart; their block scales are "X.scale" (read as "X.weight_scale_inv")
+PUBLISHED_NAMES = ((r"^embed\.weight$", "model.embed_tokens.weight"), (r"^norm\.weight$", "model.norm.weight"),
+                   (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"), (r"^layers\.", "model.layers."))
+
 DEEPSEEK_V4_NAMES = FamilyNames(moe_prefix="model.layers.{i}.ffn", router="gate", score_bias="gate.bias",
                                 router_table="gate.tid2eid", shared="shared_experts",
                                 shared_parts=("w1", "w3", "w2"), expert_gate="experts.{e}.w1.weight",
                                 expert_up="experts.{e}.w3.weight", expert_down="experts.{e}.w2.weight",
-                                lm_head="head.weight", skip_prefixes=("mtp.",))
+                                lm_head="head.weight", skip_prefixes=("mtp.",), renames=PUBLISHED_NAMES)
 
 
 FAMILIES = (
     Family("deepseek_v4", _parse_deepseek_v4, DEEPSEEK_V4_NAMES, architectures=("DeepseekV4ForCausalLM",),
-           tool_format="dsml"),
+           tool_format="dsml", chat_template="deepseek_v4"),
 )
