@@ -137,6 +137,7 @@ def attend_sequence(w: CompressedAttentionWeights, att: AttentionConfig, hidden:
 
 # --------------------------------------------------------------------------- on the paged cache
 
+SCORE_BUDGET = 1 << 24  # score-matrix elements a chunk of queries may build (64 MB of float32)
 _POOL = ("m", "s", "a")  # an open window's online softmax per channel: running max, sum of weights, weighted sum
 
 
@@ -145,28 +146,23 @@ def _pool_names(kind: str, overlap: bool) -> tuple[str, ...]:
     return tuple(f"{kind}_{part}_{v}" for part in parts for v in _POOL)
 
 
-def _pool_add(state: dict[str, torch.Tensor], prefix: str, kv: torch.Tensor, gate: torch.Tensor) -> None:
-    """Add one slot to an open pool (``{prefix}_m/_s/_a``, in place); an all-zero pool (s = 0) is empty, so a
-    zeroed state slot starts a sequence."""
-    m, s, a = (state[f"{prefix}_{v}"] for v in _POOL)
-    old_m = torch.where(s > 0, m, gate)
-    new_m = torch.maximum(old_m, gate)
-    keep, new = torch.exp(old_m - new_m), torch.exp(gate - new_m)
-    s.mul_(keep).add_(new)
-    a.mul_(keep).add_(new * kv)
-    m.copy_(new_m)
+def _pools(kv: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online-softmax pools ``(m, s, a)`` ``[W, c]`` of windows ``kv, gate [W, r, c]`` (a -inf gate is no slot; a
+    window without slots is the empty pool m = s = a = 0, as a zeroed state slot)."""
+    m = gate.amax(dim=1)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(gate - m[:, None])
+    return m, e.sum(dim=1), (e * kv).sum(dim=1)
 
 
-def _pool_take(state: dict[str, torch.Tensor], overlap: bool, kind: str) -> torch.Tensor:
-    """The closing window's pooled value; the next entry's pool (CSA) becomes the open one, the other empties."""
-    value = state[f"{kind}_cur_a"] / state[f"{kind}_cur_s"]
-    for v in _POOL:
-        if overlap:
-            state[f"{kind}_cur_{v}"].copy_(state[f"{kind}_next_{v}"])
-            state[f"{kind}_next_{v}"].zero_()
-        else:
-            state[f"{kind}_cur_{v}"].zero_()
-    return value
+def _merge(p: tuple[torch.Tensor, ...], q: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pool of the union of two pools' slots (either may be empty: s = 0)."""
+    (pm, ps, pa), (qm, qs, qa) = p, q
+    full_p, full_q = ps > 0, qs > 0
+    m = torch.where(full_p & full_q, torch.maximum(pm, qm), torch.where(full_p, pm, qm))
+    kp = torch.where(full_p, torch.exp(torch.where(full_p, pm - m, torch.zeros_like(m))), torch.zeros_like(m))
+    kq = torch.where(full_q, torch.exp(torch.where(full_q, qm - m, torch.zeros_like(m))), torch.zeros_like(m))
+    return torch.where(full_p | full_q, m, torch.zeros_like(m)), ps * kp + qs * kq, pa * kp + qa * kq
 
 
 class CompressedAttention:
@@ -196,26 +192,52 @@ class CompressedAttention:
 
     def _compress_into(self, cache, batch, row: int, slot: int, kind: str, cw: CompressorWeights, entry: str,
                        hidden: torch.Tensor, start: int) -> None:
-        """Feed one sequence's new tokens to a compressor; write every entry whose window closes into ``entry``."""
+        """Feed one sequence's new tokens to a compressor: every window they touch is pooled at once (with the open
+        pools of the state slot for the first window, and for CSA the next entry's), each window that closes is
+        written into ``entry``, and what stays open goes back into the state slot."""
         from moed.layers.kv_compressor import finish, project
 
         r, hd = cw.ratio, cw.head_dim
         state = {n: cache.state(self.layer, n)[slot] for n in _pool_names(kind, cw.overlap)}
+        n = hidden.shape[0]
         kv, gate = project(cw, hidden)
-        gate = gate + cw.position_bias.float()[(torch.arange(hidden.shape[0]) + start) % r]
-        for t in range(hidden.shape[0]):
-            if cw.overlap:  # the token's second half joins its own window's entry, its first half the next one's
-                _pool_add(state, f"{kind}_cur", kv[t, hd:], gate[t, hd:])
-                _pool_add(state, f"{kind}_next", kv[t, :hd], gate[t, :hd])
-            else:
-                _pool_add(state, f"{kind}_cur", kv[t], gate[t])
-            pos = start + t
-            if pos % r == r - 1:
-                first = pos - r + 1
-                value = finish(cw, _pool_take(state, cw.overlap, kind).view(1, -1), torch.tensor([first]),
-                               self.compress_rotary, self.eps)[0]
-                cache.write_positions(self.layer, entry, value.view(r, hd // r), batch, row,
-                                      torch.arange(first, first + r))
+        gate = gate + cw.position_bias.float()[(torch.arange(n) + start) % r]
+        base = start - start % r  # the first window's first position
+        windows = -(-(start + n - base) // r)
+        closed = (start + n - base) // r
+        width = kv.shape[1]
+        slots_kv = torch.zeros(windows * r, width)
+        slots_gate = torch.full((windows * r, width), float("-inf"))
+        slots_kv[start - base:start - base + n], slots_gate[start - base:start - base + n] = kv, gate
+        slots_kv, slots_gate = slots_kv.view(windows, r, width), slots_gate.view(windows, r, width)
+        cur = tuple(state[f"{kind}_cur_{v}"] for v in _POOL)
+        if cw.overlap:  # window j's entry: window j-1's first halves and window j's second halves
+            own = _pools(slots_kv[..., hd:], slots_gate[..., hd:])
+            firsts = _pools(slots_kv[..., :hd], slots_gate[..., :hd])
+            nxt = tuple(state[f"{kind}_next_{v}"] for v in _POOL)
+            firsts = tuple(torch.cat([_merge(tuple(t[:1] for t in firsts), tuple(t[None] for t in nxt))[i],
+                                      firsts[i][1:]]) for i in range(3))
+            entries = _merge(own, tuple(torch.cat([cur[i][None], firsts[i][:-1]]) for i in range(3)))
+        else:
+            own = _pools(slots_kv, slots_gate)
+            entries = tuple(torch.cat([_merge(tuple(t[:1] for t in own), tuple(t[None] for t in cur))[i], own[i][1:]])
+                            for i in range(3))
+        if closed:
+            _, s, a = (t[:closed] for t in entries)
+            values = finish(cw, a / s, base + torch.arange(closed) * r, self.compress_rotary, self.eps)
+            cache.write_positions(self.layer, entry, values.reshape(closed * r, hd // r), batch, row,
+                                  torch.arange(base, base + closed * r))
+        empty = tuple(torch.zeros_like(t) for t in cur)
+        if cw.overlap:
+            open_cur, open_next = ((tuple(t[-1] for t in entries), tuple(t[-1] for t in firsts)) if closed < windows
+                                   else (tuple(t[-1] for t in firsts), empty))
+            for v, c, x in zip(_POOL, open_cur, open_next):
+                state[f"{kind}_cur_{v}"].copy_(c)
+                state[f"{kind}_next_{v}"].copy_(x)
+        else:
+            open_cur = tuple(t[-1] for t in entries) if closed < windows else empty
+            for v, c in zip(_POOL, open_cur):
+                state[f"{kind}_cur_{v}"].copy_(c)
 
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         """``x [R, T, D]`` (the layer's normed input, padded or packed as ``batch``) -> ``[R, T, D]`` float32."""
@@ -251,34 +273,56 @@ class CompressedAttention:
         return out
 
     def _attend(self, q, q_residual, hidden, cos, sin, cache, batch, seq: int, start: int, n: int) -> torch.Tensor:
+        """One sequence's ``n`` new queries, a chunk of queries at a time so that no score matrix grows with the
+        context: each query scores its window's keys and the compressed entries it sees (a CSA layer's indexer
+        picks ``index_topk`` of them, gathered; an HCA layer's are all its closed windows, 1/128 of the context)."""
         att, w, r = self.att, self.w, self.ratio
         heads, hd = att.num_heads, att.head_dim
-        pos = torch.arange(start, start + n)
         j0 = max(0, start - self.window + 1)
         keys = cache.read_range(self.layer, "kv", batch, seq, j0, start + n, torch.float32)
-        kpos = torch.arange(j0, start + n)
-        diff = pos.view(-1, 1) - kpos.view(1, -1)
-        bias = torch.where((diff >= 0) & (diff < self.window), 0.0, float("-inf"))
         closed_total = (start + n) // r if r else 0
+        entries = idx = None
         if closed_total:
             entries = cache.read_range(self.layer, "ckv", batch, seq, 0, closed_total * r, torch.float32)
             entries = entries.reshape(closed_total, hd)
-            closed = (pos + 1) // r
             if w.indexer is not None:
                 idx = cache.read_range(self.layer, "cidx", batch, seq, 0, closed_total * r, torch.float32)
-                chosen = self._index(w.indexer, q_residual, hidden, idx.reshape(closed_total, -1), pos, closed)
-                extra = torch.full((n, closed_total + 1), float("-inf"))
-                extra.scatter_(1, torch.where(chosen >= 0, chosen, closed_total), 0.0)
-                extra = extra[:, :-1]
-            else:
-                extra = torch.where(torch.arange(closed_total).view(1, -1) < closed.view(-1, 1), 0.0, float("-inf"))
-            keys = torch.cat([keys, entries], dim=0)
-            bias = torch.cat([bias, extra], dim=1)
-        scores = torch.einsum("thd,kd->htk", q, keys) * att.scaling + bias
-        sinks = w.sinks.float().view(heads, 1, 1).expand(heads, n, 1)
-        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
-        o = torch.einsum("htk,kd->thd", probs, keys)
-        o = rope_pairs(o, cos[:, None], -sin[:, None])
+                idx = idx.reshape(closed_total, -1)
+        seen = min(att.index_topk, closed_total) if idx is not None else closed_total
+        per_query = max(heads * (2 * self.window + seen + 1),
+                        att.index_num_heads * closed_total if idx is not None else 0)
+        step = max(1, min(n, SCORE_BUDGET // max(per_query, 1)))
+        out = torch.empty(n, heads, hd)
+        sinks = w.sinks.float().view(heads, 1, 1)
+        for q0 in range(0, n, step):
+            q1 = min(n, q0 + step)
+            qc = q[q0:q1]
+            pos = torch.arange(start + q0, start + q1)
+            k0 = max(0, start + q0 - self.window + 1)
+            near = keys[k0 - j0:start + q1 - j0]
+            diff = pos.view(-1, 1) - torch.arange(k0, start + q1).view(1, -1)
+            bias = torch.where((diff >= 0) & (diff < self.window), 0.0, float("-inf"))
+            parts = [torch.einsum("thd,kd->htk", qc, near) * att.scaling + bias]
+            picked = None
+            if closed_total:
+                closed = (pos + 1) // r
+                if idx is not None:
+                    chosen = self._index(w.indexer, q_residual[q0:q1], hidden[q0:q1], idx, pos, closed)  # [c, k]
+                    picked = entries[chosen.clamp(min=0)]  # [c, k, hd]
+                    mask = torch.where(chosen >= 0, 0.0, float("-inf"))
+                    parts.append(torch.einsum("thd,tkd->htk", qc, picked) * att.scaling + mask)
+                else:
+                    mask = torch.where(torch.arange(closed_total).view(1, -1) < closed.view(-1, 1), 0.0, float("-inf"))
+                    parts.append(torch.einsum("thd,kd->htk", qc, entries) * att.scaling + mask)
+            parts.append(sinks.expand(heads, q1 - q0, 1))
+            probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+            o = torch.einsum("htk,kd->thd", probs[..., :near.shape[0]], near)
+            if closed_total:
+                far = probs[..., near.shape[0]:-1]
+                o = o + (torch.einsum("htk,tkd->thd", far, picked) if picked is not None
+                         else torch.einsum("htk,kd->thd", far, entries))
+            out[q0:q1] = o
+        o = rope_pairs(out, cos[:, None], -sin[:, None])
         grouped = o.reshape(n, att.o_groups, -1)
         wo_a = w.wo_a.float().view(att.o_groups, att.o_lora_rank, -1)
         return linear(torch.einsum("tgi,gri->tgr", grouped, wo_a).reshape(n, -1), w.wo_b)

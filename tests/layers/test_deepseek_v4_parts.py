@@ -222,11 +222,17 @@ def _moed_attention(config, layer, seed):
                                          d(m.o_b_proj.weight), d(m.sinks), compressor, indexer)
 
 
+@pytest.mark.parametrize("budget", [None, 64], ids=["whole", "chunked"])
 @pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
-def test_the_paged_attention_gives_the_sequence_attention_step_by_step(layer):
+def test_the_paged_attention_gives_the_sequence_attention_step_by_step(layer, budget, monkeypatch):
     """Two sequences in one batch, prefilled in uneven chunks then decoded a token at a time on the paged cache
-    (shared K=V rows, compressed entries sliced over their windows' slots, open windows in the state slots): every
-    position's output is the whole-sequence attention's."""
+    (shared K=V rows, compressed entries sliced over their windows' slots, open windows in the state slots, a
+    chunk's windows pooled at once): every position's output is the whole-sequence attention's; also when the
+    score budget makes each step attend one query at a time (what bounds a long prompt's score matrices)."""
+    import moed.layers.compressed_attention as ca
+
+    if budget is not None:
+        monkeypatch.setattr(ca, "SCORE_BUDGET", budget)
     from moed.cache.kv_cache import KVCache
     from moed.layers.compressed_attention import CompressedAttention, attend_sequence
     from moed.models.families import parse_model_config
