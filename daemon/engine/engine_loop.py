@@ -133,7 +133,8 @@ class EngineLoop:
         """Validate and queue; raises InvalidRequestError or QueueFullError without queueing anything."""
         self._validate(request)
         handle = RequestHandle(request.request_id, self.cancel)
-        live = LiveRequest.create(request, handle, self.runtime.tokenizer)
+        live = LiveRequest.create(request, handle, self.runtime.tokenizer,
+                                  self._constraint_for if self.runtime.tokenizer is not None else None)
         with self._wakeup:
             if not self._accepting:
                 raise InvalidRequestError("the daemon is shutting down")
@@ -384,6 +385,12 @@ class EngineLoop:
             return
         live.handle.push(live.done_event(reason, error))
         self.requests_served += 1
+
+    def _constraint_for(self, grammar):
+        """The matcher of a request's grammar on this model's tokenizer (text/grammar.py)."""
+        from moed.text.grammar import grammar_tokenizer
+
+        return grammar_tokenizer(self.runtime.tokenizer, self._vocab_size, self._eos_ids).constraint(grammar)
 
     def _validate(self, request: GenerationRequest) -> None:
         if not isinstance(request.request_id, str) or not request.request_id:

@@ -17,6 +17,8 @@ import torch
 
 from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent, Usage
 from moed.engine.sampling import Sampler
+from moed.errors import InvalidRequestError
+from moed.text.grammar import TokenConstraint
 from moed.text.stop_strings import StopMatcher
 from moed.text.stream_decoder import StreamDecoder
 
@@ -37,12 +39,23 @@ class LiveRequest:
     first_token_at: float | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its (first) admission
     last_token_at: float = 0.0
+    constraint: TokenConstraint | None = None  # the grammar's matcher, when the request has one
 
     @classmethod
-    def create(cls, request: GenerationRequest, handle: RequestHandle, tokenizer) -> "LiveRequest":
+    def create(cls, request: GenerationRequest, handle: RequestHandle, tokenizer,
+               constraint_for=None) -> "LiveRequest":
+        """``constraint_for(grammar)`` makes the matcher of a request's grammar (raising InvalidRequestError for a
+        bad one, before anything is queued)."""
         decoder = tokenizer.stream_decoder(request.prompt_ids) if tokenizer is not None else None
+        grammar = request.params.grammar
+        constraint = None
+        if grammar is not None:
+            if constraint_for is None:
+                raise InvalidRequestError("a grammar (structured output) needs the model's tokenizer, which this "
+                                          "model was loaded without")
+            constraint = constraint_for(grammar)
         return cls(request, handle, Sampler(request.params), StopMatcher(request.params.stop), decoder,
-                   time.monotonic())
+                   time.monotonic(), constraint=constraint)
 
     def accept(self, logits: torch.Tensor, num_cached: int, eos_ids: frozenset[int],
                context_length: int) -> tuple[int, str]:
@@ -51,7 +64,15 @@ class LiveRequest:
         params = self.request.params
         # the ids so far matter only to a repetition penalty: no copy of a long prompt per token without one
         seen = self.request.prompt_ids + self.generated if params.repetition_penalty != 1.0 else ()
+        constraint = self.constraint
+        if constraint is not None:  # tokens the grammar does not allow next cannot be sampled
+            allowed = constraint.mask()
+            logits = logits.float().clone()
+            logits[: allowed.shape[0]].masked_fill_(~allowed.to(logits.device), float("-inf"))
+            logits[allowed.shape[0]:] = float("-inf")
         token = self.sampler.sample(logits, seen)
+        if constraint is not None and not constraint.advance(token):
+            raise RuntimeError(f"the grammar refused token {token}: {constraint.error}")
         now = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now
@@ -62,7 +83,7 @@ class LiveRequest:
         if self.decoder is not None and not is_eos:
             delta, hit_stop = self.stop.push(self.decoder.add(token))
         reason = ""
-        if is_eos:
+        if is_eos or (constraint is not None and constraint.finished):  # a complete grammar admits no more
             reason = "eos"
         elif hit_stop:
             reason = "stop"

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from moed.errors import InvalidRequestError, quoted
+from moed.text.grammar import Grammar
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # per stop string
@@ -47,6 +48,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # what the output must match (constrained decoding, text/grammar.py)
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -78,6 +80,8 @@ class SamplingParams:
                 raise InvalidRequestError(f"a stop string has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be true or false, got {quoted(self.ignore_eos)}.")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise InvalidRequestError(f"grammar must be a Grammar, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
