@@ -48,6 +48,7 @@ from moed.api.http.chat_request import ChatRequest, media_placeholder
 from moed.api.http.error_status import HttpFailure, ParamError, failure_of, validation_failure
 from moed.api.http.output_stream import Finished, parsed_events
 from moed.api.http.sse_response import SseResponse
+from moed.api.http.structured_output import anthropic_grammar
 from moed.engine.sampling import SamplingParams
 from moed.errors import ServiceUnavailableError
 
@@ -321,6 +322,7 @@ def chat_request(body: CountTokensRequest) -> ChatRequest:
 
 def sampling_params(body: MessagesRequest) -> SamplingParams:
     return SamplingParams(
+        grammar=anthropic_grammar(body.output_config),
         temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,

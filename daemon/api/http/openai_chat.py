@@ -26,6 +26,7 @@ from moed.api.http.openai_shared import (HEARTBEAT_S, SSE_DONE, SSE_KEEPALIVE, e
                                          usage_of)
 from moed.api.http.output_stream import Finished, OutputCollector, parsed_events
 from moed.api.http.sse_response import SseResponse
+from moed.api.http.structured_output import openai_chat_grammar
 from moed.text.chat_template import validate_messages
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
@@ -131,7 +132,8 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
     if body.reasoning_effort is not None:
         variables.setdefault("reasoning_effort", body.reasoning_effort)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    params = sampling_params(body, max_tokens=max_tokens or 1, stop=stop_strings(body.stop))
+    params = sampling_params(body, max_tokens=max_tokens or 1, stop=stop_strings(body.stop),
+                             grammar=openai_chat_grammar(body))
     return ChatRequest(messages, request_tools(body), variables, params, max_tokens=max_tokens, stream=body.stream,
                        dropped_media=dropped[0])
 

@@ -14,6 +14,7 @@ from moed.api.http.openai_shared import (HEARTBEAT_S, SSE_DONE, SSE_KEEPALIVE, e
                                          now, raise_if_failed, refuse_unsupported, sampling_params, sse, stop_strings,
                                          usage_of)
 from moed.api.http.sse_response import SseResponse
+from moed.api.http.structured_output import extension_grammar
 
 
 def prompt_ids_of(bridge: EngineBridge, entry, prompt: str | list[str] | list[int]) -> list[int]:
@@ -39,7 +40,7 @@ async def create_completion(bridge: EngineBridge, body: CompletionRequest, reque
     bridge.check_prompt_fits(entry, prompt_ids)
     # OpenAI's documented default for completions is 16 tokens; never more than the context has room for
     max_tokens = min(body.max_tokens or 16, bridge.default_max_tokens(entry, prompt_ids))
-    params = sampling_params(body, max_tokens=max_tokens, stop=stop_strings(body.stop))
+    params = sampling_params(body, max_tokens=max_tokens, stop=stop_strings(body.stop), grammar=extension_grammar(body))
     stream = bridge.open_stream(entry, prompt_ids, params)
     cmpl_id, created = new_id("cmpl-"), now()
     if body.stream:

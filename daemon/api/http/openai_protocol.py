@@ -78,6 +78,10 @@ class SamplingFields(_Lenient):
     logprobs: bool | int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, not applied
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, not applied
+    # llama-server's constrained decoding: a GBNF string (or {"type": "gbnf" | "lark" | "regex", "grammar"}) and a
+    # JSON schema (api/http/structured_output.py)
+    grammar: str | dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None
 
 
 # ---- chat completions ----
@@ -108,6 +112,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None  # text | json_object | json_schema (structured_output.py)
     reasoning_effort: str | None = None  # passed to the chat template (gpt-oss reads it)
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
 
@@ -261,6 +266,7 @@ class ResponsesRequest(_Lenient):
     reasoning: ResponsesReasoning | None = None
     previous_response_id: str | None = None
     store: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": text | json_object | json_schema} (structured_output.py)
 
 
 class OutputText(BaseModel):

@@ -34,6 +34,7 @@ from moed.api.http.openai_shared import (ERROR_CODES, HEARTBEAT_S, SSE_KEEPALIVE
                                          sampling_params)
 from moed.api.http.output_stream import Finished, parsed_events
 from moed.api.http.sse_response import SseResponse
+from moed.api.http.structured_output import responses_grammar
 from moed.text.chat_template import validate_messages
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -197,7 +198,7 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
     dropped = [0]
     messages = template_messages(body, dropped)
     variables = {"reasoning_effort": body.reasoning.effort} if body.reasoning and body.reasoning.effort else {}
-    params = sampling_params(body, max_tokens=body.max_output_tokens or 1)
+    params = sampling_params(body, max_tokens=body.max_output_tokens or 1, grammar=responses_grammar(body))
     return ChatRequest(messages, request_tools(body), variables, params, max_tokens=body.max_output_tokens,
                        stream=body.stream, dropped_media=dropped[0])
 
@@ -221,6 +222,8 @@ class ResponseBuilder:
             parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls)
         if self.response.tool_choice is None:
             self.response.tool_choice = "auto"
+        if isinstance(body.text, dict) and isinstance(body.text.get("format"), dict):
+            self.response.text = {"format": body.text["format"]}  # the SDK's parse() reads the answer by it
         self._namespaces = frozenset(t.name for t in body.tools or [] if t.type == "namespace" and t.name)
         self._seq = 0
         self._open: Any = None  # the item being written, with _kind and _tool_index

@@ -15,6 +15,7 @@ from moed.api.http.openai_protocol import ErrorDetail, ErrorResponse, Usage
 from moed.engine.request import Usage as EngineUsage
 from moed.engine.sampling import SamplingParams
 from moed.errors import ServiceUnavailableError
+from moed.text.grammar import Grammar
 
 # moed's engine finish reasons -> OpenAI's ("context": the prompt and output filled the context)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "deadline": "length"}
@@ -78,8 +79,10 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def sampling_params(body: Any, *, max_tokens: int, stop: tuple[str, ...] = ()) -> SamplingParams:
-    """SamplingParams from a request's OpenAI fields (range errors become 400s naming the field)."""
+def sampling_params(body: Any, *, max_tokens: int, stop: tuple[str, ...] = (), grammar: Grammar | None = None
+                    ) -> SamplingParams:
+    """SamplingParams from a request's OpenAI fields (range errors become 400s naming the field); ``grammar``:
+    what the output must match (structured_output.py)."""
     temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
     return SamplingParams(
         temperature=temperature,
@@ -90,6 +93,7 @@ def sampling_params(body: Any, *, max_tokens: int, stop: tuple[str, ...] = ()) -
         seed=body.seed,
         max_tokens=max_tokens,
         stop=stop,
+        grammar=grammar,
     )
 
 

@@ -215,7 +215,7 @@ def test_every_anthropic_content_block_type_is_read(daemon, role):
 # ---- OpenAI Chat Completions ---------------------------------------------------------------------
 
 # fields other local servers (vLLM, llama-server, SGLang) accept beyond OpenAI's
-CHAT_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "stream"}
+CHAT_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "stream", "grammar", "json_schema"}
 
 
 def test_chat_fields_are_the_sdks():
