@@ -12,8 +12,9 @@ function schemas. A conversation that ends with an assistant turn is a prefill: 
 continues that text.
 
 tool_choice: "auto" (or absent) and "any" render every tool, "tool" renders only the named one,
-"none" renders none and parses no calls; nothing is enforced by constrained decoding (the model
-is asked, not forced). ``thinking`` config sets the template's ``enable_thinking`` (Qwen3-style
+"none" renders none and parses no calls; "any" and "tool" are enforced by a grammar of calls where moed
+has one for the model's tool syntax (text/tool_grammar.py), and ``output_config.format`` by its JSON
+schema (structured_output.py). ``thinking`` config sets the template's ``enable_thinking`` (Qwen3-style
 templates); reasoning in the output (whatever the config) comes back as thinking blocks.
 
 The stream is Anthropic's event sequence: message_start, then per content block (in order,
@@ -316,7 +317,11 @@ def chat_request(body: CountTokensRequest) -> ChatRequest:
     options: dict[str, Any] = {}
     if isinstance(body, MessagesRequest):
         options = {"params": sampling_params(body), "max_tokens": body.max_tokens, "stream": body.stream}
+    choice = body.tool_choice
+    forced = choice is not None and choice.type in ("any", "tool") and bool(body.tools)
     return ChatRequest(messages, template_tools(body), template_variables(body), prefill=prefill,
+                       forced_tools=forced and not prefill,
+                       parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
                        dropped_media=media.dropped, **options)
 
 

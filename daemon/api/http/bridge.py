@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -42,8 +43,10 @@ from moed.text.output_parser import OutputParser, has_native_tools, output_parse
 from moed.text.stop_strings import StopMatcher
 from moed.text.stream_decoder import StreamDecoder
 from moed.text.tokenizer import Tokenizer
+from moed.text.tool_grammar import tool_call_grammar
 
 DEFAULT_MODEL_ALIASES = ("", "default")  # mean "the one loaded model" when exactly one is loaded
+log = logging.getLogger("moed.http")
 PROMPT_TAIL_TOKENS = 16  # enough of the prompt's end to see whether it opened a reasoning block
 PUMP_POLL_S = 1.0  # the pump thread re-checks whether its consumer left this often
 DISCONNECT_CHECK_S = 0.25  # how often a non-streamed request checks that its client is still there
@@ -432,10 +435,36 @@ class EngineBridge:
         self.check_prompt_fits(entry, prompt_ids)
         room = self.default_max_tokens(entry, prompt_ids)
         params = dataclasses.replace(chat.params, max_tokens=min(chat.max_tokens or room, room))
+        if chat.forced_tools and chat.tools:
+            params = self.force_tool_calls(entry, chat, params, prompt_ids, generic)
         parser = self.output_parser(entry, tools=chat.tools, prompt_ids=prompt_ids, stream=chat.stream,
                                     generic_tools=generic)
         stream = self.open_stream(entry, prompt_ids, params, raw=True)
         return PreparedChat(prompt_ids, params, parser, stream, generic)
+
+    def force_tool_calls(self, entry: LoadedEntry, chat: ChatRequest, params: SamplingParams,
+                         prompt_ids: Sequence[int], generic: bool) -> SamplingParams:
+        """A forced tool choice as a grammar of calls in the model's syntax (``text/tool_grammar.py``); where moed
+        has none for that syntax, the request only asks for a call (logged)."""
+        if params.grammar is not None:
+            raise ParamError("a forced tool_choice and a structured-output format cannot both constrain one answer; "
+                             "drop one of them", "tool_choice")
+        fmt = "generic" if generic else self.tool_format(entry)
+        tokenizer = self.tokenizer(entry)
+        tail = tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
+        xml = not generic and "<function=" in (tokenizer.chat_template or "")
+        reasoning = "optional"
+        if generic or tail.rstrip().endswith(("</think>", "</seed:think>")):  # the template closed it (no thinking)
+            reasoning = "none"
+        elif prompt_opens_reasoning(fmt, tail):
+            reasoning = "open"
+        grammar = tool_call_grammar(fmt, chat.tools, parallel=chat.parallel_tool_calls, reasoning=reasoning,
+                                    xml_calls=xml)
+        if grammar is None:
+            log.info("model %s: a forced tool_choice is asked for, not enforced (no call grammar for its %s "
+                     "tool syntax yet)", entry.name, "XML" if xml else fmt)
+            return params
+        return dataclasses.replace(params, grammar=grammar)
 
     # ---- generation ----
 

@@ -39,6 +39,8 @@ class ChatRequest:
     stream: bool = False
     prefill: bool = False  # the last message is an assistant turn the answer continues (Anthropic)
     dropped_media: int = 0  # image / document / audio parts given to a text-only model
+    forced_tools: bool = False  # tool_choice "required" / named (Anthropic "any" / "tool"): the answer is calls
+    parallel_tool_calls: bool = True  # more than one call may be made (forced calls: the grammar says how many)
 
 
 def media_placeholder(kind: str, detail: str = "") -> str:

@@ -2,8 +2,9 @@
 
 tool_choice: "auto" (or absent) renders the request's tools and parses tool calls; "none" renders
 no tools and parses none; a named function renders only that tool; "required" renders the tools
-as "auto" does. Neither of the last two is enforced by constrained decoding: the model is asked,
-not forced, and an answer without a call ends with finish_reason "stop".
+as "auto" does. The last two are enforced by a grammar of calls in the model's tool syntax where moed
+has one (text/tool_grammar.py, applied in bridge.force_tool_calls); elsewhere the model is asked, not
+forced. ``reasoning_effort`` "none" / "minimal" turns the template's thinking off (``enable_thinking``).
 """
 
 from __future__ import annotations
@@ -124,17 +125,31 @@ def request_tools(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return tools
 
 
+NO_REASONING_EFFORTS = ("none", "minimal")
+
+
+def effort_variables(effort: str | None) -> dict[str, Any]:
+    """Template variables of an OpenAI reasoning effort: ``reasoning_effort`` itself (gpt-oss, DeepSeek-V4 read it),
+    and for "none" / "minimal" ``enable_thinking: false`` (Qwen3's and GLM's switch; DeepSeek's templates too)."""
+    if effort is None:
+        return {}
+    variables: dict[str, Any] = {"reasoning_effort": effort}
+    if effort in NO_REASONING_EFFORTS:
+        variables["enable_thinking"] = False
+    return variables
+
+
 def chat_request(body: ChatCompletionRequest) -> ChatRequest:
     """The request as moed's one internal chat request."""
     dropped = [0]
     messages = template_messages(body.messages, dropped)
-    variables = dict(body.chat_template_kwargs or {})
-    if body.reasoning_effort is not None:
-        variables.setdefault("reasoning_effort", body.reasoning_effort)
+    variables = {**effort_variables(body.reasoning_effort), **(body.chat_template_kwargs or {})}
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, max_tokens=max_tokens or 1, stop=stop_strings(body.stop),
                              grammar=openai_chat_grammar(body))
+    forced = body.tool_choice == "required" or (body.tool_choice is not None and not isinstance(body.tool_choice, str))
     return ChatRequest(messages, request_tools(body), variables, params, max_tokens=max_tokens, stream=body.stream,
+                       forced_tools=forced and bool(body.tools), parallel_tool_calls=body.parallel_tool_calls is not False,
                        dropped_media=dropped[0])
 
 

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from moed.api.http.bridge import EngineBridge
 from moed.api.http.chat_request import ChatRequest, media_placeholder
 from moed.api.http.error_status import ParamError, failure_of
-from moed.api.http.openai_chat import arguments_value
+from moed.api.http.openai_chat import arguments_value, effort_variables
 from moed.api.http.openai_protocol import (ErrorDetail, FunctionCallItem, IncompleteDetails, OutputMessageItem,
                                            OutputText, ReasoningItem, ReasoningText, ResponseObject,
                                            ResponsesRequest, ResponsesUsage)
@@ -197,9 +197,11 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
     """The request as moed's one internal chat request."""
     dropped = [0]
     messages = template_messages(body, dropped)
-    variables = {"reasoning_effort": body.reasoning.effort} if body.reasoning and body.reasoning.effort else {}
+    variables = effort_variables(body.reasoning.effort if body.reasoning else None)
     params = sampling_params(body, max_tokens=body.max_output_tokens or 1, grammar=responses_grammar(body))
+    forced = body.tool_choice == "required" or (body.tool_choice is not None and not isinstance(body.tool_choice, str))
     return ChatRequest(messages, request_tools(body), variables, params, max_tokens=body.max_output_tokens,
+                       forced_tools=forced and bool(body.tools), parallel_tool_calls=body.parallel_tool_calls is not False,
                        stream=body.stream, dropped_media=dropped[0])
 
 
