@@ -70,7 +70,7 @@ class LiveRequest:
             logits = logits.float().clone()
             logits[: allowed.shape[0]].masked_fill_(~allowed.to(logits.device), float("-inf"))
             logits[allowed.shape[0]:] = float("-inf")
-        token = self.sampler.sample(logits, seen)
+        token = self.sampler.sample(logits, seen, self.generated)
         if constraint is not None and not constraint.advance(token):
             raise RuntimeError(f"the grammar refused token {token}: {constraint.error}")
         now = time.monotonic()

@@ -13,6 +13,7 @@ from moed.errors import InvalidRequestError, quoted
 from moed.text.grammar import Grammar
 
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # tokens a request may bias (OpenAI's limit)
 MAX_STOP_CHARS = 1000  # per stop string
 # torch.Generator.manual_seed takes 64-bit seeds.
 MAX_SEED = 2**64 - 1
@@ -44,6 +45,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated; 0 = off
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated; 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's logit_bias
     seed: int | None = None  # None = fresh entropy per request
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
@@ -63,6 +67,17 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not _is_number(rp) or not math.isfinite(rp) or rp <= 0:
             raise _bad("repetition_penalty", rp, "a finite number > 0", "use 1.0 for no penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not (-2 <= v <= 2):
+                raise _bad(name, v, "in [-2, 2]", "use 0 for no penalty")
+        object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise _bad("logit_bias", f"<{len(self.logit_bias)} tokens>", f"at most {MAX_LOGIT_BIAS} tokens")
+        for entry in self.logit_bias:
+            if (not isinstance(entry, tuple) or len(entry) != 2 or not _is_int(entry[0]) or entry[0] < 0
+                    or not _is_number(entry[1]) or not -100 <= entry[1] <= 100):
+                raise _bad("logit_bias", entry, "token ids (integers >= 0) mapped to biases in [-100, 100]")
         if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed <= MAX_SEED)):
             raise _bad("seed", self.seed, f"an integer in [0, {MAX_SEED}] or null")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -102,6 +117,28 @@ def apply_repetition_penalty(
     # clamped: a tiny or huge penalty must not turn a finite logit into inf (inf - inf is NaN later)
     logits[ids] = torch.where(seen < 0, seen * penalty, seen / penalty).clamp(-_F32_MAX, _F32_MAX)
     return logits
+
+
+def apply_presence_frequency(logits: torch.Tensor, generated_ids: Sequence[int] | torch.Tensor, presence: float,
+                             frequency: float) -> torch.Tensor:
+    """OpenAI's penalties over the tokens generated so far: ``logit[j] -= frequency * count[j] + presence * (count[j]
+    > 0)`` (the prompt does not count, as in OpenAI's and vLLM's definition)."""
+    if (presence == 0.0 and frequency == 0.0) or len(generated_ids) == 0:
+        return logits
+    ids = torch.as_tensor(generated_ids, dtype=torch.long, device=logits.device)
+    ids = ids[(ids >= 0) & (ids < logits.shape[-1])]
+    counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """Add each (token, bias) to that token's logit (ids past the logits are left out: they cannot be sampled)."""
+    if not bias:
+        return logits
+    ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+    values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+    keep = ids < logits.shape[-1]
+    return logits.index_add(0, ids[keep], values[keep])
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -150,10 +187,12 @@ class Sampler:
             self._generator.manual_seed(self.seed)
         return self._generator
 
-    def process(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """The final logits (float32, removed tokens at -inf) in generate()'s order: penalty, T, top-k, top-p, min-p."""
+    def process(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor,
+                generated_ids: Sequence[int] | torch.Tensor = ()) -> torch.Tensor:
+        """The final logits (float32, removed tokens at -inf): ``penalized`` (the penalties and logit_bias), then in
+        generate()'s order T, top-k, top-p, min-p."""
         p = self.params
-        x = apply_repetition_penalty(logits.float(), previous_ids, p.repetition_penalty)
+        x = self.penalized(logits, previous_ids, generated_ids)
         if p.greedy:
             return x
         if p.temperature != 1.0:
@@ -164,11 +203,21 @@ class Sampler:
         x = apply_top_p(x, p.top_p)
         return apply_min_p(x, p.min_p)
 
-    def sample(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor) -> int:
-        """Next token id from logits [V] given every id so far (prompt + generated)."""
+    def penalized(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor,
+                  generated_ids: Sequence[int] | torch.Tensor = ()) -> torch.Tensor:
+        """float32 logits after the repetition penalty (HF's, over ``previous_ids``: prompt + generated), OpenAI's
+        presence and frequency penalties (over ``generated_ids``) and ``logit_bias``: what ``logprobs`` report."""
+        p = self.params
+        x = apply_repetition_penalty(logits.float(), previous_ids, p.repetition_penalty)
+        x = apply_presence_frequency(x, generated_ids, p.presence_penalty, p.frequency_penalty)
+        return apply_logit_bias(x, p.logit_bias)
+
+    def sample(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor,
+               generated_ids: Sequence[int] | torch.Tensor = ()) -> int:
+        """Next token id from logits [V] given every id so far (prompt + generated) and the generated ones."""
         if logits.dim() != 1:
             raise ValueError(f"Sampler.sample expects logits of shape [vocab], got {tuple(logits.shape)}")
-        x = self.process(logits, previous_ids)
+        x = self.process(logits, previous_ids, generated_ids)
         if self.params.greedy:
             return int(torch.argmax(x))
         probs = x.softmax(dim=-1)

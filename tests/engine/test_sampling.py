@@ -238,6 +238,11 @@ def test_params_defaults_and_stop_coercion() -> None:
         ("stop", (1,)),
         ("stop", tuple(f"s{i}" for i in range(MAX_STOP_STRINGS + 1))),
         ("ignore_eos", "yes"),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("logit_bias", ((5, 101.0),)),
+        ("logit_bias", ((-1, 1.0),)),
+        ("logit_bias", tuple((i, 1.0) for i in range(301))),
     ],
 )
 def test_invalid_params_name_the_field(field: str, value: Any) -> None:
@@ -257,3 +262,38 @@ def test_error_message_gives_allowed_range() -> None:
 def test_boundaries_are_valid() -> None:
     SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1e-3, seed=0, max_tokens=1)
     SamplingParams(min_p=1.0, top_p=1e-9, seed=2**64 - 1, stop=tuple("abcdefghijklmnop"))
+
+
+def _openai_reference(logits: torch.Tensor, generated: list[int], presence: float, frequency: float,
+                      bias: dict[int, float]) -> torch.Tensor:
+    """OpenAI's documented formula, token by token in plain Python:
+    mu[j] -> mu[j] - c[j] * frequency_penalty - float(c[j] > 0) * presence_penalty, then + logit_bias[j]."""
+    out = logits.tolist()
+    for j in range(len(out)):
+        c = generated.count(j)
+        out[j] = out[j] - c * frequency - (1.0 if c > 0 else 0.0) * presence + bias.get(j, 0.0)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.0, 0.0), (0.7, 0.0), (0.0, 1.3), (-0.5, 2.0), (2.0, -2.0)])
+def test_presence_frequency_and_logit_bias_follow_openais_formula(presence: float, frequency: float) -> None:
+    logits = _logits(7)
+    generated = [3, 3, 3, 10, 50, 96, 10]
+    bias = {3: -100.0, 11: 5.5, 60: 100.0}
+    sampler = Sampler(SamplingParams(temperature=1.0, presence_penalty=presence, frequency_penalty=frequency,
+                                     logit_bias=tuple(bias.items())))
+    got = sampler.penalized(logits, [1, 2] + generated, generated)
+    torch.testing.assert_close(got, _openai_reference(logits, generated, presence, frequency, bias))
+    # the prompt does not count: the same ids in the prompt only change nothing
+    assert torch.equal(sampler.penalized(logits, [3, 10, 50], []), _openai_reference(logits, [], 0.0, 0.0, bias))
+    # and the sampled distribution is the softmax of those logits
+    torch.testing.assert_close(sampler.process(logits, [], generated).softmax(-1), got.softmax(-1))
+
+
+def test_logit_bias_of_minus_100_bans_and_plus_100_forces_greedy() -> None:
+    logits = _logits(8)
+    top = int(logits.argmax())
+    banned = Sampler(SamplingParams(logit_bias=((top, -100.0),)))
+    assert banned.sample(logits, []) != top
+    forced = Sampler(SamplingParams(logit_bias=((5, 100.0),)))
+    assert forced.sample(logits, []) == 5

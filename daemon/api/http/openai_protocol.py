@@ -76,8 +76,9 @@ class SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, not applied
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, not applied
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float | int] | None = None  # token id (as a string) -> bias in [-100, 100]
     # llama-server's constrained decoding: a GBNF string (or {"type": "gbnf" | "lark" | "regex", "grammar"}) and a
     # JSON schema (api/http/structured_output.py)
     grammar: str | dict[str, Any] | None = None

@@ -90,11 +90,26 @@ def sampling_params(body: Any, *, max_tokens: int, stop: tuple[str, ...] = (), g
         top_k=getattr(body, "top_k", None) or 0,
         min_p=getattr(body, "min_p", None) or 0.0,
         repetition_penalty=getattr(body, "repetition_penalty", None) or 1.0,
+        presence_penalty=getattr(body, "presence_penalty", None) or 0.0,
+        frequency_penalty=getattr(body, "frequency_penalty", None) or 0.0,
+        logit_bias=logit_bias(getattr(body, "logit_bias", None)),
         seed=body.seed,
         max_tokens=max_tokens,
         stop=stop,
         grammar=grammar,
     )
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` ({"token id": bias}) as (id, bias) pairs; a key that is no token id is a 400."""
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise ParamError(f"logit_bias keys must be token ids (strings of digits), got {key!r}", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
 
 
 def refuse_unsupported(body: Any) -> None:
