@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent, Usage
+from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent, TokenLogprob, Usage
 from moed.engine.sampling import Sampler
 from moed.errors import InvalidRequestError
 from moed.text.grammar import TokenConstraint
@@ -71,6 +71,7 @@ class LiveRequest:
             logits[: allowed.shape[0]].masked_fill_(~allowed.to(logits.device), float("-inf"))
             logits[allowed.shape[0]:] = float("-inf")
         token = self.sampler.sample(logits, seen, self.generated)
+        logprob = self._logprob(logits, seen, token) if params.logprobs is not None else None
         if constraint is not None and not constraint.advance(token):
             raise RuntimeError(f"the grammar refused token {token}: {constraint.error}")
         now = time.monotonic()
@@ -91,8 +92,17 @@ class LiveRequest:
             reason = "length"
         elif num_cached + 1 >= context_length:  # prompt + generated fill the context
             reason = "context"
-        self.handle.push(StreamEvent(text=delta, token_ids=(token,), done=False))
+        self.handle.push(StreamEvent(text=delta, token_ids=(token,), done=False,
+                                     logprobs=(logprob,) if logprob is not None else ()))
         return token, reason
+
+    def _logprob(self, logits: torch.Tensor, seen, token: int) -> TokenLogprob:
+        """The sampled token's log-probability and the top alternatives (``TokenLogprob``'s definition)."""
+        lp = torch.log_softmax(self.sampler.penalized(logits, seen, self.generated), dim=-1)
+        k = min(self.request.params.logprobs, lp.shape[-1])
+        top = torch.topk(lp, k) if k else None
+        alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        return TokenLogprob(token, float(lp[token]), alternatives)
 
     def done_event(self, reason: str, error: str = "") -> StreamEvent:
         """The final event: the text the decoder and the stop matcher held back (unless the request failed),

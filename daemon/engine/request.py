@@ -31,6 +31,17 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the ``top`` alternatives (id, log-probability), most likely first:
+    the log-softmax of the step's logits after the penalties, logit_bias and the grammar, before temperature
+    and top-k / top-p / min-p (``SamplingParams.logprobs``)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class StreamEvent:
     """One token (done=False), or the end of the stream (done=True, finish_reason and usage set).
 
@@ -44,6 +55,7 @@ class StreamEvent:
     finish_reason: str = ""
     usage: Usage | None = None
     error: str = ""  # set when finish_reason == "error"
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids, when the request asked for them
 
 
 class RequestHandle:

@@ -14,6 +14,7 @@ from moed.text.grammar import Grammar
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # tokens a request may bias (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit)
 MAX_STOP_CHARS = 1000  # per stop string
 # torch.Generator.manual_seed takes 64-bit seeds.
 MAX_SEED = 2**64 - 1
@@ -48,6 +49,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated; 0 = off
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated; 0 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's logit_bias
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: off)
     seed: int | None = None  # None = fresh entropy per request
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
@@ -71,6 +73,8 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_number(v) or not (-2 <= v <= 2):
                 raise _bad(name, v, "in [-2, 2]", "use 0 for no penalty")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise _bad("logprobs", self.logprobs, f"an integer in [0, {MAX_TOP_LOGPROBS}] or null")
         object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise _bad("logit_bias", f"<{len(self.logit_bias)} tokens>", f"at most {MAX_LOGIT_BIAS} tokens")

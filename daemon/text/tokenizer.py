@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -123,6 +124,21 @@ def _config_eos_ids(model_dir: Path) -> list[int]:
         if data is not None:
             ids += _eos_ids_of(data, path)
     return ids
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level table, reversed: the printable character each byte is written as -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 class Tokenizer:
@@ -276,6 +292,25 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for ids; ids the tokenizer does not know (e.g. padded embedding rows) decode to nothing."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8 character, which
+        ``decode`` shows as U+FFFD): byte-level vocabularies through GPT-2's byte <-> character table, ``<0xNN>``
+        byte-fallback pieces as their byte, anything else as its decoded text."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id not in self.special_token_ids:
+            if isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel):
+                table = _unicode_to_byte()
+                if all(ch in table for ch in piece):
+                    return bytes(table[ch] for ch in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+        return self._backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def stream_decoder(self, context_ids: Iterable[int] = (), skip_special_tokens: bool = True) -> StreamDecoder:
         """An incremental decoder for generated ids; context_ids (the prompt tail) fixes leading spaces."""

@@ -22,10 +22,10 @@ from moed.api.http.error_status import ParamError, failure_of
 from moed.api.http.openai_protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage,
                                            ToolCallDelta, ToolCallDeltaFunction, ToolCallFunction, ToolCallOut)
-from moed.api.http.openai_shared import (HEARTBEAT_S, SSE_DONE, SSE_KEEPALIVE, error_body, finish_reason, new_id,
-                                         now, raise_if_failed, refuse_unsupported, sampling_params, sse, stop_strings,
-                                         usage_of)
-from moed.api.http.output_stream import Finished, OutputCollector, parsed_events
+from moed.api.http.openai_shared import (HEARTBEAT_S, SSE_DONE, SSE_KEEPALIVE, chat_logprobs, error_body,
+                                         finish_reason, new_id, now, raise_if_failed, refuse_unsupported,
+                                         sampling_params, sse, stop_strings, usage_of)
+from moed.api.http.output_stream import Finished, Logprobs, OutputCollector, parsed_events
 from moed.api.http.sse_response import SseResponse
 from moed.api.http.structured_output import openai_chat_grammar
 from moed.text.chat_template import validate_messages
@@ -159,11 +159,14 @@ async def create_chat_completion(bridge: EngineBridge, body: ChatCompletionReque
     prepared = bridge.prepare_chat(entry, chat_request(body))
     parser, stream = prepared.parser, prepared.stream
     chat_id, created = new_id("chatcmpl-"), now()
+    tokenizer = bridge.tokenizer(entry) if prepared.params.logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SseResponse(_chunks(stream, parser, chat_id, created, entry.name, include_usage), stream.cancel)
+        return SseResponse(_chunks(stream, parser, chat_id, created, entry.name, include_usage, tokenizer),
+                           stream.cancel)
     collected = OutputCollector()
-    async for event in parsed_events(stream, parser, is_disconnected=request.is_disconnected):
+    async for event in parsed_events(stream, parser, is_disconnected=request.is_disconnected,
+                                     logprobs=tokenizer is not None):
         collected.add(event)
     finished = collected.finished
     if finished is None:  # the client left; nobody reads this
@@ -174,11 +177,13 @@ async def create_chat_completion(bridge: EngineBridge, body: ChatCompletionReque
     message = AssistantMessage(content=collected.text if collected.text or not calls else None,
                                reasoning_content=collected.reasoning or None, tool_calls=calls or None)
     answer = ChatCompletion(id=chat_id, created=created, model=entry.name, usage=usage_of(finished.usage), choices=[
-        ChatChoice(message=message, finish_reason=finish_reason(finished.reason, has_tool_calls=bool(calls)))])
+        ChatChoice(message=message, finish_reason=finish_reason(finished.reason, has_tool_calls=bool(calls)),
+                   logprobs=chat_logprobs(tokenizer, collected.logprobs) if tokenizer is not None else None)])
     return JSONResponse(answer.model_dump(exclude_none=True))
 
 
-async def _chunks(stream, parser, chat_id: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
+async def _chunks(stream, parser, chat_id: str, created: int, model: str, include_usage: bool,
+                  tokenizer=None) -> AsyncIterator[str]:
     def chunk(delta: ChatDelta, reason: str | None = None) -> str:
         return sse(ChatCompletionChunk(id=chat_id, created=created, model=model,
                                        choices=[ChatChunkChoice(delta=delta, finish_reason=reason)]))
@@ -186,9 +191,12 @@ async def _chunks(stream, parser, chat_id: str, created: int, model: str, includ
     yield chunk(ChatDelta(role="assistant", content=""))
     started: set[int] = set()
     try:
-        async for event in parsed_events(stream, parser, heartbeat_s=HEARTBEAT_S):
+        async for event in parsed_events(stream, parser, heartbeat_s=HEARTBEAT_S, logprobs=tokenizer is not None):
             if event is None:
                 yield SSE_KEEPALIVE
+            elif isinstance(event, Logprobs):  # the log-probabilities of the tokens just sent, in a chunk of their own
+                yield sse(ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[ChatChunkChoice(
+                    delta=ChatDelta(), logprobs=chat_logprobs(tokenizer, event.entries))]))
             elif isinstance(event, Finished):
                 raise_if_failed(event.reason, event.error)
                 yield chunk(ChatDelta(), finish_reason(event.reason, has_tool_calls=event.has_tool_calls))

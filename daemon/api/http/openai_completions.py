@@ -10,9 +10,9 @@ from fastapi.responses import JSONResponse
 from moed.api.http.bridge import EngineBridge
 from moed.api.http.error_status import ParamError, failure_of
 from moed.api.http.openai_protocol import Completion, CompletionChoice, CompletionRequest
-from moed.api.http.openai_shared import (HEARTBEAT_S, SSE_DONE, SSE_KEEPALIVE, error_body, finish_reason, new_id,
-                                         now, raise_if_failed, refuse_unsupported, sampling_params, sse, stop_strings,
-                                         usage_of)
+from moed.api.http.openai_shared import (HEARTBEAT_S, SSE_DONE, SSE_KEEPALIVE, completion_logprobs, error_body,
+                                         finish_reason, new_id, now, raise_if_failed, refuse_unsupported,
+                                         sampling_params, sse, stop_strings, usage_of)
 from moed.api.http.sse_response import SseResponse
 from moed.api.http.structured_output import extension_grammar
 
@@ -43,34 +43,43 @@ async def create_completion(bridge: EngineBridge, body: CompletionRequest, reque
     params = sampling_params(body, max_tokens=max_tokens, stop=stop_strings(body.stop), grammar=extension_grammar(body))
     stream = bridge.open_stream(entry, prompt_ids, params)
     cmpl_id, created = new_id("cmpl-"), now()
+    tokenizer = bridge.tokenizer(entry) if params.logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SseResponse(_chunks(stream, cmpl_id, created, entry.name, include_usage), stream.cancel)
-    text, done = [], None
+        return SseResponse(_chunks(stream, cmpl_id, created, entry.name, include_usage, tokenizer), stream.cancel)
+    text, done, logprobs = [], None, []
     async for event in stream.events(is_disconnected=request.is_disconnected):
         if event is not None:
             text.append(event.text)
+            logprobs.extend(event.logprobs)
             done = event if event.done else None
     if done is None:
         return JSONResponse({}, status_code=499)  # the client left
     raise_if_failed(done.finish_reason, done.error)
     answer = Completion(id=cmpl_id, created=created, model=entry.name, usage=usage_of(done.usage), choices=[
-        CompletionChoice(text="".join(text), finish_reason=finish_reason(done.finish_reason, has_tool_calls=False))])
+        CompletionChoice(text="".join(text), finish_reason=finish_reason(done.finish_reason, has_tool_calls=False),
+                         logprobs=completion_logprobs(tokenizer, logprobs) if tokenizer is not None else None)])
     return JSONResponse(answer.model_dump(exclude_none=True))
 
 
-async def _chunks(stream, cmpl_id: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
-    def chunk(text: str, reason: str | None = None) -> str:
+async def _chunks(stream, cmpl_id: str, created: int, model: str, include_usage: bool,
+                  tokenizer=None) -> AsyncIterator[str]:
+    offset = 0
+
+    def chunk(text: str, reason: str | None = None, entries=()) -> str:
+        nonlocal offset
+        logprobs = completion_logprobs(tokenizer, entries, offset) if tokenizer is not None and entries else None
+        offset += len(text)
         return sse(Completion(id=cmpl_id, created=created, model=model,
-                              choices=[CompletionChoice(text=text, finish_reason=reason)]))
+                              choices=[CompletionChoice(text=text, finish_reason=reason, logprobs=logprobs)]))
 
     try:
         async for event in stream.events(heartbeat_s=HEARTBEAT_S):
             if event is None:
                 yield SSE_KEEPALIVE
             elif not event.done:
-                if event.text:
-                    yield chunk(event.text)
+                if event.text or (tokenizer is not None and event.logprobs):
+                    yield chunk(event.text, entries=event.logprobs)
             else:
                 raise_if_failed(event.finish_reason, event.error)
                 yield chunk(event.text, finish_reason(event.finish_reason, has_tool_calls=False))

@@ -114,6 +114,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None  # text | json_object | json_schema (structured_output.py)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # with logprobs: true
     reasoning_effort: str | None = None  # passed to the chat template (gpt-oss reads it)
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
 
@@ -138,11 +139,25 @@ class Usage(BaseModel):
     prompt_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -178,7 +193,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -199,11 +214,20 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(default=None, ge=1)
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions' shape: parallel lists, alternatives as {token: logprob}."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -268,13 +292,15 @@ class ResponsesRequest(_Lenient):
     previous_response_id: str | None = None
     store: bool | None = None
     text: dict[str, Any] | None = None  # {"format": text | json_object | json_schema} (structured_output.py)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    include: list[str] | None = None  # "message.output_text.logprobs": the answer's token log-probabilities
 
 
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[TokenLogprobOut] = Field(default_factory=list)
 
 
 class ReasoningText(BaseModel):

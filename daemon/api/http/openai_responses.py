@@ -14,6 +14,7 @@ as in chat completions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -30,14 +31,15 @@ from moed.api.http.openai_chat import arguments_value, effort_variables
 from moed.api.http.openai_protocol import (ErrorDetail, FunctionCallItem, IncompleteDetails, OutputMessageItem,
                                            OutputText, ReasoningItem, ReasoningText, ResponseObject,
                                            ResponsesRequest, ResponsesUsage)
-from moed.api.http.openai_shared import (ERROR_CODES, HEARTBEAT_S, SSE_KEEPALIVE, new_id, now, raise_if_failed,
-                                         sampling_params)
-from moed.api.http.output_stream import Finished, parsed_events
+from moed.api.http.openai_shared import (ERROR_CODES, HEARTBEAT_S, SSE_KEEPALIVE, chat_logprobs, new_id, now,
+                                         raise_if_failed, sampling_params)
+from moed.api.http.output_stream import Finished, Logprobs, parsed_events
 from moed.api.http.sse_response import SseResponse
 from moed.api.http.structured_output import responses_grammar
 from moed.text.chat_template import validate_messages
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # an `include` entry: the answer's token log-probabilities
 log = logging.getLogger("moed.http")
 
 
@@ -199,6 +201,8 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
     messages = template_messages(body, dropped)
     variables = effort_variables(body.reasoning.effort if body.reasoning else None)
     params = sampling_params(body, max_tokens=body.max_output_tokens or 1, grammar=responses_grammar(body))
+    if LOGPROBS_INCLUDE in (body.include or ()):
+        params = dataclasses.replace(params, logprobs=body.top_logprobs or 0)
     forced = body.tool_choice == "required" or (body.tool_choice is not None and not isinstance(body.tool_choice, str))
     return ChatRequest(messages, request_tools(body), variables, params, max_tokens=body.max_output_tokens,
                        forced_tools=forced and bool(body.tools), parallel_tool_calls=body.parallel_tool_calls is not False,
@@ -226,6 +230,7 @@ class ResponseBuilder:
             self.response.tool_choice = "auto"
         if isinstance(body.text, dict) and isinstance(body.text.get("format"), dict):
             self.response.text = {"format": body.text["format"]}  # the SDK's parse() reads the answer by it
+        self._pending_logprobs: list = []  # token log-probabilities that came before any item opened
         self._namespaces = frozenset(t.name for t in body.tools or [] if t.type == "namespace" and t.name)
         self._seq = 0
         self._open: Any = None  # the item being written, with _kind and _tool_index
@@ -281,7 +286,7 @@ class ResponseBuilder:
             if not item.content:
                 item.content = [OutputText(text="")]
             out += [self._event("response.output_text.done", item_id=item.id, output_index=i, content_index=0,
-                                text=text, logprobs=[]),
+                                text=text, logprobs=[e.model_dump() for e in item.content[0].logprobs]),
                     self._event("response.content_part.done", item_id=item.id, output_index=i, content_index=0,
                                 part=item.content[0].model_dump())]
         elif kind == "reasoning":
@@ -296,6 +301,16 @@ class ResponseBuilder:
                                    name=item.name, arguments=item.arguments))
         out.append(self._event("response.output_item.done", output_index=i, item=item.model_dump(exclude_none=True)))
         return out
+
+    def add_logprobs(self, entries, tokenizer) -> None:
+        """The log-probabilities of the tokens just parsed, onto the open message's text (those of reasoning and
+        tool calls have no place in a Responses answer)."""
+        if self._open is None:  # the parser holds these tokens' text back: it decides where they go later
+            self._pending_logprobs.extend(entries)
+            return
+        entries, self._pending_logprobs = [*self._pending_logprobs, *entries], []
+        if self._open_kind == "message" and self._open.content:
+            self._open.content[0].logprobs.extend(chat_logprobs(tokenizer, entries).content)
 
     def add(self, event: Any) -> list[dict[str, Any]]:
         """The stream events for one parsed output event."""
@@ -370,11 +385,15 @@ async def create_response(bridge: EngineBridge, body: ResponsesRequest, request:
     prepared = bridge.prepare_chat(entry, chat_request(body))
     parser, stream = prepared.parser, prepared.stream
     builder = ResponseBuilder(body, entry.name)
+    tokenizer = bridge.tokenizer(entry) if prepared.params.logprobs is not None else None
     if body.stream:
-        return SseResponse(_events(stream, parser, builder), stream.cancel)
+        return SseResponse(_events(stream, parser, builder, tokenizer), stream.cancel)
     finished = None
-    async for event in parsed_events(stream, parser, is_disconnected=request.is_disconnected):
-        if isinstance(event, Finished):
+    async for event in parsed_events(stream, parser, is_disconnected=request.is_disconnected,
+                                     logprobs=tokenizer is not None):
+        if isinstance(event, Logprobs):
+            builder.add_logprobs(event.entries, tokenizer)
+        elif isinstance(event, Finished):
             finished = event
         elif event is not None:
             builder.add(event)
@@ -389,13 +408,16 @@ def _sse(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _events(stream, parser, builder: ResponseBuilder) -> AsyncIterator[str]:
+async def _events(stream, parser, builder: ResponseBuilder, tokenizer=None) -> AsyncIterator[str]:
     for event in builder.start():
         yield _sse(event)
     try:
-        async for parsed in parsed_events(stream, parser, heartbeat_s=HEARTBEAT_S):
+        async for parsed in parsed_events(stream, parser, heartbeat_s=HEARTBEAT_S, logprobs=tokenizer is not None):
             if parsed is None:
                 yield SSE_KEEPALIVE
+                continue
+            if isinstance(parsed, Logprobs):  # they go out with the message's output_text.done and the snapshot
+                builder.add_logprobs(parsed.entries, tokenizer)
                 continue
             events = builder.finish(parsed) if isinstance(parsed, Finished) else builder.add(parsed)
             for event in events:

@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from moed.api.http.error_status import HttpFailure, ParamError
-from moed.api.http.openai_protocol import ErrorDetail, ErrorResponse, Usage
+from moed.api.http.openai_protocol import (ChoiceLogprobs, CompletionLogprobs, ErrorDetail, ErrorResponse,
+                                           TokenLogprobOut, TopLogprob, Usage)
 from moed.engine.request import Usage as EngineUsage
 from moed.engine.sampling import SamplingParams
 from moed.errors import ServiceUnavailableError
@@ -93,6 +94,7 @@ def sampling_params(body: Any, *, max_tokens: int, stop: tuple[str, ...] = (), g
         presence_penalty=getattr(body, "presence_penalty", None) or 0.0,
         frequency_penalty=getattr(body, "frequency_penalty", None) or 0.0,
         logit_bias=logit_bias(getattr(body, "logit_bias", None)),
+        logprobs=requested_logprobs(body),
         seed=body.seed,
         max_tokens=max_tokens,
         stop=stop,
@@ -112,6 +114,54 @@ def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
+def requested_logprobs(body: Any) -> int | None:
+    """How many alternatives per token a request asked for (None: no logprobs): chat's ``logprobs: true`` +
+    ``top_logprobs``, completions' ``logprobs: N`` (at most 5, as OpenAI)."""
+    value = getattr(body, "logprobs", None)
+    top = getattr(body, "top_logprobs", None)
+    if hasattr(body, "messages"):  # chat
+        if value not in (None, False, True):
+            raise ParamError("logprobs must be true or false on chat completions; give the number of alternatives as "
+                             "top_logprobs", "logprobs")
+        if top is not None and not value:
+            raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if value else None
+    if value is None or value is False:
+        return None
+    if value is True or not 0 <= value <= 5:
+        raise ParamError(f"logprobs={value!r}: give the number of alternatives per token, 0 to 5", "logprobs")
+    return value
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer, entries) -> ChoiceLogprobs:
+    """Engine ``TokenLogprob``s in Chat Completions' shape: the token's text, its bytes (exact, also for a token
+    that holds part of a UTF-8 character, whose text shows U+FFFD), its log-probability and the alternatives."""
+    out = []
+    for e in entries:
+        top = [TopLogprob(token=token_text(tokenizer, i), logprob=lp, bytes=list(tokenizer.token_bytes(i)))
+               for i, lp in e.top]
+        out.append(TokenLogprobOut(token=token_text(tokenizer, e.token_id), logprob=e.logprob,
+                                   bytes=list(tokenizer.token_bytes(e.token_id)), top_logprobs=top))
+    return ChoiceLogprobs(content=out)
+
+
+def completion_logprobs(tokenizer, entries, offset: int = 0) -> CompletionLogprobs:
+    """Engine ``TokenLogprob``s in the legacy completions' shape; ``offset``: the text before these tokens."""
+    out = CompletionLogprobs()
+    for e in entries:
+        text = token_text(tokenizer, e.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(e.logprob)
+        out.top_logprobs.append({token_text(tokenizer, i): lp for i, lp in e.top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
 def refuse_unsupported(body: Any) -> None:
     """400 for fields that would change the output in a way moed cannot honour."""
     n = getattr(body, "n", None)
@@ -121,8 +171,6 @@ def refuse_unsupported(body: Any) -> None:
     best_of = getattr(body, "best_of", None)
     if best_of not in (None, 1):
         raise ParamError(f"best_of={best_of} is not supported; leave it out", "best_of")
-    if getattr(body, "logprobs", None):
-        raise ParamError("logprobs are not supported by moed; leave 'logprobs' out", "logprobs")
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:

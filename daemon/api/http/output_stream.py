@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from moed.api.http.bridge import GenerationStream
-from moed.engine.request import Usage
+from moed.engine.request import TokenLogprob, Usage
 from moed.text.output_parser import OutputEvent, OutputParser
 
 
@@ -27,6 +27,13 @@ class Finished:
     has_tool_calls: bool = False
 
 
+@dataclass(frozen=True)
+class Logprobs:
+    """The log-probabilities of the tokens of one engine event (only when ``parsed_events(logprobs=True)``)."""
+
+    entries: tuple[TokenLogprob, ...]
+
+
 @dataclass
 class ToolCallSoFar:
     index: int
@@ -36,10 +43,11 @@ class ToolCallSoFar:
 
 
 async def parsed_events(stream: GenerationStream, parser: OutputParser, *, heartbeat_s: float | None = None,
-                        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-                        ) -> AsyncIterator[OutputEvent | Finished | None]:
+                        is_disconnected: Callable[[], Awaitable[bool]] | None = None, logprobs: bool = False,
+                        ) -> AsyncIterator[OutputEvent | Finished | Logprobs | None]:
     """Yield the parser's OutputEvents, ``None`` at heartbeats (see ``GenerationStream.events``),
-    and finally one ``Finished``. Open the stream with ``raw=True``: the parsers read special tokens."""
+    and finally one ``Finished``; with ``logprobs``, each engine event's token log-probabilities as one
+    ``Logprobs`` after its parsed events. Open the stream with ``raw=True``: the parsers read special tokens."""
     has_tool_calls = False
     events = stream.events(heartbeat_s=heartbeat_s, is_disconnected=is_disconnected)
     async with contextlib.aclosing(events):
@@ -53,6 +61,8 @@ async def parsed_events(stream: GenerationStream, parser: OutputParser, *, heart
             for out in parsed:
                 has_tool_calls = has_tool_calls or out.kind == "tool_call"
                 yield out
+            if logprobs and event.logprobs:
+                yield Logprobs(event.logprobs)
             if event.done:
                 yield Finished(event.finish_reason, event.usage, event.error, has_tool_calls)
 
@@ -65,11 +75,14 @@ class OutputCollector:
     reasoning: str = ""
     tool_calls: list[ToolCallSoFar] = field(default_factory=list)
     finished: Finished | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def add(self, event: OutputEvent | Finished | None) -> None:
+    def add(self, event: OutputEvent | Finished | Logprobs | None) -> None:
         if event is None:
             return
-        if isinstance(event, Finished):
+        if isinstance(event, Logprobs):
+            self.logprobs.extend(event.entries)
+        elif isinstance(event, Finished):
             self.finished = event
         elif event.kind == "text":
             self.text += event.text

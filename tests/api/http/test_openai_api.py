@@ -240,7 +240,8 @@ def malformed_bodies() -> list[tuple[str, object]]:
             "temperature": [-0.5, 2.5, "hot", []], "top_p": [0, 1.5, "x"], "stop": [5, [1], [""], {}],
             "seed": [-1, "x", 2**65], "n": [0, 2, "1"], "stream": ["yes", 1, {}],
             "stream_options": ["x", {"include_usage": "yes"}], "tools": ["x", [{"type": "function"}], [5]],
-            "tool_choice": ["always", 5, {"type": "function"}], "logprobs": [True]}),
+            "tool_choice": ["always", 5, {"type": "function"}], "logprobs": [5, "yes"], "top_logprobs": [21, -1],
+            "response_format": [{"type": "xml"}], "logit_bias": [{"a": 1}, {"5": 200}], "presence_penalty": [3]}),
         "/v1/completions": (completion, {
             "prompt": [None, 5, [], ["a", "b"], {}], "max_tokens": [0, "x"], "echo": [True],
             "suffix": ["x"], "best_of": [2], "temperature": [-1], "n": [3]}),
