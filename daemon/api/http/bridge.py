@@ -35,7 +35,7 @@ from moed.api.http.error_status import ParamError
 from moed.api.http.metrics import HttpMetrics
 from moed.engine.model_manager import LoadedEntry
 from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent
-from moed.engine.sampling import SamplingParams
+from moed.engine.sampling import MAX_SEED, SamplingParams
 from moed.errors import InvalidRequestError, ModelNotFoundError, ServiceUnavailableError, quoted
 from moed.text.chat_template import template_renders_tool_calls
 from moed.text.generic_tools import generic_messages
@@ -465,6 +465,17 @@ class EngineBridge:
                      "tool syntax yet)", entry.name, "XML" if xml else fmt)
             return params
         return dataclasses.replace(params, grammar=grammar)
+
+    def prepare_more(self, entry: LoadedEntry, chat: ChatRequest, first: "PreparedChat", index: int) -> "PreparedChat":
+        """Choice ``index`` (n > 1) of a prepared chat: the same prompt and parameters (a given seed + index), its
+        own parser and stream. Submitted once the first choice's prompt is in the prefix cache, it prefills only
+        what no block holds yet."""
+        params = first.params if first.params.seed is None else dataclasses.replace(
+            first.params, seed=(first.params.seed + index) % (MAX_SEED + 1))
+        parser = self.output_parser(entry, tools=chat.tools, prompt_ids=first.prompt_ids, stream=chat.stream,
+                                    generic_tools=first.generic_tools)
+        return PreparedChat(first.prompt_ids, params, parser, self.open_stream(entry, first.prompt_ids, params, raw=True),
+                            first.generic_tools)
 
     # ---- generation ----
 

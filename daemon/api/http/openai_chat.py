@@ -9,6 +9,8 @@ forced. ``reasoning_effort`` "none" / "minimal" turns the template's thinking of
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,15 +18,15 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from moed.api.http.bridge import EngineBridge
+from moed.api.http.bridge import EngineBridge, PreparedChat
 from moed.api.http.chat_request import ChatRequest, media_placeholder
 from moed.api.http.error_status import ParamError, failure_of
 from moed.api.http.openai_protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage,
                                            ToolCallDelta, ToolCallDeltaFunction, ToolCallFunction, ToolCallOut)
 from moed.api.http.openai_shared import (HEARTBEAT_S, SSE_DONE, SSE_KEEPALIVE, chat_logprobs, error_body,
-                                         finish_reason, new_id, now, raise_if_failed, refuse_unsupported,
-                                         sampling_params, sse, stop_strings, usage_of)
+                                         choices_usage, finish_reason, new_id, now, raise_if_failed,
+                                         refuse_unsupported, sampling_params, sse, stop_strings, usage_of)
 from moed.api.http.output_stream import Finished, Logprobs, OutputCollector, parsed_events
 from moed.api.http.sse_response import SseResponse
 from moed.api.http.structured_output import openai_chat_grammar
@@ -156,7 +158,8 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
 async def create_chat_completion(bridge: EngineBridge, body: ChatCompletionRequest, request: Request):
     refuse_unsupported(body)
     entry = bridge.resolve(body.model)
-    prepared = bridge.prepare_chat(entry, chat_request(body))
+    chat = chat_request(body)
+    prepared = bridge.prepare_chat(entry, chat)
     parser, stream = prepared.parser, prepared.stream
     chat_id, created = new_id("chatcmpl-"), now()
     tokenizer = bridge.tokenizer(entry) if prepared.params.logprobs is not None else None
@@ -164,22 +167,54 @@ async def create_chat_completion(bridge: EngineBridge, body: ChatCompletionReque
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SseResponse(_chunks(stream, parser, chat_id, created, entry.name, include_usage, tokenizer),
                            stream.cancel)
-    collected = OutputCollector()
-    async for event in parsed_events(stream, parser, is_disconnected=request.is_disconnected,
-                                     logprobs=tokenizer is not None):
-        collected.add(event)
-    finished = collected.finished
-    if finished is None:  # the client left; nobody reads this
+    collectors = await collect_choices(bridge, entry, chat, prepared, body.n or 1, request, tokenizer is not None)
+    if collectors is None:  # the client left; nobody reads this
         return JSONResponse({}, status_code=499)
-    raise_if_failed(finished.reason, finished.error)
-    calls = [ToolCallOut(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
-             for c in collected.tool_calls]
-    message = AssistantMessage(content=collected.text if collected.text or not calls else None,
-                               reasoning_content=collected.reasoning or None, tool_calls=calls or None)
-    answer = ChatCompletion(id=chat_id, created=created, model=entry.name, usage=usage_of(finished.usage), choices=[
-        ChatChoice(message=message, finish_reason=finish_reason(finished.reason, has_tool_calls=bool(calls)),
-                   logprobs=chat_logprobs(tokenizer, collected.logprobs) if tokenizer is not None else None)])
+    choices = []
+    for index, collected in enumerate(collectors):
+        finished = collected.finished
+        raise_if_failed(finished.reason, finished.error)
+        calls = [ToolCallOut(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
+                 for c in collected.tool_calls]
+        message = AssistantMessage(content=collected.text if collected.text or not calls else None,
+                                   reasoning_content=collected.reasoning or None, tool_calls=calls or None)
+        choices.append(ChatChoice(index=index, message=message,
+                                  finish_reason=finish_reason(finished.reason, has_tool_calls=bool(calls)),
+                                  logprobs=chat_logprobs(tokenizer, collected.logprobs) if tokenizer is not None
+                                  else None))
+    answer = ChatCompletion(id=chat_id, created=created, model=entry.name, choices=choices,
+                            usage=choices_usage([c.finished.usage for c in collectors]))
     return JSONResponse(answer.model_dump(exclude_none=True))
+
+
+async def collect_choices(bridge: EngineBridge, entry, chat: ChatRequest, first: PreparedChat, n: int,
+                          request: Request, logprobs: bool) -> list[OutputCollector] | None:
+    """The whole answers of ``n`` choices of one chat request: the first runs alone until its first output (its
+    prompt is then in the prefix cache), then the others are submitted and prefill only what no block holds.
+    None when the client left."""
+    collectors = [OutputCollector() for _ in range(n)]
+    events = parsed_events(first.stream, first.parser, is_disconnected=request.is_disconnected, logprobs=logprobs)
+    more: list[PreparedChat] = []
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                collectors[0].add(event)
+                if event is not None and not more and n > 1:
+                    more = [bridge.prepare_more(entry, chat, first, i) for i in range(1, n)]
+                    break
+
+            async def drain(gen, collector: OutputCollector) -> None:
+                async with contextlib.aclosing(gen):
+                    async for item in gen:
+                        collector.add(item)
+
+            await asyncio.gather(drain(events, collectors[0]), *[
+                drain(parsed_events(p.stream, p.parser, is_disconnected=request.is_disconnected, logprobs=logprobs),
+                      collectors[i + 1]) for i, p in enumerate(more)])
+    finally:
+        for p in more:
+            p.stream.cancel()  # a no-op for those that finished; the others stop with the request
+    return collectors if all(c.finished is not None for c in collectors) else None
 
 
 async def _chunks(stream, parser, chat_id: str, created: int, model: str, include_usage: bool,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -11,8 +13,8 @@ from moed.api.http.bridge import EngineBridge
 from moed.api.http.error_status import ParamError, failure_of
 from moed.api.http.openai_protocol import Completion, CompletionChoice, CompletionRequest
 from moed.api.http.openai_shared import (HEARTBEAT_S, SSE_DONE, SSE_KEEPALIVE, completion_logprobs, error_body,
-                                         finish_reason, new_id, now, raise_if_failed, refuse_unsupported,
-                                         sampling_params, sse, stop_strings, usage_of)
+                                         choice_params, choices_usage, finish_reason, new_id, now, raise_if_failed,
+                                         refuse_unsupported, sampling_params, sse, stop_strings, usage_of)
 from moed.api.http.sse_response import SseResponse
 from moed.api.http.structured_output import extension_grammar
 
@@ -47,18 +49,45 @@ async def create_completion(bridge: EngineBridge, body: CompletionRequest, reque
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SseResponse(_chunks(stream, cmpl_id, created, entry.name, include_usage, tokenizer), stream.cancel)
-    text, done, logprobs = [], None, []
-    async for event in stream.events(is_disconnected=request.is_disconnected):
-        if event is not None:
-            text.append(event.text)
-            logprobs.extend(event.logprobs)
-            done = event if event.done else None
-    if done is None:
+    n = body.n or 1
+    outputs = [([], [], [None]) for _ in range(n)]  # per choice: texts, logprobs, done event
+
+    async def drain(gen, out) -> None:
+        async with contextlib.aclosing(gen):
+            async for event in gen:
+                if event is not None:
+                    out[0].append(event.text)
+                    out[1].extend(event.logprobs)
+                    out[2][0] = event if event.done else None
+
+    first = stream.events(is_disconnected=request.is_disconnected)
+    more = []
+    try:
+        async with contextlib.aclosing(first):
+            async for event in first:  # the first choice runs alone until its prompt is in the prefix cache
+                if event is not None:
+                    outputs[0][0].append(event.text)
+                    outputs[0][1].extend(event.logprobs)
+                    outputs[0][2][0] = event if event.done else None
+                    if n > 1:
+                        more = [bridge.open_stream(entry, prompt_ids, choice_params(params, i)) for i in range(1, n)]
+                        break
+            await asyncio.gather(drain(first, outputs[0]), *[
+                drain(s.events(is_disconnected=request.is_disconnected), outputs[i + 1]) for i, s in enumerate(more)])
+    finally:
+        for s in more:
+            s.cancel()
+    if any(done[0] is None for _, _, done in outputs):
         return JSONResponse({}, status_code=499)  # the client left
-    raise_if_failed(done.finish_reason, done.error)
-    answer = Completion(id=cmpl_id, created=created, model=entry.name, usage=usage_of(done.usage), choices=[
-        CompletionChoice(text="".join(text), finish_reason=finish_reason(done.finish_reason, has_tool_calls=False),
-                         logprobs=completion_logprobs(tokenizer, logprobs) if tokenizer is not None else None)])
+    choices = []
+    for index, (text, logprobs, (done,)) in enumerate(outputs):
+        raise_if_failed(done.finish_reason, done.error)
+        choices.append(CompletionChoice(index=index, text="".join(text),
+                                        finish_reason=finish_reason(done.finish_reason, has_tool_calls=False),
+                                        logprobs=completion_logprobs(tokenizer, logprobs) if tokenizer is not None
+                                        else None))
+    answer = Completion(id=cmpl_id, created=created, model=entry.name, choices=choices,
+                        usage=choices_usage([done.usage for _, _, (done,) in outputs]))
     return JSONResponse(answer.model_dump(exclude_none=True))
 
 

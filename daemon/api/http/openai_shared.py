@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -14,12 +15,13 @@ from moed.api.http.error_status import HttpFailure, ParamError
 from moed.api.http.openai_protocol import (ChoiceLogprobs, CompletionLogprobs, ErrorDetail, ErrorResponse,
                                            TokenLogprobOut, TopLogprob, Usage)
 from moed.engine.request import Usage as EngineUsage
-from moed.engine.sampling import SamplingParams
+from moed.engine.sampling import MAX_SEED, SamplingParams
 from moed.errors import ServiceUnavailableError
 from moed.text.grammar import Grammar
 
 # moed's engine finish reasons -> OpenAI's ("context": the prompt and output filled the context)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "deadline": "length"}
+MAX_CHOICES = 16  # n: choices of one request (they share the prompt's K/V)
 # OpenAI's default when a request omits temperature (the daemon's gRPC default is greedy)
 DEFAULT_TEMPERATURE = 1.0
 ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "invalid_request_error",
@@ -72,6 +74,23 @@ def usage_of(usage: EngineUsage | None) -> Usage:
     cached = usage.cached_tokens if usage is not None else 0  # prompt tokens whose K/V came from the prefix cache
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details={"cached_tokens": cached})
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of n: the same parameters, a given seed moved on by ``index`` (so the choices differ)."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % (MAX_SEED + 1))
+
+
+def choices_usage(usages: list[EngineUsage | None]) -> Usage:
+    """The usage of n choices of one prompt: the prompt once, every choice's output, and as cached tokens those
+    each choice found in the prefix cache (so n = 4 of a P-token prompt shows about 3 P: prefilled once)."""
+    first = usage_of(usages[0])
+    completion = sum(u.completion_tokens for u in usages if u is not None)
+    cached = sum(u.cached_tokens for u in usages if u is not None)
+    return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=completion,
+                 total_tokens=first.prompt_tokens + completion, prompt_tokens_details={"cached_tokens": cached})
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -165,9 +184,11 @@ def completion_logprobs(tokenizer, entries, offset: int = 0) -> CompletionLogpro
 def refuse_unsupported(body: Any) -> None:
     """400 for fields that would change the output in a way moed cannot honour."""
     n = getattr(body, "n", None)
-    if n not in (None, 1):
-        raise ParamError(f"n={n}: moed generates one choice per request; send n=1 (or leave it out) and make "
-                         "several requests for several answers", "n")
+    if n not in (None, 1) and getattr(body, "stream", False):
+        raise ParamError(f"n={n} with stream: true is not supported; stream one choice per request, or ask for "
+                         "several choices without streaming", "n")
+    if n is not None and n > MAX_CHOICES:
+        raise ParamError(f"n={n}: at most {MAX_CHOICES} choices per request", "n")
     best_of = getattr(body, "best_of", None)
     if best_of not in (None, 1):
         raise ParamError(f"best_of={best_of} is not supported; leave it out", "best_of")

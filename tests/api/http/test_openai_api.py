@@ -117,9 +117,9 @@ def test_default_model_name_is_accepted_when_one_model_is_loaded(client):
     assert answer.model == "tiny"
 
 
-def test_n_above_one_is_a_400_in_openai_shape(client):
+def test_n_with_stream_is_a_400_in_openai_shape(client):
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2)
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2, stream=True)
     assert err.value.status_code == 400
     assert err.value.body["param"] == "n" and "n=2" in err.value.body["message"]
     assert err.value.body["type"] == "invalid_request_error"
@@ -238,13 +238,13 @@ def malformed_bodies() -> list[tuple[str, object]]:
                                                [{"role": "assistant", "tool_calls": "x"}]],
             "max_tokens": [-1, 0, "2", 2.5], "max_completion_tokens": [0, "x"],
             "temperature": [-0.5, 2.5, "hot", []], "top_p": [0, 1.5, "x"], "stop": [5, [1], [""], {}],
-            "seed": [-1, "x", 2**65], "n": [0, 2, "1"], "stream": ["yes", 1, {}],
+            "seed": [-1, "x", 2**65], "n": [0, 17, "1"], "stream": ["yes", 1, {}],
             "stream_options": ["x", {"include_usage": "yes"}], "tools": ["x", [{"type": "function"}], [5]],
             "tool_choice": ["always", 5, {"type": "function"}], "logprobs": [5, "yes"], "top_logprobs": [21, -1],
             "response_format": [{"type": "xml"}], "logit_bias": [{"a": 1}, {"5": 200}], "presence_penalty": [3]}),
         "/v1/completions": (completion, {
             "prompt": [None, 5, [], ["a", "b"], {}], "max_tokens": [0, "x"], "echo": [True],
-            "suffix": ["x"], "best_of": [2], "temperature": [-1], "n": [3]}),
+            "suffix": ["x"], "best_of": [2], "temperature": [-1], "n": [17]}),
         "/v1/responses": (response, {
             "input": [None, 5, [], [5], [{"type": "bogus"}], [{"role": "robot", "content": "x"}]],
             "max_output_tokens": [0, "x"], "temperature": [9], "tools": ["x", [5]],

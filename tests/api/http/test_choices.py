@@ -1,0 +1,43 @@
+"""n > 1 choices (issue #34): chat and completions answer n choices of one prompt, sampled independently (a seed
+moves on by the choice's index), and the prompt is prefilled once: the other choices find it in the prefix
+cache (usage's cached tokens, summed over the choices)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+PROMPT_TEXT = "The router reads the weights quickly and the daemon streams many bytes again. " * 3
+
+
+def test_chat_n4_prefills_the_prompt_once(client):
+    messages = [{"role": "user", "content": PROMPT_TEXT + "Go on."}]
+    done = client.chat.completions.create(model="tiny", messages=messages, n=4, temperature=1.0, seed=3,
+                                          max_tokens=12)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    assert len({c.message.content for c in done.choices}) > 1  # sampled independently
+    prompt = done.usage.prompt_tokens
+    block = 16  # the KV block size: the prompt's last partial block is computed again by each choice
+    assert done.usage.prompt_tokens_details.cached_tokens >= 3 * (prompt - block), done.usage
+    assert 4 <= done.usage.completion_tokens <= 4 * 12  # every choice's output, the prompt once
+    assert done.usage.total_tokens == prompt + done.usage.completion_tokens
+    again = client.chat.completions.create(model="tiny", messages=messages, n=4, temperature=1.0, seed=3,
+                                           max_tokens=12)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in done.choices]  # seeded
+
+
+def test_completions_n3_and_greedy_choices_agree(client):
+    done = client.completions.create(model="tiny", prompt=PROMPT_TEXT, n=3, temperature=0, max_tokens=8)
+    assert len(done.choices) == 3 and len({c.text for c in done.choices}) == 1
+    assert done.usage.completion_tokens == 3 * 8
+    sampled = client.completions.create(model="tiny", prompt=PROMPT_TEXT, n=3, temperature=1.0, seed=1, max_tokens=8,
+                                        logprobs=2)
+    assert all(len(c.logprobs.tokens) == 8 for c in sampled.choices)
+
+
+def test_n_with_stream_or_too_many_is_a_400(client):
+    for extra in ({"n": 2, "stream": True}, {"n": 17}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           **extra)
+        assert "n=" in str(err.value)
