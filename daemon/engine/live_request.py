@@ -40,6 +40,8 @@ class LiveRequest:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its (first) admission
     last_token_at: float = 0.0
     constraint: TokenConstraint | None = None  # the grammar's matcher, when the request has one
+    reasoning_done: bool = False  # the reasoning block closed (or never opened): no budget to enforce
+    forcing_close: int = -1  # with a reasoning budget spent: how many of its closing tokens were forced
 
     @classmethod
     def create(cls, request: GenerationRequest, handle: RequestHandle, tokenizer,
@@ -70,6 +72,10 @@ class LiveRequest:
             logits = logits.float().clone()
             logits[: allowed.shape[0]].masked_fill_(~allowed.to(logits.device), float("-inf"))
             logits[allowed.shape[0]:] = float("-inf")
+        forced = self._budget_token() if params.reasoning_budget is not None and constraint is None else None
+        if forced is not None:  # the reasoning budget is spent: its closing tokens are written for the model
+            logits = torch.full_like(logits, float("-inf"), dtype=torch.float32)
+            logits[forced] = 0.0
         token = self.sampler.sample(logits, seen, self.generated)
         logprob = self._logprob(logits, seen, token) if params.logprobs is not None else None
         if constraint is not None and not constraint.advance(token):
@@ -95,6 +101,33 @@ class LiveRequest:
         self.handle.push(StreamEvent(text=delta, token_ids=(token,), done=False,
                                      logprobs=(logprob,) if logprob is not None else ()))
         return token, reason
+
+    def _budget_token(self) -> int | None:
+        """The token a spent reasoning budget forces next (``ReasoningBudget``), else None."""
+        rb, g = self.request.params.reasoning_budget, self.generated
+        if self.reasoning_done:
+            return None
+        start = 0
+        if not rb.starts_open:
+            n = len(rb.open_ids)
+            if list(g[:n]) != list(rb.open_ids[:len(g[:n])]):
+                self.reasoning_done = True  # the answer did not open a reasoning block
+                return None
+            if len(g) < n:
+                return None
+            start = n
+        if self.forcing_close < 0:
+            k = len(rb.close_ids)
+            if len(g) - start >= k and tuple(g[-k:]) == rb.close_ids:
+                self.reasoning_done = True  # the model closed it itself
+                return None
+            if len(g) - start < rb.tokens:
+                return None
+            self.forcing_close = 0
+        token = rb.close_ids[self.forcing_close]
+        self.forcing_close += 1
+        self.reasoning_done = self.forcing_close == len(rb.close_ids)
+        return token
 
     def _logprob(self, logits: torch.Tensor, seen, token: int) -> TokenLogprob:
         """The sampled token's log-probability and the top alternatives (``TokenLogprob``'s definition)."""

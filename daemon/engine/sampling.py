@@ -38,6 +38,23 @@ def _is_int(value: object) -> bool:
 
 
 @dataclass(frozen=True)
+class ReasoningBudget:
+    """At most ``tokens`` tokens of reasoning: the reasoning block (opened by ``open_ids`` at the start of the output,
+    or already open when ``starts_open``) is closed by forcing ``close_ids`` once the budget is spent."""
+
+    tokens: int
+    open_ids: tuple[int, ...]
+    close_ids: tuple[int, ...]
+    starts_open: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.tokens) or self.tokens < 0:
+            raise _bad("budget_tokens", self.tokens, "an integer >= 0")
+        if not self.close_ids or (not self.starts_open and not self.open_ids):
+            raise InvalidRequestError("a reasoning budget needs the model's reasoning tags")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request picks tokens; defaults are greedy decoding of up to 256 tokens."""
 
@@ -50,6 +67,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated; 0 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's logit_bias
     logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: off)
+    reasoning_budget: ReasoningBudget | None = None  # end the reasoning block after this many tokens
     seed: int | None = None  # None = fresh entropy per request
     max_tokens: int = 256
     stop: tuple[str, ...] = ()

@@ -40,7 +40,7 @@ from moed.text.output_parsers.mistral import MistralParser
 from moed.text.output_parsers.plain import PlainParser
 
 __all__ = ["OutputEvent", "OutputParser", "ToolCall", "TOOL_FORMATS", "FORMATS", "output_parser_for",
-           "prompt_opens_reasoning", "has_native_tools"]
+           "prompt_opens_reasoning", "has_native_tools", "reasoning_tags"]
 
 _PARSERS: dict[str, type[OutputParser]] = {
     "qwen3": Qwen3Parser,
@@ -84,6 +84,11 @@ def has_native_tools(tool_format: str, chat_template: str | None) -> bool:
     Pass the template that will render a request with tools: the tokenizer's "tool_use" template
     when it has one, else its default (``Tokenizer.tool_chat_template``)."""
     return tool_format in _PARSERS and template_renders_tools(chat_template)
+
+
+def reasoning_tags(tool_format: str) -> tuple[str, str] | None:
+    """The tags a family's reasoning block opens and closes with (``("<think>", "</think>")``), None without."""
+    return _PARSERS.get(tool_format, PlainParser).think_tags
 
 
 def prompt_opens_reasoning(tool_format: str, prompt: str) -> bool:

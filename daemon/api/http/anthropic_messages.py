@@ -319,7 +319,10 @@ def chat_request(body: CountTokensRequest) -> ChatRequest:
         options = {"params": sampling_params(body), "max_tokens": body.max_tokens, "stream": body.stream}
     choice = body.tool_choice
     forced = choice is not None and choice.type in ("any", "tool") and bool(body.tools)
+    thinking = body.thinking
+    budget = thinking.budget_tokens if thinking is not None and thinking.type == "enabled" else None
     return ChatRequest(messages, template_tools(body), template_variables(body), prefill=prefill,
+                       reasoning_budget=budget,
                        forced_tools=forced and not prefill,
                        parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
                        dropped_media=media.dropped, **options)

@@ -35,11 +35,12 @@ from moed.api.http.error_status import ParamError
 from moed.api.http.metrics import HttpMetrics
 from moed.engine.model_manager import LoadedEntry
 from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent
-from moed.engine.sampling import MAX_SEED, SamplingParams
+from moed.engine.sampling import MAX_SEED, ReasoningBudget, SamplingParams
 from moed.errors import InvalidRequestError, ModelNotFoundError, ServiceUnavailableError, quoted
 from moed.text.chat_template import template_renders_tool_calls
 from moed.text.generic_tools import generic_messages
-from moed.text.output_parser import OutputParser, has_native_tools, output_parser_for, prompt_opens_reasoning
+from moed.text.output_parser import (OutputParser, has_native_tools, output_parser_for, prompt_opens_reasoning,
+                                     reasoning_tags)
 from moed.text.stop_strings import StopMatcher
 from moed.text.stream_decoder import StreamDecoder
 from moed.text.tokenizer import Tokenizer
@@ -437,6 +438,8 @@ class EngineBridge:
         params = dataclasses.replace(chat.params, max_tokens=min(chat.max_tokens or room, room))
         if chat.forced_tools and chat.tools:
             params = self.force_tool_calls(entry, chat, params, prompt_ids, generic)
+        if chat.reasoning_budget is not None and not generic:
+            params = self.budget_reasoning(entry, chat.reasoning_budget, params, prompt_ids)
         parser = self.output_parser(entry, tools=chat.tools, prompt_ids=prompt_ids, stream=chat.stream,
                                     generic_tools=generic)
         stream = self.open_stream(entry, prompt_ids, params, raw=True)
@@ -465,6 +468,22 @@ class EngineBridge:
                      "tool syntax yet)", entry.name, "XML" if xml else fmt)
             return params
         return dataclasses.replace(params, grammar=grammar)
+
+    def budget_reasoning(self, entry: LoadedEntry, budget: int, params: SamplingParams,
+                         prompt_ids: Sequence[int]) -> SamplingParams:
+        """A thinking budget as the engine enforces it: the family's closing tag forced once ``budget`` tokens of
+        reasoning were written; a family without reasoning tags (harmony's channels) is not limited (logged)."""
+        fmt = self.tool_format(entry)
+        tags = reasoning_tags(fmt)
+        if tags is None:
+            log.info("model %s: a thinking budget is not enforced for its %s output format", entry.name, fmt)
+            return params
+        tokenizer = self.tokenizer(entry)
+        tail = tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
+        rb = ReasoningBudget(budget, tuple(tokenizer.encode(tags[0], add_special_tokens=False)),
+                             tuple(tokenizer.encode(tags[1], add_special_tokens=False)),
+                             starts_open=prompt_opens_reasoning(fmt, tail))
+        return dataclasses.replace(params, reasoning_budget=rb)
 
     def prepare_more(self, entry: LoadedEntry, chat: ChatRequest, first: "PreparedChat", index: int) -> "PreparedChat":
         """Choice ``index`` (n > 1) of a prepared chat: the same prompt and parameters (a given seed + index), its

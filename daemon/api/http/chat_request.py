@@ -41,6 +41,7 @@ class ChatRequest:
     dropped_media: int = 0  # image / document / audio parts given to a text-only model
     forced_tools: bool = False  # tool_choice "required" / named (Anthropic "any" / "tool"): the answer is calls
     parallel_tool_calls: bool = True  # more than one call may be made (forced calls: the grammar says how many)
+    reasoning_budget: int | None = None  # at most this many tokens of reasoning (Anthropic's thinking budget_tokens)
 
 
 def media_placeholder(kind: str, detail: str = "") -> str:
