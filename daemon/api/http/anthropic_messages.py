@@ -46,7 +46,7 @@ from moed.api.http.anthropic_protocol import (ERROR_STATUS, CountTokensRequest, 
                                               Usage)
 from moed.api.http.bridge import EngineBridge, GenerationStream
 from moed.api.http.chat_request import ChatRequest, media_placeholder
-from moed.api.http.error_status import HttpFailure, ParamError, failure_of, validation_failure
+from moed.api.http.error_status import HttpFailure, ParamError, failure_of, refuse_fields, validation_failure
 from moed.api.http.output_stream import Finished, parsed_events
 from moed.api.http.sse_response import SseResponse
 from moed.api.http.structured_output import anthropic_grammar
@@ -542,6 +542,7 @@ def _sse(name: str, payload: dict[str, Any]) -> str:
 
 
 async def create_message(bridge: EngineBridge, body: MessagesRequest, request: Request) -> Response:
+    refuse_fields(body, {"container": "moed runs no code-execution containers"})
     entry = bridge.resolve(body.model)
     answer = _Answer(bridge, entry, body)
     if body.stream:

@@ -134,6 +134,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
     stream: bool = False
+    container: Any = None  # a code-execution container: refused (moed runs no tools)
 
 
 # ---- response ---------------------------------------------------------------------------------

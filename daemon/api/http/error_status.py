@@ -38,6 +38,15 @@ class ParamError(errors.InvalidRequestError):
         self.code = code
 
 
+def refuse_fields(body, refused: dict[str, str]) -> None:
+    """400 naming the first field of ``refused`` (field -> why moed cannot honour it) that the request sets (not
+    null, false or empty): a parameter that would change the answer in a way moed cannot is never ignored."""
+    for field, why in refused.items():
+        value = getattr(body, field, None)
+        if value not in (None, False, "", [], {}):
+            raise ParamError(f"{field} is not supported: {why}; leave it out", field)
+
+
 class AuthenticationError(errors.MoedError):
     """No token, or the wrong one, on a daemon that requires one (HTTP 401)."""
 

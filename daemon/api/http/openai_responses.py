@@ -26,13 +26,13 @@ from fastapi.responses import JSONResponse
 
 from moed.api.http.bridge import EngineBridge
 from moed.api.http.chat_request import ChatRequest, media_placeholder
-from moed.api.http.error_status import ParamError, failure_of
+from moed.api.http.error_status import ParamError, failure_of, refuse_fields
 from moed.api.http.openai_chat import arguments_value, effort_variables
 from moed.api.http.openai_protocol import (ErrorDetail, FunctionCallItem, IncompleteDetails, OutputMessageItem,
                                            OutputText, ReasoningItem, ReasoningText, ResponseObject,
                                            ResponsesRequest, ResponsesUsage)
-from moed.api.http.openai_shared import (ERROR_CODES, HEARTBEAT_S, SSE_KEEPALIVE, chat_logprobs, new_id, now,
-                                         raise_if_failed, sampling_params)
+from moed.api.http.openai_shared import (ERROR_CODES, HEARTBEAT_S, REFUSED_RESPONSES, SSE_KEEPALIVE, chat_logprobs,
+                                         new_id, now, raise_if_failed, sampling_params)
 from moed.api.http.output_stream import Finished, Logprobs, parsed_events
 from moed.api.http.sse_response import SseResponse
 from moed.api.http.structured_output import responses_grammar
@@ -378,6 +378,10 @@ class ResponseBuilder:
 
 
 async def create_response(bridge: EngineBridge, body: ResponsesRequest, request: Request):
+    refuse_fields(body, REFUSED_RESPONSES)
+    if getattr(body, "truncation", None) == "auto":
+        raise ParamError("truncation 'auto' is not supported: moed refuses a prompt its context cannot hold rather "
+                         "than dropping part of it; leave truncation out (or 'disabled')", "truncation")
     if body.previous_response_id:
         raise ParamError("previous_response_id is not supported: moed stores no responses; send the whole "
                          "conversation in 'input'", "previous_response_id")

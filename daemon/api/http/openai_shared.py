@@ -11,7 +11,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from moed.api.http.error_status import HttpFailure, ParamError
+from moed.api.http.error_status import HttpFailure, ParamError, refuse_fields
 from moed.api.http.openai_protocol import (ChoiceLogprobs, CompletionLogprobs, ErrorDetail, ErrorResponse,
                                            TokenLogprobOut, TopLogprob, Usage)
 from moed.engine.request import Usage as EngineUsage
@@ -181,8 +181,24 @@ def completion_logprobs(tokenizer, entries, offset: int = 0) -> CompletionLogpro
     return out
 
 
+# fields of the SDKs' requests that would change the answer in a way moed cannot (docs/api.md lists every field)
+REFUSED_CHAT = {"audio": "moed's models write text only", "web_search_options": "moed has no web search",
+                "functions": "it is deprecated; give the functions as tools",
+                "function_call": "it is deprecated; use tool_choice"}
+REFUSED_RESPONSES = {"background": "moed answers in the foreground (stream instead)",
+                     "background_options": "moed answers in the foreground (stream instead)",
+                     "conversation": "moed stores no conversations; send the whole conversation in 'input'",
+                     "prompt": "moed has no stored prompt templates; send the instructions and input",
+                     "max_tool_calls": "moed does not cap the calls of an answer (parallel_tool_calls: false makes "
+                                       "it one)"}
+
+
 def refuse_unsupported(body: Any) -> None:
     """400 for fields that would change the output in a way moed cannot honour."""
+    modalities = getattr(body, "modalities", None) or []
+    if "audio" in modalities:
+        raise ParamError("modalities: audio output is not supported: moed's models write text only", "modalities")
+    refuse_fields(body, REFUSED_CHAT if hasattr(body, "messages") else {})
     n = getattr(body, "n", None)
     if n not in (None, 1) and getattr(body, "stream", False):
         raise ParamError(f"n={n} with stream: true is not supported; stream one choice per request, or ask for "
