@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -153,3 +155,14 @@ def add_scripted_model(daemon: HttpDaemon, name: str, model: ChatScriptedModel, 
     loop.start()
     daemon.manager._models[name] = entry  # noqa: SLF001 - a test stand-in for a load
     return entry
+
+
+def post_json(daemon: HttpDaemon, path: str, body: dict) -> tuple[int, dict]:
+    """(status, JSON answer) of a POST with a JSON body, errors included (no SDK in between: any body goes)."""
+    request = urllib.request.Request(daemon.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"content-type": "application/json", "anthropic-version": "2023-06-01"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

@@ -5,15 +5,14 @@ fails the first test of its API until it is placed in one of the three lists."""
 from __future__ import annotations
 
 import inspect
-import json
-import urllib.error
-import urllib.request
 
 import pytest
 from anthropic.resources.messages import Messages
 from openai.resources.chat.completions import Completions as ChatCompletions
 from openai.resources.completions import Completions
 from openai.resources.responses import Responses
+
+from helpers.http_daemon import post_json
 
 SKIP = {"self", "extra_headers", "extra_query", "extra_body", "timeout"}
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -66,16 +65,6 @@ NO_EFFECT_VALUES = {"metadata": {"k": "v"}, "prompt_cache_key": "key", "safety_i
                     "prompt_cache_retention": "24h", "inference_geo": "us", "speed": "standard"}
 
 
-def _post(daemon, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(daemon.url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"content-type": "application/json", "anthropic-version": "2023-06-01"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 @pytest.mark.parametrize("api", sorted(APIS))
 def test_every_sdk_parameter_is_placed(api):
     spec = APIS[api]
@@ -88,7 +77,7 @@ def test_every_sdk_parameter_is_placed(api):
 
 @pytest.mark.parametrize("api, field", [(a, f) for a in sorted(APIS) for f in sorted(APIS[a]["refused"])])
 def test_a_refused_parameter_is_a_400_naming_it(daemon, api, field):
-    status, answer = _post(daemon, PATHS[api], {**BASE[api], field: APIS[api]["refused"][field]})
+    status, answer = post_json(daemon, PATHS[api], {**BASE[api], field: APIS[api]["refused"][field]})
     assert status == 400, (api, field, answer)
     assert field in str(answer), answer
 
@@ -96,5 +85,5 @@ def test_a_refused_parameter_is_a_400_naming_it(daemon, api, field):
 @pytest.mark.parametrize("api, field", [(a, f) for a in sorted(APIS) for f in sorted(APIS[a]["no_effect"])
                                         if f in NO_EFFECT_VALUES])
 def test_a_parameter_without_effect_is_accepted(daemon, api, field):
-    status, answer = _post(daemon, PATHS[api], {**BASE[api], field: NO_EFFECT_VALUES[field]})
+    status, answer = post_json(daemon, PATHS[api], {**BASE[api], field: NO_EFFECT_VALUES[field]})
     assert status == 200, (api, field, answer)

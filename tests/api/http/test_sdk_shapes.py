@@ -17,13 +17,12 @@ import collections.abc
 import inspect
 import json
 import typing
-import urllib.error
-import urllib.request
 from typing import Any
 
 import pytest
 
 from helpers.http_daemon import ChatScriptedModel, add_scripted_model, start_http_daemon, tools_tokenizer
+from helpers.http_daemon import post_json as post
 from helpers.tiny_tokenizer import CHATML_TEMPLATE
 from moed.api.http import anthropic_protocol as ap
 from moed.api.http import openai_protocol as op
@@ -134,16 +133,6 @@ def daemon(tmp_path_factory):
     add_scripted_model(d, MODEL, model, context_length=4096)
     yield d
     d.close()
-
-
-def post(daemon, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(daemon.url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"content-type": "application/json", "anthropic-version": "2023-06-01"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def _error_text(reply: dict) -> str:
