@@ -130,6 +130,9 @@ class TokenConstraint:
     def __init__(self, matcher, vocab_size: int) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        # the matcher is not thread-safe: nothing else touches it while a mask is computed on the worker, so
+        # what the loop asks between steps (finished) is read before the next mask starts
+        self._stopped = matcher.is_stopped()
         self._next: Future | None = _executor.submit(matcher.compute_bitmask)
 
     def mask(self) -> torch.Tensor:
@@ -142,18 +145,25 @@ class TokenConstraint:
 
     def advance(self, token: int) -> bool:
         """Feed the sampled token; False when the grammar refused it (then the matcher is in error)."""
+        if self._next is not None:  # a mask nobody asked for (a step skipped): never two users of the matcher
+            self._next.result()
+            self._next = None
         ok = self._matcher.consume_token(token)
-        if ok and not self._matcher.is_stopped():
+        self._stopped = self._matcher.is_stopped()
+        if ok and not self._stopped:
             self._next = _executor.submit(self._matcher.compute_bitmask)
         return ok
 
     @property
     def finished(self) -> bool:
         """The grammar is complete and admits no further token: the output is done."""
-        return self._matcher.is_stopped()
+        return self._stopped
 
     @property
     def error(self) -> str:
+        if self._next is not None:
+            self._next.result()
+            self._next = None
         return self._matcher.get_error() if self._matcher.is_error() else ""
 
 

@@ -1,18 +1,26 @@
 """The grammar of a forced tool call (``tool_choice`` "required", a named tool, Anthropic's "any" / "tool"), in the
 tool-call syntax the model writes, so that the family's parser reads the calls as usual (issue #34).
 
-Each call's arguments are a JSON value of the tool's parameter schema (an embedded ``%json`` grammar), its name
-one of the offered tools'. Formats with JSON arguments inside text wrappers are covered:
+Each call names one of the offered tools and its arguments follow that tool's parameter schema (embedded
+``%json`` grammars; string parameters of the XML-like syntaxes as raw text up to their closing tag):
 
 * ``generic`` (moed's format for templates without tool syntax) and ``hermes`` / ``qwen3`` (Qwen's Hermes
   JSON)::
 
       <tool_call>\\n{"name": "N", "arguments": {...}}\\n</tool_call>
 
-  Qwen3's ``<think>...</think>`` may come first (or the answer starts inside it when the prompt opened it).
+* ``qwen3`` with Qwen3-Coder's XML body (Qwen3-Coder, Qwen3.5 / 3.6 templates)::
 
-Other syntaxes (Qwen3-Coder's XML, gpt-oss's harmony, DeepSeek's tokens, DSML, GLM, Mistral) get no grammar
-yet: ``tool_call_grammar`` returns None and the request asks for a call without forcing it (docs/agents.md).
+      <tool_call>\\n<function=N>\\n<parameter=K>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>
+
+* ``dsml`` (DeepSeek-V3.2 ``function_calls``, V4 ``tool_calls``)::
+
+      <｜DSML｜tool_calls>\\n<｜DSML｜invoke name="N">\\n<｜DSML｜parameter name="K" string="true|false">value</｜DSML｜parameter>\\n</｜DSML｜invoke>\\n</｜DSML｜tool_calls>
+
+A ``<think>...</think>`` block may come first (or the answer starts inside it when the prompt opened it).
+Parameters come in the schema's order (required ones always, the others optionally). Other syntaxes (gpt-oss's
+harmony, DeepSeek-V3's tokens, GLM, Mistral) get no grammar yet: ``tool_call_grammar`` returns None and the
+request asks for a call without forcing it (docs/agents.md).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 from moed.text.grammar import JSON_LAYOUT, Grammar
 
 JSON_WRAPPED = ("generic", "hermes", "qwen3")
+GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml",)
 REASONING = {"qwen3": ("<think>", "</think>")}
 
 
@@ -39,26 +48,115 @@ def _call_schema(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {**schema, "x-guidance": JSON_LAYOUT}
 
 
+def _value(schema: Any, rule: str, close: str) -> list[str]:
+    """Rules for one raw parameter value followed by ``close``: a string as free text up to ``close`` (a lazy
+    rule: the first ``close`` ends it; minLength / maxLength bound it, a pattern is not applied), anything else
+    as JSON of its schema."""
+    if _raw_choices(schema):  # an enum of strings: one of them, written raw
+        return [f"{rule}: ({' | '.join(json.dumps(v) for v in schema['enum'])}) {json.dumps(close)}"]
+    if _is_string(schema):
+        low, high = schema.get("minLength"), schema.get("maxLength")
+        repeat = "*" if low is None and high is None else f"{{{int(low or 0)},{'' if high is None else int(high)}}}"
+        return [f"{rule}[lazy]: /(.|\\n){repeat}/ {json.dumps(close)}"]
+    return [f"{rule}: %json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})} {json.dumps(close)}"]
+
+
+def _raw_choices(schema: dict) -> bool:
+    enum = schema.get("enum")
+    return isinstance(enum, list) and bool(enum) and all(isinstance(v, str) for v in enum)
+
+
+def _is_string(schema: dict) -> bool:
+    """A parameter written as raw text: a string, or an enum of strings."""
+    kind = schema.get("type", "string")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "string")
+    return _raw_choices(schema) or (kind == "string" and "enum" not in schema)
+
+
+def _parameters(parameters: Any) -> list[tuple[str, Any, bool]]:
+    """(name, schema, required) of each parameter, in the schema's order."""
+    props = (parameters or {}).get("properties") or {}
+    required = set((parameters or {}).get("required") or ())
+    return [(name, schema if isinstance(schema, dict) else {}, name in required) for name, schema in props.items()]
+
+
+def _xml_calls(tools: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
+    """Qwen3-Coder's ``<tool_call>\n<function=N>\n<parameter=K>\nvalue\n</parameter>\n</function>\n</tool_call>``:
+    the parameters in the schema's order, the required ones always, the others optionally."""
+    rules, options = [], []
+    for t, tool in enumerate(tools):
+        function = tool.get("function", tool)
+        parts = []
+        for p, (name, schema, required) in enumerate(_parameters(function.get("parameters")
+                                                                 or function.get("input_schema"))):
+            rules.append(f'p{t}_{p}: {json.dumps(f"<parameter={name}>" + chr(10))} v{t}_{p}')
+            rules += _value(schema, f"v{t}_{p}", "\n</parameter>\n")
+            parts.append(f"p{t}_{p}" + ("" if required else "?"))
+        head = json.dumps("<tool_call>\n<function=" + function["name"] + ">\n")
+        rules.append(f'f{t}: {head} {" ".join(parts)} "</function>\\n</tool_call>"')
+        options.append(f"f{t}")
+    return rules, " | ".join(options)
+
+
+def _dsml_calls(tools: Sequence[dict[str, Any]], block: str) -> tuple[list[str], str]:
+    """DeepSeek's DSML block (``function_calls`` for V3.2, ``tool_calls`` for V4) of invokes, each parameter with
+    ``string="true"`` and its raw text, or ``string="false"`` and JSON."""
+    bar = "｜DSML｜"
+    rules, options = [], []
+    for t, tool in enumerate(tools):
+        function = tool.get("function", tool)
+        parts = []
+        for p, (name, schema, required) in enumerate(_parameters(function.get("parameters")
+                                                                 or function.get("input_schema"))):
+            head = f'<{bar}parameter name="{name}" string="{"true" if _is_string(schema) else "false"}">'
+            rules.append(f"p{t}_{p}: {json.dumps(head)} v{t}_{p}")
+            rules += _value(schema, f"v{t}_{p}", f"</{bar}parameter>\n")
+            parts.append(f"p{t}_{p}" + ("" if required else "?"))
+        rules.append(f'f{t}: {json.dumps(f"<{bar}invoke name=" + chr(34) + function["name"] + chr(34) + ">" + chr(10))} '
+                     f'{" ".join(parts)} {json.dumps(f"</{bar}invoke>" + chr(10))}')
+        options.append(f"f{t}")
+    rules.append(f"invokes: ({' | '.join(options)})")
+    return rules, "invokes"
+
+
 def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, parallel: bool = True,
-                      reasoning: str = "optional", xml_calls: bool = False) -> Grammar | None:
+                      reasoning: str = "optional", xml_calls: bool = False, dsml_block: str = "function_calls"
+                      ) -> Grammar | None:
     """The grammar of an answer that is one or more calls (one when not ``parallel``) of ``tools`` in
-    ``tool_format``, or None where moed has no grammar for that syntax (``xml_calls``: Qwen3-Coder's XML body).
-    ``reasoning``: "optional" (a reasoning block may come first), "open" (the prompt opened one: the answer
-    starts inside it) or "none" (the prompt closed it, as Qwen3's template does without thinking)."""
-    if not tools or tool_format not in JSON_WRAPPED or xml_calls:
+    ``tool_format``, or None where moed has no grammar for that syntax. ``xml_calls``: Qwen3-Coder's XML body
+    (Qwen3-Coder, Qwen3.5 / 3.6) inside the Hermes block; ``dsml_block``: "function_calls" (DeepSeek-V3.2) or
+    "tool_calls" (DeepSeek-V4). ``reasoning``: "optional" (a reasoning block may come first), "open" (the
+    prompt opened one: the answer starts inside it) or "none" (the prompt closed it, as Qwen3's template does
+    without thinking)."""
+    if not tools or tool_format not in GRAMMAR_FORMATS:
         return None
-    call = '"<tool_call>\\n" %json ' + json.dumps(_call_schema(tools)) + ' "\\n</tool_call>"'
-    calls = "call" if not parallel else 'call ("\\n" call)*'
-    lines = ["%llguidance {}", f"call: {call}", f"calls: {calls}"]
-    tags = REASONING.get(tool_format)
+    lines = ["%llguidance {}"]
+    if tool_format == "dsml":
+        rules, invoke = _dsml_calls(tools, dsml_block)
+        bar = "｜DSML｜"
+        lines += rules
+        one = invoke if not parallel else f"{invoke}+"
+        lines.append(f'calls: {json.dumps(f"<{bar}{dsml_block}>" + chr(10))} {one} {json.dumps(f"</{bar}{dsml_block}>")}')
+        tags, gap = ("<think>", "</think>"), "GAP: /\\n*/"
+    else:
+        if xml_calls:
+            rules, call = _xml_calls(tools)
+            lines += rules
+            lines.append(f"call: {call}")
+        else:
+            lines.append('call: "<tool_call>\\n" %json ' + json.dumps(_call_schema(tools)) + ' "\\n</tool_call>"')
+        lines.append("calls: " + ("call" if not parallel else 'call ("\\n" call)*'))
+        tags, gap = REASONING.get(tool_format), "GAP: /[ \\n]*/"
     if tags is None or reasoning == "none":
-        lines.append("start: calls")
+        lines.append(gap)
+        lines.append("start: GAP calls" if tool_format == "dsml" else "start: calls")
     else:
         opened, closed = (json.dumps(t) for t in tags)
         lines.append(f"think_rest[lazy]: /(.|\\n)*/ {closed}")
-        lines.append("GAP: /[ \\n]*/")
+        lines.append(gap)
         lines.append("start: think_rest GAP calls" if reasoning == "open" else f"start: ({opened} think_rest GAP)? calls")
     return Grammar("lark", "\n".join(lines) + "\n")
 
 
-__all__ = ["JSON_WRAPPED", "tool_call_grammar"]
+__all__ = ["GRAMMAR_FORMATS", "JSON_WRAPPED", "tool_call_grammar"]

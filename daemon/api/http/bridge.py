@@ -461,8 +461,10 @@ class EngineBridge:
             reasoning = "none"
         elif prompt_opens_reasoning(fmt, tail):
             reasoning = "open"
+        template = tokenizer.chat_template or ""
         grammar = tool_call_grammar(fmt, chat.tools, parallel=chat.parallel_tool_calls, reasoning=reasoning,
-                                    xml_calls=xml)
+                                    xml_calls=xml, dsml_block="function_calls" if "function_calls>" in template
+                                    else "tool_calls")
         if grammar is None:
             log.info("model %s: a forced tool_choice is asked for, not enforced (no call grammar for its %s "
                      "tool syntax yet)", entry.name, "XML" if xml else fmt)

@@ -29,6 +29,13 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # Qwen3's template closes the reasoning block without thinking; with it a random model would "think" forever
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 ROUNDS = 20
+# Qwen3-Coder's call syntax (XML body), reduced to what matters here; thinking closed as Qwen3's templates do
+CODER_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n{%- for t in tools %}{{ t.function | tojson }}\n{%- endfor %}"
+    "Call a tool with <tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n</parameter>\n</function>\n"
+    "</tool_call><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{%- endif %}")
 
 
 def _valid(name: str, arguments: dict) -> bool:
@@ -42,13 +49,18 @@ def _valid(name: str, arguments: dict) -> bool:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    for name, family in (("tiny", "mixtral"), ("qwen", "qwen3_moe")):  # "tiny": no tool syntax -> generic format
+    for name, family in (("tiny", "mixtral"), ("qwen", "qwen3_moe"), ("coder", "qwen3_moe"),
+                         ("dsv32", "deepseek_v32")):  # "tiny": no tool syntax -> generic format
         config = tiny_config(family)
         config.max_position_embeddings = 2048  # the tools' system prompt alone is ~800 tokens of the tiny vocab
         build_tiny_model(family, root / name, config=config)
         write_tiny_tokenizer(root / name)
     install_tool_template(root / "qwen")  # Qwen3's Hermes-style tools template
-    d = start_http_daemon(root, models=("tiny", "qwen"),
+    install_tool_template(root / "coder", CODER_TEMPLATE)
+    config_path = root / "dsv32" / "tokenizer_config.json"  # no template of its own: moed's DeepSeek-V3.2 one
+    config_path.write_text(json.dumps({k: v for k, v in json.loads(config_path.read_text()).items()
+                                       if k != "chat_template"}))
+    d = start_http_daemon(root, models=("tiny", "qwen", "coder", "dsv32"),
                           options=LoadOptions(device="cpu", max_batch=4, context_length=2048))
     yield d
     d.close()
@@ -59,7 +71,7 @@ def client(daemon):
     return daemon.openai()
 
 
-@pytest.mark.parametrize("model", ["tiny", "qwen"])
+@pytest.mark.parametrize("model", ["tiny", "qwen", "coder", "dsv32"])
 def test_required_gives_schema_valid_calls_twenty_times_of_twenty(client, model):
     names = set()
     for seed in range(ROUNDS):

@@ -1,0 +1,98 @@
+"""Grammars of forced tool calls (issue #34) against the syntax each family's template writes and its parser reads:
+a call rendered by the template (or written as the model writes it) is accepted token by token, the parser reads
+it back as the same call, and a call that breaks the schema or the syntax is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers.tiny_tokenizer import write_tiny_tokenizer
+from moed.text.builtin_templates import DEEPSEEK_V4, DEEPSEEK_V32
+from moed.text.chat_template import render_chat
+from moed.text.grammar import grammar_tokenizer
+from moed.text.output_parser import output_parser_for
+from moed.text.tokenizer import Tokenizer
+from moed.text.tool_grammar import tool_call_grammar
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                            "units": {"enum": ["c", "f"]}}, "required": ["city", "days"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "read", "parameters": {"type": "object", "properties": {
+             "path": {"type": "string"}}, "required": ["path"]}}}]
+CALL = {"city": "Paris\nCentre", "days": 2}
+HERMES = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris\\nCentre", "days": 2}}\n</tool_call>'
+XML = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\nCentre\n</parameter>\n<parameter=days>\n2\n"
+       "</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    return Tokenizer(write_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+def _accepts(tokenizer, grammar, text: str) -> bool:
+    constraint = grammar_tokenizer(tokenizer, tokenizer.vocab_size, {3}).constraint(grammar)
+    for t in tokenizer.encode(text, add_special_tokens=False):
+        if constraint.finished or not constraint.mask()[t]:
+            return False
+        constraint.advance(t)
+    return constraint.finished or bool(constraint.mask()[3])  # complete: the end token may come
+
+
+def _dsml(template: str) -> str:
+    """The call block the template writes for an assistant turn with CALL (what the model was trained on)."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": CALL}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    prompt = render_chat(template, messages, tools=TOOLS, bos_token="<｜begin▁of▁sentence｜>")
+    start = prompt.index("<｜DSML｜", prompt.index("<｜Assistant｜>"))
+    return prompt[start:prompt.index("<｜end▁of▁sentence｜>", start)]
+
+
+CASES = {
+    "generic": ("generic", {}, HERMES),
+    "hermes": ("hermes", {}, HERMES),
+    "qwen3 JSON, thinking first": ("qwen3", {}, "<think>hm</think>\n\n" + HERMES),
+    "qwen3 JSON, prompt opened thinking": ("qwen3", {"reasoning": "open"}, "hm\n</think>\n\n" + HERMES),
+    "qwen3-coder XML": ("qwen3", {"xml_calls": True}, XML),
+    "dsml V3.2": ("dsml", {"dsml_block": "function_calls", "reasoning": "none"}, _dsml(DEEPSEEK_V32)),
+    "dsml V4": ("dsml", {"dsml_block": "tool_calls", "reasoning": "none"}, _dsml(DEEPSEEK_V4)),
+    "dsml V4 after thinking": ("dsml", {"dsml_block": "tool_calls", "reasoning": "open"},
+                               "ok</think>\n\n" + _dsml(DEEPSEEK_V4)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_templates_call_is_accepted_and_read_back(tokenizer, case):
+    fmt, options, text = CASES[case]
+    grammar = tool_call_grammar(fmt, TOOLS, **options)
+    assert _accepts(tokenizer, grammar, text), text
+    parser = output_parser_for(fmt if fmt != "generic" else "hermes", tools=TOOLS, tool_parameters={
+        t["function"]["name"]: t["function"]["parameters"] for t in TOOLS},
+                               starts_in_reasoning=options.get("reasoning") == "open")
+    parser.feed(text)
+    parser.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls] == [("get_weather", CALL)], case
+
+
+@pytest.mark.parametrize("case, text", [
+    ("hermes", HERMES.replace('"days": 2', '"days": "two"')),
+    ("hermes", HERMES.replace("get_weather", "get_time")),
+    ("hermes", "Sure! " + HERMES),
+    ("qwen3-coder XML", XML.replace("\n2\n", "\ntwo\n")),
+    ("qwen3-coder XML", XML.replace("<parameter=city>\nParis\nCentre\n</parameter>\n", "")),  # required city missing
+    ("dsml V4", _dsml(DEEPSEEK_V4).replace('string="false">2', 'string="false">"2"')),
+])
+def test_a_call_outside_the_schema_or_syntax_is_refused(tokenizer, case, text):
+    fmt, options, _ = {"hermes": CASES["hermes"], "qwen3-coder XML": CASES["qwen3-coder XML"],
+                       "dsml V4": CASES["dsml V4"]}[case]
+    assert not _accepts(tokenizer, tool_call_grammar(fmt, TOOLS, **options), text)
+
+
+def test_one_call_when_parallel_calls_are_off_and_formats_without_a_grammar(tokenizer):
+    single = tool_call_grammar("hermes", TOOLS, parallel=False)
+    assert _accepts(tokenizer, single, HERMES) and not _accepts(tokenizer, single, HERMES + "\n" + HERMES)
+    assert _accepts(tokenizer, tool_call_grammar("hermes", TOOLS), HERMES + "\n" + HERMES)
+    for fmt in ("harmony", "glm", "deepseek", "mistral", "plain"):
+        assert tool_call_grammar(fmt, TOOLS) is None
