@@ -159,4 +159,19 @@ def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, para
     return Grammar("lark", "\n".join(lines) + "\n")
 
 
-__all__ = ["GRAMMAR_FORMATS", "JSON_WRAPPED", "tool_call_grammar"]
+def after_reasoning(grammar: Grammar, tags: tuple[str, str], reasoning: str) -> Grammar:
+    """A JSON-schema answer (``response_format`` ...) of a family that reasons in ``tags`` first: the reasoning
+    block stays free ("optional": the model may open one; "open": the prompt opened it) and the schema applies
+    to the answer after it, as vLLM's reasoning-aware structured output does. Other grammars, and "none" (the
+    template closed the block), are returned as they are."""
+    if grammar.kind != "json_schema" or reasoning not in ("optional", "open"):
+        return grammar
+    schema = json.loads(grammar.text)
+    opened, closed = (json.dumps(t) for t in tags)
+    lines = ["%llguidance {}", f"think_rest[lazy]: /(.|\\n)*/ {closed}", "GAP: /[ \\n]*/",
+             "answer: %json " + json.dumps({**schema, "x-guidance": {**JSON_LAYOUT, **(schema.get("x-guidance") or {})}}),
+             "start: think_rest GAP answer" if reasoning == "open" else f"start: ({opened} think_rest GAP)? answer"]
+    return Grammar("lark", "\n".join(lines) + "\n")
+
+
+__all__ = ["GRAMMAR_FORMATS", "JSON_WRAPPED", "after_reasoning", "tool_call_grammar"]

@@ -11,10 +11,10 @@ import pytest
 from helpers.tiny_tokenizer import write_tiny_tokenizer
 from moed.text.builtin_templates import DEEPSEEK_V4, DEEPSEEK_V32
 from moed.text.chat_template import render_chat
-from moed.text.grammar import grammar_tokenizer
+from moed.text.grammar import Grammar, grammar_tokenizer
 from moed.text.output_parser import output_parser_for
 from moed.text.tokenizer import Tokenizer
-from moed.text.tool_grammar import tool_call_grammar
+from moed.text.tool_grammar import after_reasoning, tool_call_grammar
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                             "units": {"enum": ["c", "f"]}}, "required": ["city", "days"]}
@@ -96,3 +96,19 @@ def test_one_call_when_parallel_calls_are_off_and_formats_without_a_grammar(toke
     assert _accepts(tokenizer, tool_call_grammar("hermes", TOOLS), HERMES + "\n" + HERMES)
     for fmt in ("harmony", "glm", "deepseek", "mistral", "plain"):
         assert tool_call_grammar(fmt, TOOLS) is None
+
+
+def test_a_json_answer_after_the_reasoning_block(tokenizer):
+    """response_format on a model that reasons in <think> tags: the reasoning stays free, the schema holds after it;
+    a model whose template closed the block (thinking off) answers JSON at once; other grammars are unchanged."""
+    schema = Grammar.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                                  "additionalProperties": False})
+    tags = ("<think>", "</think>")
+    opened = after_reasoning(schema, tags, "open")
+    assert _accepts(tokenizer, opened, 'first {"a": "x"} maybe</think>\n\n{"a": 12}')
+    assert not _accepts(tokenizer, opened, 'done</think>\n\n{"a": "12"}')
+    optional = after_reasoning(schema, tags, "optional")
+    assert _accepts(tokenizer, optional, '<think>hm</think>{"a": 1}') and _accepts(tokenizer, optional, '{"a": 1}')
+    assert after_reasoning(schema, tags, "none") is schema
+    regex = Grammar("regex", "[a-z]+")
+    assert after_reasoning(regex, tags, "open") is regex

@@ -44,7 +44,7 @@ from moed.text.output_parser import (OutputParser, has_native_tools, output_pars
 from moed.text.stop_strings import StopMatcher
 from moed.text.stream_decoder import StreamDecoder
 from moed.text.tokenizer import Tokenizer
-from moed.text.tool_grammar import tool_call_grammar
+from moed.text.tool_grammar import after_reasoning, tool_call_grammar
 
 DEFAULT_MODEL_ALIASES = ("", "default")  # mean "the one loaded model" when exactly one is loaded
 log = logging.getLogger("moed.http")
@@ -438,6 +438,11 @@ class EngineBridge:
         params = dataclasses.replace(chat.params, max_tokens=min(chat.max_tokens or room, room))
         if chat.forced_tools and chat.tools:
             params = self.force_tool_calls(entry, chat, params, prompt_ids, generic)
+        elif params.grammar is not None and not generic:
+            tags = reasoning_tags(self.tool_format(entry))
+            if tags is not None:  # the schema applies to the answer after the reasoning block
+                params = dataclasses.replace(params, grammar=after_reasoning(
+                    params.grammar, tags, self.reasoning_state(entry, prompt_ids)))
         if chat.reasoning_budget is not None and not generic:
             params = self.budget_reasoning(entry, chat.reasoning_budget, params, prompt_ids)
         parser = self.output_parser(entry, tools=chat.tools, prompt_ids=prompt_ids, stream=chat.stream,
@@ -454,13 +459,8 @@ class EngineBridge:
                              "drop one of them", "tool_choice")
         fmt = "generic" if generic else self.tool_format(entry)
         tokenizer = self.tokenizer(entry)
-        tail = tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
         xml = not generic and "<function=" in (tokenizer.chat_template or "")
-        reasoning = "optional"
-        if generic or tail.rstrip().endswith(("</think>", "</seed:think>")):  # the template closed it (no thinking)
-            reasoning = "none"
-        elif prompt_opens_reasoning(fmt, tail):
-            reasoning = "open"
+        reasoning = "none" if generic else self.reasoning_state(entry, prompt_ids)
         template = tokenizer.chat_template or ""
         grammar = tool_call_grammar(fmt, chat.tools, parallel=chat.parallel_tool_calls, reasoning=reasoning,
                                     xml_calls=xml, dsml_block="function_calls" if "function_calls>" in template
@@ -470,6 +470,15 @@ class EngineBridge:
                      "tool syntax yet)", entry.name, "XML" if xml else fmt)
             return params
         return dataclasses.replace(params, grammar=grammar)
+
+    def reasoning_state(self, entry: LoadedEntry, prompt_ids: Sequence[int]) -> str:
+        """How the answer meets the family's reasoning block: "open" (the prompt opened it), "none" (the prompt
+        closed it: thinking off) or "optional" (the model may open one)."""
+        tail = self.tokenizer(entry).decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
+        tags = reasoning_tags(self.tool_format(entry))
+        if tags is None or tail.rstrip().endswith(tags[1]):
+            return "none"
+        return "open" if prompt_opens_reasoning(self.tool_format(entry), tail) else "optional"
 
     def budget_reasoning(self, entry: LoadedEntry, budget: int, params: SamplingParams,
                          prompt_ids: Sequence[int]) -> SamplingParams:
