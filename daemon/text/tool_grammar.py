@@ -13,13 +13,17 @@ Each call names one of the offered tools and its arguments follow that tool's pa
 
       <tool_call>\\n<function=N>\\n<parameter=K>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>
 
+* ``glm`` (GLM-4.5 .. GLM-5; GLM-4.5's newlines allowed)::
+
+      <tool_call>N<arg_key>K</arg_key><arg_value>value</arg_value></tool_call>
+
 * ``dsml`` (DeepSeek-V3.2 ``function_calls``, V4 ``tool_calls``)::
 
       <｜DSML｜tool_calls>\\n<｜DSML｜invoke name="N">\\n<｜DSML｜parameter name="K" string="true|false">value</｜DSML｜parameter>\\n</｜DSML｜invoke>\\n</｜DSML｜tool_calls>
 
 A ``<think>...</think>`` block may come first (or the answer starts inside it when the prompt opened it).
 Parameters come in the schema's order (required ones always, the others optionally). Other syntaxes (gpt-oss's
-harmony, DeepSeek-V3's tokens, GLM, Mistral) get no grammar yet: ``tool_call_grammar`` returns None and the
+harmony, DeepSeek-V3's tokens, Mistral) get no grammar yet: ``tool_call_grammar`` returns None and the
 request asks for a call without forcing it (docs/agents.md).
 """
 
@@ -32,8 +36,8 @@ from typing import Any
 from moed.text.grammar import JSON_LAYOUT, Grammar
 
 JSON_WRAPPED = ("generic", "hermes", "qwen3")
-GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml",)
-REASONING = {"qwen3": ("<think>", "</think>")}
+GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm")
+REASONING = {"qwen3": ("<think>", "</think>"), "glm": ("<think>", "</think>")}
 
 
 def _call_schema(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -120,6 +124,23 @@ def _dsml_calls(tools: Sequence[dict[str, Any]], block: str) -> tuple[list[str],
     return rules, "invokes"
 
 
+def _glm_calls(tools: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
+    """GLM's ``<tool_call>N<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`` (GLM-4.7 / GLM-5), with the
+    newlines GLM-4.5 puts after the name and between the pairs allowed."""
+    rules, options = ['NL: /\\n?/'], []
+    for t, tool in enumerate(tools):
+        function = tool.get("function", tool)
+        parts = []
+        for p, (name, schema, required) in enumerate(_parameters(function.get("parameters")
+                                                                 or function.get("input_schema"))):
+            rules.append(f'p{t}_{p}: {json.dumps(f"<arg_key>{name}</arg_key>")} NL "<arg_value>" v{t}_{p} NL')
+            rules += _value(schema, f"v{t}_{p}", "</arg_value>")
+            parts.append(f"p{t}_{p}" + ("" if required else "?"))
+        rules.append(f'f{t}: {json.dumps("<tool_call>" + function["name"])} NL {" ".join(parts)} "</tool_call>"')
+        options.append(f"f{t}")
+    return rules, " | ".join(options)
+
+
 def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, parallel: bool = True,
                       reasoning: str = "optional", xml_calls: bool = False, dsml_block: str = "function_calls"
                       ) -> Grammar | None:
@@ -140,13 +161,14 @@ def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, para
         lines.append(f'calls: {json.dumps(f"<{bar}{dsml_block}>" + chr(10))} {one} {json.dumps(f"</{bar}{dsml_block}>")}')
         tags, gap = ("<think>", "</think>"), "GAP: /\\n*/"
     else:
-        if xml_calls:
-            rules, call = _xml_calls(tools)
+        if xml_calls or tool_format == "glm":
+            rules, call = _xml_calls(tools) if tool_format != "glm" else _glm_calls(tools)
             lines += rules
             lines.append(f"call: {call}")
         else:
             lines.append('call: "<tool_call>\\n" %json ' + json.dumps(_call_schema(tools)) + ' "\\n</tool_call>"')
-        lines.append("calls: " + ("call" if not parallel else 'call ("\\n" call)*'))
+        between = "NL" if tool_format == "glm" else '"\\n"'  # GLM-4.7 writes calls back to back
+        lines.append("calls: " + ("call" if not parallel else f"call ({between} call)*"))
         tags, gap = REASONING.get(tool_format), "GAP: /[ \\n]*/"
     if tags is None or reasoning == "none":
         lines.append(gap)

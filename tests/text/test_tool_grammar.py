@@ -50,7 +50,14 @@ def _dsml(template: str) -> str:
     return prompt[start:prompt.index("<｜end▁of▁sentence｜>", start)]
 
 
+GLM47 = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris\nCentre</arg_value><arg_key>days</arg_key>"
+         "<arg_value>2</arg_value></tool_call>")
+GLM45 = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris\nCentre</arg_value>\n<arg_key>days"
+         "</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")
+
 CASES = {
+    "glm-4.7 / glm-5": ("glm", {}, GLM47),
+    "glm-4.5 newlines, thinking first": ("glm", {}, "<think>hm</think>" + GLM45),
     "generic": ("generic", {}, HERMES),
     "hermes": ("hermes", {}, HERMES),
     "qwen3 JSON, thinking first": ("qwen3", {}, "<think>hm</think>\n\n" + HERMES),
@@ -83,10 +90,11 @@ def test_the_templates_call_is_accepted_and_read_back(tokenizer, case):
     ("qwen3-coder XML", XML.replace("\n2\n", "\ntwo\n")),
     ("qwen3-coder XML", XML.replace("<parameter=city>\nParis\nCentre\n</parameter>\n", "")),  # required city missing
     ("dsml V4", _dsml(DEEPSEEK_V4).replace('string="false">2', 'string="false">"2"')),
+    ("glm", GLM47.replace("<arg_value>2<", "<arg_value>2.5<")),
 ])
 def test_a_call_outside_the_schema_or_syntax_is_refused(tokenizer, case, text):
     fmt, options, _ = {"hermes": CASES["hermes"], "qwen3-coder XML": CASES["qwen3-coder XML"],
-                       "dsml V4": CASES["dsml V4"]}[case]
+                       "dsml V4": CASES["dsml V4"], "glm": CASES["glm-4.7 / glm-5"]}[case]
     assert not _accepts(tokenizer, tool_call_grammar(fmt, TOOLS, **options), text)
 
 
@@ -94,7 +102,7 @@ def test_one_call_when_parallel_calls_are_off_and_formats_without_a_grammar(toke
     single = tool_call_grammar("hermes", TOOLS, parallel=False)
     assert _accepts(tokenizer, single, HERMES) and not _accepts(tokenizer, single, HERMES + "\n" + HERMES)
     assert _accepts(tokenizer, tool_call_grammar("hermes", TOOLS), HERMES + "\n" + HERMES)
-    for fmt in ("harmony", "glm", "deepseek", "mistral", "plain"):
+    for fmt in ("harmony", "deepseek", "mistral", "plain"):
         assert tool_call_grammar(fmt, TOOLS) is None
 
 

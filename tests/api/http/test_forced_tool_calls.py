@@ -50,17 +50,18 @@ def _valid(name: str, arguments: dict) -> bool:
 def daemon(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     for name, family in (("tiny", "mixtral"), ("qwen", "qwen3_moe"), ("coder", "qwen3_moe"),
-                         ("dsv32", "deepseek_v32")):  # "tiny": no tool syntax -> generic format
+                         ("dsv32", "deepseek_v32"), ("glm", "glm4_moe")):  # "tiny": no tool syntax -> generic format
         config = tiny_config(family)
         config.max_position_embeddings = 2048  # the tools' system prompt alone is ~800 tokens of the tiny vocab
         build_tiny_model(family, root / name, config=config)
         write_tiny_tokenizer(root / name)
     install_tool_template(root / "qwen")  # Qwen3's Hermes-style tools template
+    install_tool_template(root / "glm")  # it renders the tools; the GLM family writes (and is held to) GLM's calls
     install_tool_template(root / "coder", CODER_TEMPLATE)
     config_path = root / "dsv32" / "tokenizer_config.json"  # no template of its own: moed's DeepSeek-V3.2 one
     config_path.write_text(json.dumps({k: v for k, v in json.loads(config_path.read_text()).items()
                                        if k != "chat_template"}))
-    d = start_http_daemon(root, models=("tiny", "qwen", "coder", "dsv32"),
+    d = start_http_daemon(root, models=("tiny", "qwen", "coder", "dsv32", "glm"),
                           options=LoadOptions(device="cpu", max_batch=4, context_length=2048))
     yield d
     d.close()
@@ -71,7 +72,7 @@ def client(daemon):
     return daemon.openai()
 
 
-@pytest.mark.parametrize("model", ["tiny", "qwen", "coder", "dsv32"])
+@pytest.mark.parametrize("model", ["tiny", "qwen", "coder", "dsv32", "glm"])
 def test_required_gives_schema_valid_calls_twenty_times_of_twenty(client, model):
     names = set()
     for seed in range(ROUNDS):
