@@ -38,6 +38,7 @@ from moed.text.grammar import JSON_LAYOUT, Grammar
 JSON_WRAPPED = ("generic", "hermes", "qwen3")
 GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm")
 REASONING = {"qwen3": ("<think>", "</think>"), "glm": ("<think>", "</think>")}
+DSML = "｜DSML｜"  # the fullwidth bars are part of DeepSeek's markup tokens
 
 
 def _call_schema(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -85,41 +86,42 @@ def _parameters(parameters: Any) -> list[tuple[str, Any, bool]]:
     return [(name, schema if isinstance(schema, dict) else {}, name in required) for name, schema in props.items()]
 
 
-def _xml_calls(tools: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
-    """Qwen3-Coder's ``<tool_call>\n<function=N>\n<parameter=K>\nvalue\n</parameter>\n</function>\n</tool_call>``:
-    the parameters in the schema's order, the required ones always, the others optionally."""
+def _tagged_calls(tools: Sequence[dict[str, Any]], call_open, param_open, param_close: str, after_value: str,
+                  call_close: str) -> tuple[list[str], list[str]]:
+    """Rules of calls whose parameters are tagged one by one (the XML-like syntaxes): per tool ``f{t}`` =
+    ``call_open(name)`` + its parameters in the schema's order (required always, others optionally), each
+    ``param_open(key, schema)`` + value (up to ``param_close``) + ``after_value``, then ``call_close``. The
+    callables and strings are Lark fragments. Returns (rules, the tools' rule names)."""
     rules, options = [], []
     for t, tool in enumerate(tools):
         function = tool.get("function", tool)
         parts = []
         for p, (name, schema, required) in enumerate(_parameters(function.get("parameters")
                                                                  or function.get("input_schema"))):
-            rules.append(f'p{t}_{p}: {json.dumps(f"<parameter={name}>" + chr(10))} v{t}_{p}')
-            rules += _value(schema, f"v{t}_{p}", "\n</parameter>\n")
+            rules.append(f"p{t}_{p}: {param_open(name, schema)} v{t}_{p} {after_value}".rstrip())
+            rules += _value(schema, f"v{t}_{p}", param_close)
             parts.append(f"p{t}_{p}" + ("" if required else "?"))
-        head = json.dumps("<tool_call>\n<function=" + function["name"] + ">\n")
-        rules.append(f'f{t}: {head} {" ".join(parts)} "</function>\\n</tool_call>"')
+        rules.append(f"f{t}: {call_open(function['name'])} {' '.join(parts)} {call_close}")
         options.append(f"f{t}")
+    return rules, options
+
+
+def _xml_calls(tools: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
+    """Qwen3-Coder's ``<tool_call>\n<function=N>\n<parameter=K>\nvalue\n</parameter>\n</function>\n</tool_call>``."""
+    rules, options = _tagged_calls(
+        tools, lambda name: json.dumps(f"<tool_call>\n<function={name}>\n"),
+        lambda key, schema: json.dumps(f"<parameter={key}>\n"), "\n</parameter>\n", "",
+        json.dumps("</function>\n</tool_call>"))
     return rules, " | ".join(options)
 
 
-def _dsml_calls(tools: Sequence[dict[str, Any]], block: str) -> tuple[list[str], str]:
-    """DeepSeek's DSML block (``function_calls`` for V3.2, ``tool_calls`` for V4) of invokes, each parameter with
-    ``string="true"`` and its raw text, or ``string="false"`` and JSON."""
-    bar = "｜DSML｜"
-    rules, options = [], []
-    for t, tool in enumerate(tools):
-        function = tool.get("function", tool)
-        parts = []
-        for p, (name, schema, required) in enumerate(_parameters(function.get("parameters")
-                                                                 or function.get("input_schema"))):
-            head = f'<{bar}parameter name="{name}" string="{"true" if _is_string(schema) else "false"}">'
-            rules.append(f"p{t}_{p}: {json.dumps(head)} v{t}_{p}")
-            rules += _value(schema, f"v{t}_{p}", f"</{bar}parameter>\n")
-            parts.append(f"p{t}_{p}" + ("" if required else "?"))
-        rules.append(f'f{t}: {json.dumps(f"<{bar}invoke name=" + chr(34) + function["name"] + chr(34) + ">" + chr(10))} '
-                     f'{" ".join(parts)} {json.dumps(f"</{bar}invoke>" + chr(10))}')
-        options.append(f"f{t}")
+def _dsml_calls(tools: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
+    """DeepSeek's DSML invokes, each parameter with ``string="true"`` and its raw text, or ``string="false"`` and
+    JSON (the block around them: ``tool_call_grammar``)."""
+    rules, options = _tagged_calls(
+        tools, lambda name: json.dumps(f'<{DSML}invoke name="{name}">\n'),
+        lambda key, schema: json.dumps(f'<{DSML}parameter name="{key}" string="{"true" if _is_string(schema) else "false"}">'),
+        f"</{DSML}parameter>\n", "", json.dumps(f"</{DSML}invoke>\n"))
     rules.append(f"invokes: ({' | '.join(options)})")
     return rules, "invokes"
 
@@ -127,18 +129,11 @@ def _dsml_calls(tools: Sequence[dict[str, Any]], block: str) -> tuple[list[str],
 def _glm_calls(tools: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
     """GLM's ``<tool_call>N<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`` (GLM-4.7 / GLM-5), with the
     newlines GLM-4.5 puts after the name and between the pairs allowed."""
-    rules, options = ['NL: /\\n?/'], []
-    for t, tool in enumerate(tools):
-        function = tool.get("function", tool)
-        parts = []
-        for p, (name, schema, required) in enumerate(_parameters(function.get("parameters")
-                                                                 or function.get("input_schema"))):
-            rules.append(f'p{t}_{p}: {json.dumps(f"<arg_key>{name}</arg_key>")} NL "<arg_value>" v{t}_{p} NL')
-            rules += _value(schema, f"v{t}_{p}", "</arg_value>")
-            parts.append(f"p{t}_{p}" + ("" if required else "?"))
-        rules.append(f'f{t}: {json.dumps("<tool_call>" + function["name"])} NL {" ".join(parts)} "</tool_call>"')
-        options.append(f"f{t}")
-    return rules, " | ".join(options)
+    rules, options = _tagged_calls(
+        tools, lambda name: json.dumps(f"<tool_call>{name}") + " NL",
+        lambda key, schema: json.dumps(f"<arg_key>{key}</arg_key>") + ' NL "<arg_value>"', "</arg_value>", "NL",
+        json.dumps("</tool_call>"))
+    return ["NL: /\\n?/", *rules], " | ".join(options)
 
 
 def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, parallel: bool = True,
@@ -154,11 +149,10 @@ def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, para
         return None
     lines = ["%llguidance {}"]
     if tool_format == "dsml":
-        rules, invoke = _dsml_calls(tools, dsml_block)
-        bar = "｜DSML｜"
+        rules, invoke = _dsml_calls(tools)
         lines += rules
         one = invoke if not parallel else f"{invoke}+"
-        lines.append(f'calls: {json.dumps(f"<{bar}{dsml_block}>" + chr(10))} {one} {json.dumps(f"</{bar}{dsml_block}>")}')
+        lines.append(f'calls: {json.dumps(f"<{DSML}{dsml_block}>" + chr(10))} {one} {json.dumps(f"</{DSML}{dsml_block}>")}')
         tags, gap = ("<think>", "</think>"), "GAP: /\\n*/"
     else:
         if xml_calls or tool_format == "glm":
