@@ -17,26 +17,30 @@ Each call names one of the offered tools and its arguments follow that tool's pa
 
       <tool_call>N<arg_key>K</arg_key><arg_value>value</arg_value></tool_call>
 
+* ``harmony`` (gpt-oss), one call a turn, an analysis message first if the model writes one::
+
+      <|channel|>commentary to=functions.N <|constrain|>json<|message|>{...}<|call|>
+
 * ``dsml`` (DeepSeek-V3.2 ``function_calls``, V4 ``tool_calls``)::
 
       <｜DSML｜tool_calls>\\n<｜DSML｜invoke name="N">\\n<｜DSML｜parameter name="K" string="true|false">value</｜DSML｜parameter>\\n</｜DSML｜invoke>\\n</｜DSML｜tool_calls>
 
 A ``<think>...</think>`` block may come first (or the answer starts inside it when the prompt opened it).
 Parameters come in the schema's order (required ones always, the others optionally). Other syntaxes (gpt-oss's
-harmony, DeepSeek-V3's tokens, Mistral) get no grammar yet: ``tool_call_grammar`` returns None and the
+DeepSeek-V3's tokens, Mistral) get no grammar yet: ``tool_call_grammar`` returns None and the
 request asks for a call without forcing it (docs/agents.md).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from moed.text.grammar import JSON_LAYOUT, Grammar
 
 JSON_WRAPPED = ("generic", "hermes", "qwen3")
-GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm")
+GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm", "harmony")
 REASONING = {"qwen3": ("<think>", "</think>"), "glm": ("<think>", "</think>")}
 DSML = "｜DSML｜"  # the fullwidth bars are part of DeepSeek's markup tokens
 
@@ -136,9 +140,35 @@ def _glm_calls(tools: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
     return ["NL: /\\n?/", *rules], " | ".join(options)
 
 
+HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|call|>")
+
+
+def _harmony(tools: Sequence[dict[str, Any]], special: Mapping[str, int]) -> list[str]:
+    """gpt-oss's harmony answer after ``<|start|>assistant``: an optional analysis message, then one call on the
+    commentary channel (``<|call|>`` ends the turn) as gpt-oss writes it, its arguments JSON of the tool's
+    schema. Markers the tokenizer has as special tokens are referenced by id (``<[id]>``)."""
+    def m(marker: str) -> str:
+        return f"<[{special[marker]}]>" if marker in special else json.dumps(marker)
+
+    ch, msg, end, start, constrain, call = (m(x) for x in HARMONY_MARKERS)
+    if "<|end|>" in special:  # text up to a special token: the token itself ends it
+        rules = ["TEXT: /(.|\\n)*/", f'analysis: {ch} "analysis" {msg} TEXT {end} {start} "assistant"']
+    else:
+        rules = [f"analysis_rest[lazy]: /(.|\\n)*/ {end}", f'analysis: {ch} "analysis" {msg} analysis_rest {start} "assistant"']
+    options = []
+    for t, tool in enumerate(tools):
+        function = tool.get("function", tool)
+        parameters = function.get("parameters") or function.get("input_schema") or {"type": "object"}
+        to = json.dumps(f" to=functions.{function['name']}")
+        rules.append(f'f{t}: {ch} "commentary" {to} (" " {constrain}? "json")? {msg} '
+                     f'%json {json.dumps({**parameters, "x-guidance": JSON_LAYOUT})} {call}')
+        options.append(f"f{t}")
+    return [*rules, f"start: analysis? ({' | '.join(options)})"]
+
+
 def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, parallel: bool = True,
-                      reasoning: str = "optional", xml_calls: bool = False, dsml_block: str = "function_calls"
-                      ) -> Grammar | None:
+                      reasoning: str = "optional", xml_calls: bool = False, dsml_block: str = "function_calls",
+                      special: Mapping[str, int] | None = None) -> Grammar | None:
     """The grammar of an answer that is one or more calls (one when not ``parallel``) of ``tools`` in
     ``tool_format``, or None where moed has no grammar for that syntax. ``xml_calls``: Qwen3-Coder's XML body
     (Qwen3-Coder, Qwen3.5 / 3.6) inside the Hermes block; ``dsml_block``: "function_calls" (DeepSeek-V3.2) or
@@ -148,6 +178,8 @@ def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, para
     if not tools or tool_format not in GRAMMAR_FORMATS:
         return None
     lines = ["%llguidance {}"]
+    if tool_format == "harmony":  # one call a turn: <|call|> ends it
+        return Grammar("lark", "\n".join(lines + _harmony(tools, special or {})) + "\n")
     if tool_format == "dsml":
         rules, invoke = _dsml_calls(tools)
         lines += rules

@@ -98,11 +98,48 @@ def test_a_call_outside_the_schema_or_syntax_is_refused(tokenizer, case, text):
     assert not _accepts(tokenizer, tool_call_grammar(fmt, TOOLS, **options), text)
 
 
+HARMONY_NATIVE = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+                  'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris\\nCentre", "days": 2}<|call|>')
+HARMONY_PLAIN = ('<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Paris\\nCentre", "days": 2}'
+                 '<|call|>')
+
+
+@pytest.fixture(scope="module")
+def harmony_tokenizer(tmp_path_factory) -> Tokenizer:
+    """The tiny tokenizer with harmony's markers as special tokens, as gpt-oss's tokenizer has them."""
+    import tokenizers
+
+    from moed.text.tool_grammar import HARMONY_MARKERS
+
+    root = write_tiny_tokenizer(tmp_path_factory.mktemp("harmony"))
+    backend = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
+    backend.add_special_tokens(list(HARMONY_MARKERS))
+    backend.save(str(root / "tokenizer.json"))
+    return Tokenizer(root)
+
+
+@pytest.mark.parametrize("text", [HARMONY_NATIVE, HARMONY_PLAIN], ids=["analysis first, constrain", "call only"])
+@pytest.mark.parametrize("specials", [False, True], ids=["markers as text", "markers as special tokens"])
+def test_harmony_calls(tokenizer, harmony_tokenizer, text, specials):
+    from moed.text.tool_grammar import HARMONY_MARKERS
+
+    tok = harmony_tokenizer if specials else tokenizer
+    special = {m: tok.token_to_id(m) for m in HARMONY_MARKERS} if specials else {}
+    grammar = tool_call_grammar("harmony", TOOLS, special=special)
+    assert _accepts(tok, grammar, text)
+    assert not _accepts(tok, grammar, text.replace('"days": 2', '"days": "2"'))
+    assert not _accepts(tok, grammar, "<|channel|>final<|message|>It is sunny.<|end|>")
+    parser = output_parser_for("harmony", tools=TOOLS)
+    parser.feed(text)
+    parser.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls] == [("get_weather", CALL)]
+
+
 def test_one_call_when_parallel_calls_are_off_and_formats_without_a_grammar(tokenizer):
     single = tool_call_grammar("hermes", TOOLS, parallel=False)
     assert _accepts(tokenizer, single, HERMES) and not _accepts(tokenizer, single, HERMES + "\n" + HERMES)
     assert _accepts(tokenizer, tool_call_grammar("hermes", TOOLS), HERMES + "\n" + HERMES)
-    for fmt in ("harmony", "deepseek", "mistral", "plain"):
+    for fmt in ("deepseek", "mistral", "plain"):
         assert tool_call_grammar(fmt, TOOLS) is None
 
 
