@@ -25,10 +25,18 @@ Each call names one of the offered tools and its arguments follow that tool's pa
 
       <｜DSML｜tool_calls>\\n<｜DSML｜invoke name="N">\\n<｜DSML｜parameter name="K" string="true|false">value</｜DSML｜parameter>\\n</｜DSML｜invoke>\\n</｜DSML｜tool_calls>
 
+* ``deepseek`` (DeepSeek-V3 / R1; V3.1's form where its template writes the name before the separator)::
+
+      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n```json\n{...}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+* ``mistral`` (Mixtral's v3 tokenizer): ``[TOOL_CALLS][{"name": "N", "arguments": {...}}, ...]``
+
 A ``<think>...</think>`` block may come first (or the answer starts inside it when the prompt opened it).
-Parameters come in the schema's order (required ones always, the others optionally). Other syntaxes (gpt-oss's
-DeepSeek-V3's tokens, Mistral) get no grammar yet: ``tool_call_grammar`` returns None and the
-request asks for a call without forcing it (docs/agents.md).
+Parameters come in the schema's order (required ones always, the others optionally). Markers the tokenizer has
+as special tokens (harmony's, DeepSeek's, ``[TOOL_CALLS]``) are referenced by id. A syntax without a grammar
+(``plain``) gets None from ``tool_call_grammar`` and the request asks for a call without forcing it
+(docs/agents.md).
 """
 
 from __future__ import annotations
@@ -40,8 +48,8 @@ from typing import Any
 from moed.text.grammar import JSON_LAYOUT, Grammar
 
 JSON_WRAPPED = ("generic", "hermes", "qwen3")
-GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm", "harmony")
-REASONING = {"qwen3": ("<think>", "</think>"), "glm": ("<think>", "</think>")}
+GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm", "harmony", "deepseek", "mistral")
+REASONING = {"qwen3": ("<think>", "</think>"), "glm": ("<think>", "</think>"), "deepseek": ("<think>", "</think>")}
 DSML = "｜DSML｜"  # the fullwidth bars are part of DeepSeek's markup tokens
 
 
@@ -141,16 +149,49 @@ def _glm_calls(tools: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
 
 
 HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|call|>")
+DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                    "<｜tool▁calls▁end｜>")
+MISTRAL_MARKERS = ("[TOOL_CALLS]",)
+MARKERS = HARMONY_MARKERS + DEEPSEEK_MARKERS + MISTRAL_MARKERS
+
+
+def _marker(special: Mapping[str, int], marker: str) -> str:
+    """A markup string as a Lark terminal: the special token's id where the tokenizer has it as one."""
+    return f"<[{special[marker]}]>" if marker in special else json.dumps(marker)
+
+
+def _deepseek_calls(tools: Sequence[dict[str, Any]], special: Mapping[str, int], v31: bool) -> list[str]:
+    """DeepSeek-V3's call section: one call per tool rule, V3's fenced form (``function<sep>N\n```json\n{...}
+    \n```) or V3.1's (``N<sep>{...}``), calls separated by an optional newline as the template writes them."""
+    begins, begin, sep, end, ends = (_marker(special, m) for m in DEEPSEEK_MARKERS)
+    rules, options = [], []
+    for t, tool in enumerate(tools):
+        function = tool.get("function", tool)
+        parameters = function.get("parameters") or function.get("input_schema") or {"type": "object"}
+        args = f"%json {json.dumps({**parameters, 'x-guidance': JSON_LAYOUT})}"
+        name = json.dumps(function["name"])
+        if v31:
+            rules.append(f"f{t}: {begin} {name} {sep} {args} {end}")
+        else:
+            rules.append(f'f{t}: {begin} "function" {sep} {json.dumps(function["name"] + chr(10) + "```json" + chr(10))} '
+                         f'{args} {json.dumps(chr(10) + "```")} {end}')
+        options.append(f"f{t}")
+    return [*rules, f"call: {' | '.join(options)}", f"section_open: {begins}", f"section_close: {ends}"]
+
+
+def _mistral_calls(tools: Sequence[dict[str, Any]], special: Mapping[str, int], parallel: bool) -> list[str]:
+    """Mixtral's ``[TOOL_CALLS]``, an optional space (its template writes one) and one JSON array of call
+    objects (one object when not ``parallel``)."""
+    array = {"type": "array", "items": {k: v for k, v in _call_schema(tools).items() if k != "x-guidance"},
+             "minItems": 1, **({} if parallel else {"maxItems": 1}), "x-guidance": JSON_LAYOUT}
+    return [f"calls: {_marker(special, '[TOOL_CALLS]')} \" \"? %json {json.dumps(array)}"]
 
 
 def _harmony(tools: Sequence[dict[str, Any]], special: Mapping[str, int]) -> list[str]:
     """gpt-oss's harmony answer after ``<|start|>assistant``: an optional analysis message, then one call on the
     commentary channel (``<|call|>`` ends the turn) as gpt-oss writes it, its arguments JSON of the tool's
     schema. Markers the tokenizer has as special tokens are referenced by id (``<[id]>``)."""
-    def m(marker: str) -> str:
-        return f"<[{special[marker]}]>" if marker in special else json.dumps(marker)
-
-    ch, msg, end, start, constrain, call = (m(x) for x in HARMONY_MARKERS)
+    ch, msg, end, start, constrain, call = (_marker(special, x) for x in HARMONY_MARKERS)
     if "<|end|>" in special:  # text up to a special token: the token itself ends it
         rules = ["TEXT: /(.|\\n)*/", f'analysis: {ch} "analysis" {msg} TEXT {end} {start} "assistant"']
     else:
@@ -168,11 +209,12 @@ def _harmony(tools: Sequence[dict[str, Any]], special: Mapping[str, int]) -> lis
 
 def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, parallel: bool = True,
                       reasoning: str = "optional", xml_calls: bool = False, dsml_block: str = "function_calls",
-                      special: Mapping[str, int] | None = None) -> Grammar | None:
+                      deepseek_v31: bool = False, special: Mapping[str, int] | None = None) -> Grammar | None:
     """The grammar of an answer that is one or more calls (one when not ``parallel``) of ``tools`` in
     ``tool_format``, or None where moed has no grammar for that syntax. ``xml_calls``: Qwen3-Coder's XML body
     (Qwen3-Coder, Qwen3.5 / 3.6) inside the Hermes block; ``dsml_block``: "function_calls" (DeepSeek-V3.2) or
-    "tool_calls" (DeepSeek-V4). ``reasoning``: "optional" (a reasoning block may come first), "open" (the
+    "tool_calls" (DeepSeek-V4); ``deepseek_v31``: V3.1's call form; ``special``: the markers the tokenizer has as
+    special tokens, by id. ``reasoning``: "optional" (a reasoning block may come first), "open" (the
     prompt opened one: the answer starts inside it) or "none" (the prompt closed it, as Qwen3's template does
     without thinking)."""
     if not tools or tool_format not in GRAMMAR_FORMATS:
@@ -180,7 +222,15 @@ def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, para
     lines = ["%llguidance {}"]
     if tool_format == "harmony":  # one call a turn: <|call|> ends it
         return Grammar("lark", "\n".join(lines + _harmony(tools, special or {})) + "\n")
-    if tool_format == "dsml":
+    special = special or {}
+    if tool_format == "mistral":
+        lines += _mistral_calls(tools, special, parallel)
+        tags, gap = None, "GAP: /[ \\n]*/"
+    elif tool_format == "deepseek":
+        lines += _deepseek_calls(tools, special, deepseek_v31)
+        lines.append("calls: section_open " + ("call" if not parallel else 'call ("\\n"? call)*') + " section_close")
+        tags, gap = REASONING["deepseek"], "GAP: /[ \\n]*/"
+    elif tool_format == "dsml":
         rules, invoke = _dsml_calls(tools)
         lines += rules
         one = invoke if not parallel else f"{invoke}+"
@@ -222,4 +272,4 @@ def after_reasoning(grammar: Grammar, tags: tuple[str, str], reasoning: str) -> 
     return Grammar("lark", "\n".join(lines) + "\n")
 
 
-__all__ = ["GRAMMAR_FORMATS", "JSON_WRAPPED", "after_reasoning", "tool_call_grammar"]
+__all__ = ["GRAMMAR_FORMATS", "JSON_WRAPPED", "MARKERS", "after_reasoning", "tool_call_grammar"]

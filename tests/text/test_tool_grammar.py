@@ -55,6 +55,13 @@ GLM47 = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris\nCentre<
 GLM45 = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris\nCentre</arg_value>\n<arg_key>days"
          "</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")
 
+# as DeepSeek-V3's (R1's) and V3.1's published chat templates write an assistant turn's call
+DS_V3 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+         '{"city": "Paris\\nCentre", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+DS_V31 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+          '{"city": "Paris\\nCentre", "days": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+MIXTRAL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris\\nCentre", "days": 2}}]'
+
 CASES = {
     "glm-4.7 / glm-5": ("glm", {}, GLM47),
     "glm-4.5 newlines, thinking first": ("glm", {}, "<think>hm</think>" + GLM45),
@@ -67,6 +74,10 @@ CASES = {
     "dsml V4": ("dsml", {"dsml_block": "tool_calls", "reasoning": "none"}, _dsml(DEEPSEEK_V4)),
     "dsml V4 after thinking": ("dsml", {"dsml_block": "tool_calls", "reasoning": "open"},
                                "ok</think>\n\n" + _dsml(DEEPSEEK_V4)),
+    "deepseek V3": ("deepseek", {"reasoning": "none"}, DS_V3),
+    "deepseek R1, prompt opened thinking": ("deepseek", {"reasoning": "open"}, "hm</think>\n\n" + DS_V3),
+    "deepseek V3.1": ("deepseek", {"deepseek_v31": True, "reasoning": "none"}, DS_V31),
+    "mixtral": ("mistral", {}, MIXTRAL),
 }
 
 
@@ -91,10 +102,16 @@ def test_the_templates_call_is_accepted_and_read_back(tokenizer, case):
     ("qwen3-coder XML", XML.replace("<parameter=city>\nParis\nCentre\n</parameter>\n", "")),  # required city missing
     ("dsml V4", _dsml(DEEPSEEK_V4).replace('string="false">2', 'string="false">"2"')),
     ("glm", GLM47.replace("<arg_value>2<", "<arg_value>2.5<")),
+    ("deepseek V3", DS_V3.replace('"days": 2', '"days": "2"')),
+    ("deepseek V3", DS_V31),  # V3.1's form where the template writes V3's
+    ("deepseek V3.1", DS_V3),
+    ("mixtral", MIXTRAL.replace('"get_weather"', '"get_time"')),
+    ("mixtral", "Sure. " + MIXTRAL),
 ])
 def test_a_call_outside_the_schema_or_syntax_is_refused(tokenizer, case, text):
     fmt, options, _ = {"hermes": CASES["hermes"], "qwen3-coder XML": CASES["qwen3-coder XML"],
-                       "dsml V4": CASES["dsml V4"], "glm": CASES["glm-4.7 / glm-5"]}[case]
+                       "dsml V4": CASES["dsml V4"], "glm": CASES["glm-4.7 / glm-5"], "deepseek V3": CASES["deepseek V3"],
+                       "deepseek V3.1": CASES["deepseek V3.1"], "mixtral": CASES["mixtral"]}[case]
     assert not _accepts(tokenizer, tool_call_grammar(fmt, TOOLS, **options), text)
 
 
@@ -135,12 +152,44 @@ def test_harmony_calls(tokenizer, harmony_tokenizer, text, specials):
     assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls] == [("get_weather", CALL)]
 
 
+@pytest.fixture(scope="module")
+def marker_tokenizer(tmp_path_factory) -> Tokenizer:
+    """The tiny tokenizer with DeepSeek-V3's call markers and [TOOL_CALLS] as special tokens, as their tokenizers
+    have them."""
+    import tokenizers
+
+    from moed.text.tool_grammar import DEEPSEEK_MARKERS, MISTRAL_MARKERS
+
+    root = write_tiny_tokenizer(tmp_path_factory.mktemp("markers"))
+    backend = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
+    backend.add_special_tokens(list(DEEPSEEK_MARKERS + MISTRAL_MARKERS))
+    backend.save(str(root / "tokenizer.json"))
+    return Tokenizer(root)
+
+
+@pytest.mark.parametrize("case", ["deepseek V3", "deepseek V3.1", "mixtral"])
+def test_markers_that_are_special_tokens_are_matched_by_id(marker_tokenizer, case):
+    from moed.text.tool_grammar import MARKERS
+
+    fmt, options, text = CASES[case]
+    special = {m: i for m in MARKERS if (i := marker_tokenizer.token_to_id(m)) is not None}
+    assert len(special) == 6
+    grammar = tool_call_grammar(fmt, TOOLS, special=special, **options)
+    assert _accepts(marker_tokenizer, grammar, text)
+    assert not _accepts(marker_tokenizer, grammar, text.replace('"days": 2', '"days": 2.5'))
+
+
 def test_one_call_when_parallel_calls_are_off_and_formats_without_a_grammar(tokenizer):
     single = tool_call_grammar("hermes", TOOLS, parallel=False)
     assert _accepts(tokenizer, single, HERMES) and not _accepts(tokenizer, single, HERMES + "\n" + HERMES)
     assert _accepts(tokenizer, tool_call_grammar("hermes", TOOLS), HERMES + "\n" + HERMES)
-    for fmt in ("deepseek", "mistral", "plain"):
-        assert tool_call_grammar(fmt, TOOLS) is None
+    two_v3 = DS_V3.replace("<｜tool▁calls▁end｜>", "\n" + DS_V3[len("<｜tool▁calls▁begin｜>"):])
+    assert _accepts(tokenizer, tool_call_grammar("deepseek", TOOLS, reasoning="none"), two_v3)
+    assert not _accepts(tokenizer, tool_call_grammar("deepseek", TOOLS, reasoning="none", parallel=False), two_v3)
+    two_mixtral = MIXTRAL[:-1] + ", " + MIXTRAL[len("[TOOL_CALLS] ["):]
+    assert _accepts(tokenizer, tool_call_grammar("mistral", TOOLS), two_mixtral)
+    assert not _accepts(tokenizer, tool_call_grammar("mistral", TOOLS, parallel=False), two_mixtral)
+    assert tool_call_grammar("plain", TOOLS) is None
 
 
 def test_a_json_answer_after_the_reasoning_block(tokenizer):

@@ -44,7 +44,7 @@ from moed.text.output_parser import (OutputParser, has_native_tools, output_pars
 from moed.text.stop_strings import StopMatcher
 from moed.text.stream_decoder import StreamDecoder
 from moed.text.tokenizer import Tokenizer
-from moed.text.tool_grammar import HARMONY_MARKERS, after_reasoning, tool_call_grammar
+from moed.text.tool_grammar import MARKERS, after_reasoning, tool_call_grammar
 
 DEFAULT_MODEL_ALIASES = ("", "default")  # mean "the one loaded model" when exactly one is loaded
 log = logging.getLogger("moed.http")
@@ -462,11 +462,11 @@ class EngineBridge:
         xml = not generic and "<function=" in (tokenizer.chat_template or "")
         reasoning = "none" if generic else self.reasoning_state(entry, prompt_ids)
         template = tokenizer.chat_template or ""
-        special = {t: i for t in HARMONY_MARKERS if (i := tokenizer.token_to_id(t)) is not None
+        special = {t: i for t in MARKERS if (i := tokenizer.token_to_id(t)) is not None
                    and i in tokenizer.special_token_ids}
         grammar = tool_call_grammar(fmt, chat.tools, parallel=chat.parallel_tool_calls, reasoning=reasoning,
                                     xml_calls=xml, dsml_block="function_calls" if "function_calls>" in template
-                                    else "tool_calls", special=special)
+                                    else "tool_calls", deepseek_v31="```json" not in template, special=special)
         if grammar is None:
             log.info("model %s: a forced tool_choice is asked for, not enforced (no call grammar for its %s "
                      "tool syntax yet)", entry.name, "XML" if xml else fmt)

@@ -1,8 +1,9 @@
 """Forced tool calls (issue #34): ``tool_choice`` "required" / a named function (OpenAI Chat and Responses) and
 ``{"type": "any"}`` / ``{"type": "tool"}`` (Anthropic) make a tiny random model, which never calls a tool by
 itself, answer with calls whose arguments parse as JSON of the tool's schema, 20 times of 20, sampled at
-temperature 1: in moed's generic format (a template without tool syntax) and in Qwen's Hermes syntax (a
-Qwen3-style template), read back by the usual parsers.
+temperature 1: in moed's generic format (a template without tool syntax) and in each family's own syntax (Qwen's
+Hermes JSON, Qwen3-Coder's XML, DeepSeek's DSML and V3 call tokens, Mixtral's [TOOL_CALLS], GLM's), read back by
+the usual parsers.
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ CODER_TEMPLATE = (
     "</tool_call><|im_end|>\n{%- endif %}"
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{%- endif %}")
+# DeepSeek-V3's call tokens (V3 form: its template shows the ```json fence), thinking closed as V3.1's
+# non-thinking prompt does
+DSV3_TEMPLATE = (
+    "{{ bos_token }}{%- if tools %}## Tools\n{%- for t in tools %}{{ t.function | tojson }}\n{%- endfor %}"
+    "Call: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```"
+    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}<｜User｜>{{ m.content }}{%- else %}<｜Assistant｜>"
+    "{{ m.content }}<｜end▁of▁sentence｜>{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<｜Assistant｜></think>{%- endif %}")
+# Mixtral-8x22B's tools block, reduced
+MIXTRAL_TEMPLATE = (
+    "{{ bos_token }}{%- if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}[INST] {{ m.content }}[/INST]{%- else %}{{ m.content }}"
+    "{{ eos_token }}{%- endif %}{%- endfor %}")
+NATIVE = ["qwen", "coder", "dsv32", "dsv3", "mixtral", "glm"]
 
 
 def _valid(name: str, arguments: dict) -> bool:
@@ -49,8 +65,9 @@ def _valid(name: str, arguments: dict) -> bool:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    for name, family in (("tiny", "mixtral"), ("qwen", "qwen3_moe"), ("coder", "qwen3_moe"),
-                         ("dsv32", "deepseek_v32"), ("glm", "glm4_moe")):  # "tiny": no tool syntax -> generic format
+    for name, family in (("tiny", "mixtral"), ("qwen", "qwen3_moe"), ("coder", "qwen3_moe"), ("dsv32", "deepseek_v32"),
+                         ("dsv3", "deepseek_v3"), ("mixtral", "mixtral"), ("glm", "glm4_moe")):
+        # "tiny": no tool syntax -> generic format
         config = tiny_config(family)
         config.max_position_embeddings = 2048  # the tools' system prompt alone is ~800 tokens of the tiny vocab
         build_tiny_model(family, root / name, config=config)
@@ -58,10 +75,12 @@ def daemon(tmp_path_factory):
     install_tool_template(root / "qwen")  # Qwen3's Hermes-style tools template
     install_tool_template(root / "glm")  # it renders the tools; the GLM family writes (and is held to) GLM's calls
     install_tool_template(root / "coder", CODER_TEMPLATE)
+    install_tool_template(root / "dsv3", DSV3_TEMPLATE)
+    install_tool_template(root / "mixtral", MIXTRAL_TEMPLATE)
     config_path = root / "dsv32" / "tokenizer_config.json"  # no template of its own: moed's DeepSeek-V3.2 one
     config_path.write_text(json.dumps({k: v for k, v in json.loads(config_path.read_text()).items()
                                        if k != "chat_template"}))
-    d = start_http_daemon(root, models=("tiny", "qwen", "coder", "dsv32", "glm"),
+    d = start_http_daemon(root, models=("tiny", *NATIVE),
                           options=LoadOptions(device="cpu", max_batch=4, context_length=2048))
     yield d
     d.close()
@@ -72,7 +91,7 @@ def client(daemon):
     return daemon.openai()
 
 
-@pytest.mark.parametrize("model", ["tiny", "qwen", "coder", "dsv32", "glm"])
+@pytest.mark.parametrize("model", ["tiny", *NATIVE])
 def test_required_gives_schema_valid_calls_twenty_times_of_twenty(client, model):
     names = set()
     for seed in range(ROUNDS):
