@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from moed.engine.request import TokenLogprob
 from moed.engine.sampling import SamplingParams
 from moed.errors import InvalidRequestError, quoted
+from moed.text.grammar import Grammar
 from moed.v1 import control_pb2, inference_pb2
 
 DEFAULT_MAX_TOKENS = 256
@@ -21,7 +23,17 @@ def sampling_from_proto(msg: inference_pb2.SamplingParams) -> SamplingParams:
         max_tokens=int(msg.max_tokens) or DEFAULT_MAX_TOKENS,
         stop=tuple(msg.stop),
         ignore_eos=bool(msg.ignore_eos),
+        presence_penalty=float(msg.presence_penalty),
+        frequency_penalty=float(msg.frequency_penalty),
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in msg.logit_bias.items())),
+        grammar=Grammar(msg.grammar.kind, msg.grammar.text) if msg.HasField("grammar") else None,
+        logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
     )
+
+
+def logprobs_to_proto(logprobs: tuple[TokenLogprob, ...]) -> list[inference_pb2.TokenLogprob]:
+    return [inference_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=[i for i, _ in lp.top],
+                                       top_logprobs=[v for _, v in lp.top]) for lp in logprobs]
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")

@@ -7,7 +7,7 @@ import uuid
 
 import grpc
 
-from moed.api.convert import messages_from_proto, sampling_from_proto
+from moed.api.convert import logprobs_to_proto, messages_from_proto, sampling_from_proto
 from moed.api.daemon_context import DaemonContext
 from moed.api.errors import abort_with, one_line
 from moed.engine.request import GenerationRequest
@@ -48,7 +48,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             for event in handle.events():
                 response = inference_pb2.GenerateResponse(request_id=request_id, text=event.text,
                                                           token_ids=list(event.token_ids), done=event.done,
-                                                          finish_reason=event.finish_reason)
+                                                          finish_reason=event.finish_reason,
+                                                          logprobs=logprobs_to_proto(event.logprobs))
                 if event.usage is not None:
                     u = event.usage
                     response.usage.CopyFrom(inference_pb2.Usage(

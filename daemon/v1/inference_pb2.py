@@ -24,33 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moed/v1/inference.proto\x12\x07moed.v1\"\xeb\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.moed.v1.ChatMessage\"\xa1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.moed.v1.ChatMessagesH\x00\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.moed.v1.SamplingParamsB\x07\n\x05input\"\x9d\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cttft_seconds\x18\x03 \x01(\x01\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\x05\"\x8b\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1d\n\x05usage\x18\x06 \x01(\x0b\x32\x0e.moed.v1.Usage\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x32\xca\x01\n\tInference\x12\x41\n\x08Generate\x12\x18.moed.v1.GenerateRequest\x1a\x19.moed.v1.GenerateResponse0\x01\x12?\n\x08Tokenize\x12\x18.moed.v1.TokenizeRequest\x1a\x19.moed.v1.TokenizeResponse\x12\x39\n\x06\x43\x61ncel\x12\x16.moed.v1.CancelRequest\x1a\x17.moed.v1.CancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moed/v1/inference.proto\x12\x07moed.v1\"\xd5\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12:\n\nlogit_bias\x18\x0c \x03(\x0b\x32&.moed.v1.SamplingParams.LogitBiasEntry\x12!\n\x07grammar\x18\r \x01(\x0b\x32\x10.moed.v1.Grammar\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"%\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.moed.v1.ChatMessage\"\xa1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.moed.v1.ChatMessagesH\x00\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.moed.v1.SamplingParamsB\x07\n\x05input\"\x9d\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cttft_seconds\x18\x03 \x01(\x01\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\x05\"\xb4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1d\n\x05usage\x18\x06 \x01(\x0b\x32\x0e.moed.v1.Usage\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.moed.v1.TokenLogprob\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x32\xca\x01\n\tInference\x12\x41\n\x08Generate\x12\x18.moed.v1.GenerateRequest\x1a\x19.moed.v1.GenerateResponse0\x01\x12?\n\x08Tokenize\x12\x18.moed.v1.TokenizeRequest\x1a\x19.moed.v1.TokenizeResponse\x12\x39\n\x06\x43\x61ncel\x12\x16.moed.v1.CancelRequest\x1a\x17.moed.v1.CancelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moed.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=37
-  _globals['_SAMPLINGPARAMS']._serialized_end=272
-  _globals['_CHATMESSAGE']._serialized_start=274
-  _globals['_CHATMESSAGE']._serialized_end=318
-  _globals['_CHATMESSAGES']._serialized_start=320
-  _globals['_CHATMESSAGES']._serialized_end=374
-  _globals['_GENERATEREQUEST']._serialized_start=377
-  _globals['_GENERATEREQUEST']._serialized_end=538
-  _globals['_USAGE']._serialized_start=541
-  _globals['_USAGE']._serialized_end=698
-  _globals['_GENERATERESPONSE']._serialized_start=701
-  _globals['_GENERATERESPONSE']._serialized_end=840
-  _globals['_TOKENIZEREQUEST']._serialized_start=842
-  _globals['_TOKENIZEREQUEST']._serialized_end=916
-  _globals['_TOKENIZERESPONSE']._serialized_start=918
-  _globals['_TOKENIZERESPONSE']._serialized_end=955
-  _globals['_CANCELREQUEST']._serialized_start=957
-  _globals['_CANCELREQUEST']._serialized_end=992
-  _globals['_CANCELRESPONSE']._serialized_start=994
-  _globals['_CANCELRESPONSE']._serialized_end=1029
-  _globals['_INFERENCE']._serialized_start=1032
-  _globals['_INFERENCE']._serialized_end=1234
+  _globals['_SAMPLINGPARAMS']._serialized_end=506
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=403
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=451
+  _globals['_GRAMMAR']._serialized_start=508
+  _globals['_GRAMMAR']._serialized_end=545
+  _globals['_TOKENLOGPROB']._serialized_start=547
+  _globals['_TOKENLOGPROB']._serialized_end=635
+  _globals['_CHATMESSAGE']._serialized_start=637
+  _globals['_CHATMESSAGE']._serialized_end=681
+  _globals['_CHATMESSAGES']._serialized_start=683
+  _globals['_CHATMESSAGES']._serialized_end=737
+  _globals['_GENERATEREQUEST']._serialized_start=740
+  _globals['_GENERATEREQUEST']._serialized_end=901
+  _globals['_USAGE']._serialized_start=904
+  _globals['_USAGE']._serialized_end=1061
+  _globals['_GENERATERESPONSE']._serialized_start=1064
+  _globals['_GENERATERESPONSE']._serialized_end=1244
+  _globals['_TOKENIZEREQUEST']._serialized_start=1246
+  _globals['_TOKENIZEREQUEST']._serialized_end=1320
+  _globals['_TOKENIZERESPONSE']._serialized_start=1322
+  _globals['_TOKENIZERESPONSE']._serialized_end=1359
+  _globals['_CANCELREQUEST']._serialized_start=1361
+  _globals['_CANCELREQUEST']._serialized_end=1396
+  _globals['_CANCELRESPONSE']._serialized_start=1398
+  _globals['_CANCELRESPONSE']._serialized_end=1433
+  _globals['_INFERENCE']._serialized_start=1436
+  _globals['_INFERENCE']._serialized_end=1638
 # @@protoc_insertion_point(module_scope)

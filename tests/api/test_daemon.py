@@ -195,6 +195,41 @@ def test_bad_requests_get_the_right_status_and_the_daemon_keeps_serving(daemon, 
         assert collect(client, "The router reads", "main", max_tokens=3)[1]
 
 
+def test_grammar_logprobs_logit_bias_and_penalties_over_grpc(daemon):
+    """The sampling surface of the HTTP APIs over gRPC too (issue #34): a regex grammar holds, logprobs come back
+    one per token with their alternatives, logit_bias steers, out-of-range values and broken grammars are
+    INVALID_ARGUMENT."""
+    import math
+    import re
+
+    with daemon.client() as client:
+        if "main" not in {m.name for m in client.status().models}:
+            load(client, "tiny", name="main", context_length=256)
+        for seed in range(3):
+            text, _, reason = collect(client, "The router reads", "main", max_tokens=40, temperature=1.0, seed=seed,
+                                      grammar={"kind": "regex", "text": "(yes|no)[0-9]{3}"})
+            assert re.fullmatch("(yes|no)[0-9]{3}", text) and reason == "eos", text
+        parts = list(client.generate(prompt="The router reads", model="main", max_tokens=5, logprobs=3))
+        ids = [t for p in parts for t in p.token_ids]
+        logprobs = [lp for p in parts for lp in p.logprobs]
+        assert [lp.token_id for lp in logprobs] == ids and len(ids) == 5
+        for lp in logprobs:  # greedy: the chosen token is the most likely alternative
+            assert len(lp.top_ids) == 3 and lp.top_ids[0] == lp.token_id
+            assert math.isclose(lp.top_logprobs[0], lp.logprob, abs_tol=1e-5) and lp.logprob <= 0
+        _, plain, _ = collect(client, "The router reads", "main", max_tokens=4)
+        target = (plain[0] + 7) % 512
+        _, biased, _ = collect(client, "The router reads", "main", max_tokens=4, logit_bias={target: 100.0})
+        assert biased == [target] * 4
+        _, penalised, _ = collect(client, "The router reads", "main", max_tokens=4, logit_bias={target: 100.0},
+                                  frequency_penalty=2.0, presence_penalty=2.0)
+        assert penalised[0] == target
+        for bad in (dict(presence_penalty=3.0), dict(logprobs=99), dict(logit_bias={5: 500.0}),
+                    dict(grammar={"kind": "regex", "text": "(unclosed"}), dict(grammar={"kind": "xml", "text": "a"})):
+            with pytest.raises(DaemonCallError) as info:
+                list(client.generate(prompt="hello", model="main", max_tokens=4, **bad))
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, (bad, info.value)
+
+
 def test_unknown_model_to_load_and_bad_options(daemon):
     with daemon.client() as client:
         with pytest.raises(DaemonCallError) as info:
