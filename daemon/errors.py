@@ -45,6 +45,10 @@ class ModelNotFoundError(InvalidRequestError):
 class ServiceUnavailableError(MoedError):
     """The daemon cannot serve this now (paused, a model still loading, shutting down); retry later."""
 
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = max(1, int(retry_after))  # seconds, sent as HTTP Retry-After
+
 
 MAX_QUOTED_CHARS = 200
 

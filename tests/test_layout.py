@@ -28,6 +28,7 @@ FORBIDDEN = {
     "service": {"models", "layers", "experts", "cache", "engine", "runner", "weights", "cli", "text", "kernels",
                 "api", "devices"},
     "api": {"cli", "models", "layers", "runner", "kernels", "weights", "cache", "devices"},
+    "catalog": {"models", "layers", "experts", "cache", "engine", "runner", "cli", "text", "kernels", "api", "devices"},
     "v1": {"models", "layers", "experts", "cache", "engine", "runner", "weights", "cli", "text", "kernels",
            "api", "service", "devices"},
 }

@@ -61,6 +61,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self.ctx.last_error = one_line(str(outcome["error"]))
             abort_with(context, outcome["error"])
         entry = outcome["entry"]
+        if self.ctx.pool is not None:
+            self.ctx.pool.forget_explicit(entry.name)  # loaded by hand: it stays until unloaded
         self.ctx.manager.apply_cache_budget(self._cache_budget())
         log.info("loaded %s from %s (%s, %s)", entry.name, entry.path, entry.stats.device, entry.stats.policy)
         yield control_pb2.LoadModelProgress(stage="ready", model=model_info(entry, disk_bytes=dir_bytes(entry.path)))
@@ -102,11 +104,18 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return control_pb2.UnloadModelResponse(unloaded=True)
 
     def ListModels(self, request, context):
-        loaded = {e.path: e for e in self.ctx.manager.loaded()}
-        infos = [model_info(e, disk_bytes=dir_bytes(e.path)) for e in loaded.values()]
-        for path in self.ctx.manager.discover():
-            if path.resolve() not in loaded:
-                infos.append(model_info(path=path, disk_bytes=dir_bytes(path)))
+        """Loaded models, those being loaded on demand, then every model on disk the catalog finds (moed's folders,
+        Ollama's store, the Hugging Face cache, LM Studio's folder)."""
+        pool = self.ctx.pool
+        loaded = self.ctx.manager.loaded()
+        infos = [model_info(e, disk_bytes=dir_bytes(e.path), pool=pool) for e in loaded]
+        busy = {e.name for e in loaded} | {str(e.path.resolve()) for e in loaded}
+        for name, seconds in (pool.loading() if pool is not None else {}).items():
+            infos.append(control_pb2.ModelInfo(name=name, state="loading", load_seconds=seconds))
+            busy.add(name)
+        for found in self.ctx.manager.catalog.list():
+            if found.name not in busy and str(found.path.resolve()) not in busy:
+                infos.append(model_info(found=found))
         return control_pb2.ListModelsResponse(models=infos)
 
     # -- memory and serving ---------------------------------------------------------------------
@@ -144,7 +153,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         loaded = ctx.manager.loaded()
         status = control_pb2.Status(
             state=ctx.state(), version=ctx.version,
-            models=[model_info(e) for e in loaded],
+            models=[model_info(e, pool=ctx.pool) for e in loaded],
             memory=memory_figures(ctx.memory_figures()),
             active_requests=sum(e.loop.num_active for e in loaded),
             queued_requests=sum(e.loop.num_queued for e in loaded),

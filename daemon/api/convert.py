@@ -48,17 +48,27 @@ def messages_from_proto(chat: inference_pb2.ChatMessages) -> list[dict]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
-def model_info(entry=None, *, path=None, disk_bytes: int = 0) -> control_pb2.ModelInfo:
+def model_info(entry=None, *, path=None, disk_bytes: int = 0, found=None, pool=None) -> control_pb2.ModelInfo:
+    """A loaded model (``entry``), or one on disk (``found``: its catalog entry, or a bare ``path``)."""
     if entry is None:
+        if found is not None:
+            return control_pb2.ModelInfo(name=found.name, path=str(found.path), loaded=False, format=found.format,
+                                         disk_bytes=found.size or disk_bytes, source=found.source, state="on disk")
         fmt = "gguf" if path.is_file() else "ftw" if (path / "ftw.json").is_file() else "hf"
         name = path.name[:-5] if fmt == "gguf" and path.name.lower().endswith(".gguf") else path.name
-        return control_pb2.ModelInfo(name=name, path=str(path), loaded=False, disk_bytes=disk_bytes, format=fmt)
+        return control_pb2.ModelInfo(name=name, path=str(path), loaded=False, disk_bytes=disk_bytes, format=fmt,
+                                     source="moed", state="on disk")
     stats = entry.stats
-    return control_pb2.ModelInfo(
+    info = control_pb2.ModelInfo(
         name=entry.name, path=str(entry.path), format=entry.runtime.loaded.format,
         family=entry.runtime.model.config.family, loaded=True, experts_dtype=entry.runtime.loaded.bank.dtype,
         disk_bytes=disk_bytes, host_bytes=entry.host_bytes(), vram_bytes=entry.vram_bytes(), device=stats.device,
-        policy=stats.policy, context_length=entry.loop.context_length, active_requests=entry.loop.num_active)
+        policy=stats.policy, context_length=entry.loop.context_length, active_requests=entry.loop.num_active,
+        state="generating" if entry.loop.num_active else "idle", source=entry.source)
+    expires = pool.expires_in(entry.name) if pool is not None else None
+    if expires is not None:
+        info.expires_in_seconds = expires
+    return info
 
 
 def engine_figures(stats, kv=None) -> control_pb2.EngineFigures:

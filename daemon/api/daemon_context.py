@@ -13,6 +13,7 @@ from moed.engine.model_manager import ModelManager
 @dataclass
 class DaemonContext:
     manager: ModelManager
+    pool: object | None = None  # engine.model_pool.ModelPool: loads on demand, keep-alive (None: explicit loads only)
     governor: object | None = None  # service.memory_governor.MemoryGovernor
     paused: bool = False
     stopping: bool = False

@@ -24,8 +24,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             if self.ctx.paused:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "serving is paused; resume it from the tray or `moed serve`")
-            entry = self.ctx.manager.get(request.model)
             params = sampling_from_proto(request.sampling)
+            entry = self._entry(request.model)
             runtime = entry.runtime
             which = request.WhichOneof("input")
             if which == "chat":
@@ -64,6 +64,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     break
         finally:
             self._handles.pop(request_id, None)
+
+    def _entry(self, name: str):
+        """The loaded model ``name``, loaded first when the daemon loads on demand (``engine/model_pool.py``)."""
+        pool = self.ctx.pool
+        if pool is None or not name or any(e.name == name for e in self.ctx.manager.loaded()):
+            return self.ctx.manager.get(name)
+        return pool.acquire(name)
 
     def Tokenize(self, request, context):
         try:

@@ -15,10 +15,12 @@ from moed.errors import InvalidRequestError
 
 
 def add_client_commands(sub, add_address) -> None:
-    run = sub.add_parser("run", help="ask the running daemon one prompt (streamed)")
+    run = sub.add_parser("run", help="ask the running daemon one prompt (streamed): `moed run [MODEL] PROMPT`")
     add_address(run)
-    run.add_argument("prompt")
-    run.add_argument("--model", default="", help="loaded model name (default: the only one)")
+    run.add_argument("words", nargs="+", metavar="[MODEL] PROMPT",
+                     help="the prompt, after a model name (qwen3:30b-a3b, org/repo:Q4_K_M, a path) when two are given; "
+                          "a model that is not loaded is loaded first")
+    run.add_argument("--model", default="", help="model name (default: the only loaded one)")
     run.add_argument("--raw", action="store_true", help="plain prompt, no chat template")
     add_sampling(run)
 
@@ -28,8 +30,12 @@ def add_client_commands(sub, add_address) -> None:
     chat.add_argument("--system", help="system message")
     add_sampling(chat)
 
-    ps = sub.add_parser("ps", help="models on disk and loaded ones, with their memory (like `ollama ps`)")
+    ps = sub.add_parser("ps", help="loaded models and loads in flight: state, memory, time to unload (like `ollama ps`)")
     add_address(ps)
+
+    models = sub.add_parser("models", help="every model the daemon finds by name: moed's folders, Ollama's store, the "
+                            "Hugging Face cache, LM Studio's folder (like `ollama list`)")
+    add_address(models)
 
     load = sub.add_parser("load", help="load a model into the daemon")
     add_address(load)
@@ -162,6 +168,12 @@ def stream_answer(client: MoedClient, **kw) -> None:
 def run_client_command(args: argparse.Namespace, client: MoedClient) -> int:
     cmd = args.command
     if cmd == "run":
+        if len(args.words) > 1 and not args.model:
+            model, *rest = args.words
+            args.model = str(Path(model).resolve()) if Path(model).exists() else model
+            args.prompt = " ".join(rest)
+        else:
+            args.prompt = " ".join(args.words)
         if args.raw:
             stream_answer(client, prompt=args.prompt, model=args.model, **sampling_kwargs(args))
         else:
@@ -171,6 +183,8 @@ def run_client_command(args: argparse.Namespace, client: MoedClient) -> int:
         return chat_loop(client, args)
     elif cmd == "ps":
         print_ps(client)
+    elif cmd == "models":
+        print_models(client)
     elif cmd == "load":
         options = dict(name=args.name, device=args.device, policy=args.policy, context_length=args.context,
                        experts_dtype=args.experts_dtype, verify=args.verify, max_batch=args.max_batch,
@@ -214,19 +228,41 @@ def run_client_command(args: argparse.Namespace, client: MoedClient) -> int:
     return 0
 
 
+def until(m) -> str:
+    """When a loaded model unloads if it stays idle (`ollama ps`'s UNTIL)."""
+    if not m.HasField("expires_in_seconds"):
+        return "forever"
+    seconds = int(m.expires_in_seconds)
+    return "now" if seconds <= 0 else f"in {seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"in {seconds} s"
+
+
 def print_ps(client: MoedClient) -> None:
+    models = [m for m in client.list_models() if m.loaded or m.state == "loading"]
+    if not models:
+        print("no model is loaded (`moed models` lists those on disk; a request naming one loads it)")
+        return
+    print(f"{'NAME':32} {'STATE':10} {'DEVICE':9} {'EXPERTS':7} {'CONTEXT':>8} {'HOST':>10} {'DEVICE MEM':>11} "
+          f"{'UNTIL':>16}")
+    for m in models:
+        if m.state == "loading":
+            print(f"{m.name[:32]:32} {'loading':10} {'-':9} {'-':7} {'-':>8} {'-':>10} {'-':>11} "
+                  f"{f'{m.load_seconds:.0f} s so far':>16}")
+            continue
+        print(f"{m.name[:32]:32} {m.state or 'loaded':10} {m.device or '-':9} {m.experts_dtype or '-':7} "
+              f"{m.context_length:>8} {gb(m.host_bytes):>10} {gb(m.vram_bytes):>11} {until(m):>16}")
+
+
+def print_models(client: MoedClient) -> None:
     models = client.list_models()
     if not models:
-        print("no models loaded or found in the model directories")
+        print("no models found: `moed pull ORG/REPO[:QUANT]` fetches one from the Hugging Face Hub, `moed convert` "
+              "makes one, and models in Ollama's store, the Hugging Face cache or LM Studio's folder appear here")
         return
-    print(f"{'NAME':24} {'STATE':8} {'DEVICE':9} {'EXPERTS':7} {'CONTEXT':>8} {'HOST':>10} {'DEVICE MEM':>11} "
-          f"{'DISK':>10}  PATH")
+    print(f"{'NAME':48} {'SOURCE':11} {'FORMAT':6} {'SIZE':>10} {'STATE':10} PATH")
     for m in models:
-        state = "loaded" if m.loaded else "on disk"
-        context = str(m.context_length) if m.loaded and m.context_length else "-"
-        print(f"{m.name[:24]:24} {state:8} {m.device or '-':9} {m.experts_dtype or '-':7} {context:>8} "
-              f"{gb(m.host_bytes) if m.loaded else '-':>10} {gb(m.vram_bytes) if m.loaded else '-':>11} "
-              f"{gb(m.disk_bytes):>10}  {m.path}")
+        state = m.state or ("loaded" if m.loaded else "on disk")
+        print(f"{m.name[:48]:48} {m.source or '-':11} {m.format or '-':6} "
+              f"{gb(m.disk_bytes) if m.disk_bytes else '-':>10} {state:10} {m.path}")
 
 
 def print_status(s) -> None:

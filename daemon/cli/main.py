@@ -127,7 +127,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="emulated device: device compute bandwidth in GB/s")
 
 
-CLIENT_COMMANDS = ("run", "chat", "ps", "load", "unload", "cap", "status", "calibrate", "stop")
+CLIENT_COMMANDS = ("run", "chat", "ps", "models", "load", "unload", "cap", "status", "calibrate", "stop")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--vram-cap", default="auto", help="cap VRAM use: bytes (6G), a percentage (50%%) or auto")
     parser.add_argument("--emulated-bp", type=float, default=16.0, help="emulated device: B_P in GB/s")
+    parser.add_argument("--keep-alive", default=os.environ.get("MOED_KEEP_ALIVE", "5m"),
+                        help="how long a model loaded by a request stays after its last one: a duration (5m, 1h, "
+                             "30s), 0 (unload at once) or -1 (forever); a request's keep_alive overrides it "
+                             "(default 5m, or $MOED_KEEP_ALIVE)")
+    parser.add_argument("--max-loaded-models", type=int, default=0,
+                        help="at most this many models at once; the least recently used idle one is unloaded for "
+                             "another (default 0: as many as the memory holds)")
+    parser.add_argument("--models-memory", default="",
+                        help="host RAM all loaded models may take together (e.g. 20G; default: what is free)")
+    parser.add_argument("--load-timeout", type=float, default=300.0,
+                        help="seconds a request waits for its model to load before a 503 with Retry-After")
+    parser.add_argument("--no-load-on-demand", action="store_true",
+                        help="serve only models loaded with `moed load` / --model (requests for others get 404)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -62,6 +75,7 @@ def _serve(args: argparse.Namespace, socket_path: str, shutdown: threading.Event
     from moed import config
     from moed.api.daemon_context import DaemonContext
     from moed.api.server import DaemonServer, ServerConfig
+    from moed.catalog.catalog import Catalog, CatalogRoots
     from moed.cli.client_cmds import parse_cap
     from moed.engine.model_manager import ModelManager
     from moed.service import paths
@@ -83,7 +97,11 @@ def _serve(args: argparse.Namespace, socket_path: str, shutdown: threading.Event
         cap, fraction = parse_cap(args.vram_cap)
         if cap or fraction:
             governor.set_user_cap(cap or None, fraction=fraction)
-        ctx = DaemonContext(manager=ModelManager(paths.model_dirs()), governor=governor, shutdown_requested=shutdown)
+        dirs = paths.model_dirs()
+        manager = ModelManager(dirs, catalog=Catalog(CatalogRoots.default(dirs)))
+        ctx = DaemonContext(manager=manager, governor=governor, shutdown_requested=shutdown,
+                            pool=None if args.no_load_on_demand else _model_pool(
+                                manager, args, on_loaded=lambda _: manager.apply_cache_budget(governor.budget())))
         token = config.daemon_token(args.token, args.token_file)
         server = DaemonServer(ctx, ServerConfig(socket_path=socket, tcp=args.tcp, token=token))
         if args.http:
@@ -106,6 +124,8 @@ def _serve(args: argparse.Namespace, socket_path: str, shutdown: threading.Event
             for worker in workers:
                 worker.join()
             ctx.manager.unload_all(cancel_inflight=ctx.shutdown_cancel_inflight)
+        if ctx is not None and ctx.pool is not None:
+            ctx.pool.stop()
         if http is not None:
             http.stop()
         if server is not None:
@@ -131,6 +151,8 @@ def _run_until_shutdown(ctx, server, http, lock, args: argparse.Namespace, log_f
 
     ctx.governor.on_budget(on_budget)
     ctx.governor.start()
+    if ctx.pool is not None:
+        ctx.pool.start()
     # health says SERVING only when the daemon can serve: not before an initial --model load
     addresses = server.start(serving=not args.model)
     lock.update_address(addresses[0])
@@ -148,18 +170,39 @@ def _run_until_shutdown(ctx, server, http, lock, args: argparse.Namespace, log_f
     ctx.shutdown_requested.wait()
 
 
-def _initial_load(ctx, server, args: argparse.Namespace) -> None:
+def _load_options(args: argparse.Namespace):
+    """How --model and the models requests load on demand are loaded."""
     from moed.engine.model_manager import LoadOptions
     from moed.experts.policy_spec import parse_policy
 
+    policy, options = parse_policy(args.policy)
+    return LoadOptions(device=args.device, policy=policy, policy_options=options, cache_fraction=args.cache_fraction,
+                       context_length=args.context or None, max_batch=args.max_batch, max_queue=args.max_queue,
+                       emulated_b_p=args.emulated_bp * 1e9, kv_type=args.kv_type or None)
+
+
+def _model_pool(manager, args: argparse.Namespace, on_loaded):
+    """Loads on demand; ``on_loaded``: a model loaded on demand gets its share of the VRAM budget like the others."""
+    from moed.cli.client_cmds import parse_cap
+    from moed.engine.model_pool import ModelPool, PoolConfig, parse_keep_alive
+    from moed.errors import InvalidRequestError
+
+    budget = None
+    if args.models_memory:
+        budget, fraction = parse_cap(args.models_memory)
+        if fraction is not None or not budget:
+            raise InvalidRequestError(f"--models-memory {args.models_memory!r}: give bytes, e.g. 20G")
+    if args.max_loaded_models < 0 or args.load_timeout <= 0:
+        raise InvalidRequestError("--max-loaded-models must be >= 0 and --load-timeout > 0")
+    return ModelPool(manager, PoolConfig(keep_alive_s=parse_keep_alive(args.keep_alive),
+                                         max_loaded=args.max_loaded_models, load_wait_s=args.load_timeout,
+                                         memory_budget=budget, options=_load_options(args)), on_loaded=on_loaded)
+
+
+def _initial_load(ctx, server, args: argparse.Namespace) -> None:
     server.set_serving(False)
     try:
-        policy, options = parse_policy(args.policy)
-        ctx.manager.load(args.model, LoadOptions(device=args.device, policy=policy, policy_options=options,
-                                                 cache_fraction=args.cache_fraction,
-                                                 context_length=args.context or None, max_batch=args.max_batch,
-                                                 max_queue=args.max_queue, emulated_b_p=args.emulated_bp * 1e9,
-                                                 kv_type=args.kv_type or None))
+        ctx.manager.load(args.model, _load_options(args))
         ctx.manager.apply_cache_budget(ctx.governor.budget() if ctx.governor else None)
     except Exception as exc:  # the daemon stays up; the error is in status and the log
         ctx.last_error = f"loading {args.model}: {exc}"

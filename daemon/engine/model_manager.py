@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from moed.catalog.catalog import Catalog, CatalogRoots
+from moed.catalog.entry import CatalogEntry, disk_bytes
+from moed.catalog.own_models import model_name_of
 from moed.config import EngineConfig
 from moed.engine.engine_loop import EngineLoop
 from moed.engine.runtime import ModelRuntime, open_runtime
@@ -52,6 +55,8 @@ class LoadedEntry:
     loop: EngineLoop
     options: LoadOptions
     loaded_at: float = field(default_factory=time.time)
+    source: str = "path"  # where its files are (moed.catalog.entry.SOURCES)
+    planned_bytes: int = 0  # the host RAM its load was planned to take (weights, KV pool, states, activations)
 
     @property
     def stats(self):
@@ -72,50 +77,16 @@ class LoadedEntry:
         return self.stats.cache_bytes + self.stats.model_device_bytes
 
 
-def is_model_dir(path: Path) -> bool:
-    return (path / "ftw.json").is_file() or (path / "config.json").is_file()
-
-
-def is_model_path(path: Path) -> bool:
-    """A model directory (FTW or Hugging Face) or a GGUF file."""
-    from moed.weights.gguf_file import is_gguf_file
-
-    try:
-        return is_model_dir(path) if path.is_dir() else is_gguf_file(path)
-    except OSError:
-        return False
-
-
-def model_name_of(path: Path) -> str:
-    """The name a model is listed under: its directory's name, or a GGUF file's name without .gguf."""
-    return path.name[:-5] if path.suffix.lower() == ".gguf" and not path.is_dir() else path.name
-
-
-def _is_dir(path: Path) -> bool:
-    try:
-        return path.is_dir()
-    except OSError:  # a name too long for the filesystem, a loop of symlinks, no permission
-        return False
-
-
-def _is_file(path: Path) -> bool:
-    try:
-        return path.is_file()
-    except OSError:
-        return False
-
-
-def dir_bytes(path: Path) -> int:
-    """Bytes on disk of a model directory's files, or of a GGUF file."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+dir_bytes = disk_bytes  # bytes on disk of a model directory or a GGUF (all its parts)
 
 
 class ModelManager:
-    def __init__(self, search_dirs: list[Path], *, host_ram_available: Callable[[], int] | None = None) -> None:
-        """``host_ram_available`` overrides psutil's reading (tests simulate a small machine)."""
+    def __init__(self, search_dirs: list[Path], *, host_ram_available: Callable[[], int] | None = None,
+                 catalog: Catalog | None = None) -> None:
+        """``search_dirs``: moed's own model folders; ``catalog``: where else models are found by name (default:
+        only those folders); ``host_ram_available`` overrides psutil's reading (tests simulate a small machine)."""
         self.search_dirs = search_dirs
+        self.catalog = catalog or Catalog(CatalogRoots(moed=tuple(search_dirs)))
         self.host_ram_available = host_ram_available
         self._models: dict[str, LoadedEntry] = {}
         self._lock = threading.Lock()
@@ -127,29 +98,28 @@ class ModelManager:
 
     # -- discovery ------------------------------------------------------------------------------
     def discover(self) -> list[Path]:
-        found: dict[str, Path] = {}
-        for root in self.search_dirs:
-            if not root.is_dir():
-                continue
-            candidates = [root] + sorted(p for p in root.iterdir()
-                                         if p.is_dir() or p.suffix.lower() == ".gguf")
-            for path in candidates:
-                if is_model_path(path):
-                    found.setdefault(model_name_of(path), path)
-        return list(found.values())
+        """The models in moed's own folders."""
+        return [e.path for e in self.catalog.own()]
+
+    def find(self, model: str) -> CatalogEntry:
+        """The model a name or path means (``moed.catalog``); InvalidRequestError naming where it looked."""
+        if not isinstance(model, str) or not model or "\x00" in model or len(model) > 4096:
+            raise InvalidRequestError(f"model {quoted(model)}: give a model directory or the name of one")
+        entry = self.catalog.resolve(model)
+        if entry is None:
+            roots = self.catalog.roots
+            where = [*(str(d) for d in roots.moed)]
+            where += [f"Ollama's store ({d})" for d in roots.ollama if d.is_dir()]
+            if roots.huggingface is not None and roots.huggingface.is_dir():
+                where.append(f"the Hugging Face cache ({roots.huggingface})")
+            where += [f"LM Studio's folder ({d})" for d in roots.lmstudio if d.is_dir()]
+            raise InvalidRequestError(f"model {quoted(model)} not found: not a directory or GGUF file, and no model "
+                                      f"of that name in {', '.join(where) or '(no model folder)'}; `moed models` "
+                                      "lists the names, `moed pull` fetches one from the Hugging Face Hub")
+        return entry
 
     def resolve(self, model: str) -> Path:
-        if not isinstance(model, str) or not model or "\x00" in model:
-            raise InvalidRequestError(f"model {quoted(model)}: give a model directory or the name of one")
-        path = Path(model).expanduser()
-        if _is_dir(path) or _is_file(path):
-            return path.resolve()
-        for candidate in self.discover():
-            if model_name_of(candidate) == model:
-                return candidate.resolve()
-        where = ", ".join(str(d) for d in self.search_dirs) or "(none)"
-        raise InvalidRequestError(f"model {quoted(model)} not found: not a directory or GGUF file, and no model of "
-                                  f"that name in {where}")
+        return self.find(model).path
 
     # -- load / unload ---------------------------------------------------------------------------
     @property
@@ -160,11 +130,11 @@ class ModelManager:
         """Load a model and start its engine loop; everything that can be checked before reading the
         weights is (options, name, host RAM for weights plus KV cache), and a load that fails later
         leaves nothing behind."""
-        path = self.resolve(model)
+        found = self.find(model)
+        path = found.path
         given = Path(model).expanduser()
-        # the name the user gave (a symlinked directory keeps its own name), else the directory's
-        name = name or (model_name_of(given) if (_is_dir(given) or _is_file(given)) and given.name
-                        else model_name_of(path))
+        # the name the user gave (a symlinked directory keeps its own name), else the catalog's
+        name = name or (model_name_of(given) if found.source == "path" and given.name else found.name)
         if len(name) > MAX_NAME_CHARS or any(not c.isprintable() for c in name):
             raise InvalidRequestError(f"model name {quoted(name)} must be at most {MAX_NAME_CHARS} printable characters")
         available = self.host_ram_available() if self.host_ram_available else None
@@ -202,7 +172,7 @@ class ModelManager:
             loop = EngineLoop(runtime, name=name, max_batch=options.max_batch, max_queue=options.max_queue,
                               context_length=plan.context_length, prefix_cache=options.prefix_cache,
                               kv_tokens=plan.kv_tokens, checkpoint_bytes=plan.checkpoint_bytes)
-            entry = LoadedEntry(name, path, runtime, loop, options)
+            entry = LoadedEntry(name, path, runtime, loop, options, source=found.source, planned_bytes=plan.total_bytes)
             with self._lock:
                 if self._closing:
                     raise InvalidRequestError(f"loading {quoted(name)} stopped: the daemon is shutting down")

@@ -306,12 +306,18 @@ def test_cli_client_commands(daemon):
     env = dict(daemon.env, MOED_SOCKET=str(daemon.socket))
     run = lambda *a: subprocess.run([sys.executable, "-m", "moed.cli.main", *a], env=env,  # noqa: E731
                                     capture_output=True, text=True, timeout=120)
+    with daemon.client() as client:
+        if "main" not in {m.name for m in client.status().models}:
+            load(client, "tiny", name="main", context_length=256)
     ps = run("ps")
-    assert ps.returncode == 0 and "tiny" in ps.stdout, ps.stderr
+    assert ps.returncode == 0 and "main" in ps.stdout, ps.stderr
     header, *rows = ps.stdout.splitlines()
-    assert "CONTEXT" in header
-    loaded = [r for r in rows if " loaded " in r]
-    assert loaded and all(r.split()[4].isdigit() for r in loaded), ps.stdout  # each loaded model's context
+    assert "CONTEXT" in header and "UNTIL" in header
+    assert rows and all(r.split()[4].isdigit() and r.rstrip().endswith("forever") for r in rows), ps.stdout
+    models = run("models")
+    assert models.returncode == 0, models.stderr
+    rows = [r.split() for r in models.stdout.splitlines()[1:]]
+    assert any(r[:2] == ["main", "moed"] and r[-2] in ("idle", "generating") for r in rows), models.stdout
     status = run("status")
     assert status.returncode == 0 and "state" in status.stdout
     answer = run("run", "--raw", "The router reads", "--max-tokens", "5", "--model", "main")

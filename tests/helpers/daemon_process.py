@@ -66,7 +66,10 @@ def start_daemon(home: Path, *args: str, models_dir: Path | None = None, gpu_tot
     gpu_file.write_text(json.dumps({"total": gpu_total, "other_apps": 0}))
     env = dict(os.environ, MOED_RUNTIME_DIR=str(home / "run"), MOED_LOG_DIR=str(home / "logs"),
                MOED_CACHE_DIR=str(home / "cache"), MOED_MODELS=str(models_dir or home / "models"),
-               MOED_GPU_MEMORY_FILE=str(gpu_file), PYTHONUNBUFFERED="1", **(extra_env or {}))
+               MOED_GPU_MEMORY_FILE=str(gpu_file), PYTHONUNBUFFERED="1",
+               # the other model stores are this home's (empty unless a test fills them), never the user's
+               OLLAMA_MODELS=str(home / "ollama"), HF_HUB_CACHE=str(home / "hf"), LMSTUDIO_MODELS=str(home / "lmstudio"),
+               **(extra_env or {}))
     env.pop("MOED_SOCKET", None)
     log = open(home / "daemon.out", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "moed.cli.main", "serve", "--socket", str(socket), *args],

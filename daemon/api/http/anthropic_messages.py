@@ -78,7 +78,7 @@ def anthropic_error_response(failure: HttpFailure) -> Response:
     """An error in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
     body = error_body(failure)
     status = 503 if failure.kind == "unavailable" else ERROR_STATUS[body["error"]["type"]]
-    headers = {"Retry-After": "1"} if status in (429, 503, 529) else None
+    headers = {"Retry-After": str(failure.retry_after)} if status in (429, 503, 529) else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -543,7 +543,7 @@ def _sse(name: str, payload: dict[str, Any]) -> str:
 
 async def create_message(bridge: EngineBridge, body: MessagesRequest, request: Request) -> Response:
     refuse_fields(body, {"container": "moed runs no code-execution containers"})
-    entry = bridge.resolve(body.model)
+    entry = await bridge.acquire(body.model)
     answer = _Answer(bridge, entry, body)
     if body.stream:
         return SseResponse(_stream_events(answer), answer.cancel)
@@ -604,7 +604,7 @@ def anthropic_router(bridge: EngineBridge) -> APIRouter:
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         body = parse_body(CountTokensRequest, await request.body())
-        prompt_ids, _ = bridge.chat_prompt(bridge.resolve(body.model), chat_request(body))
+        prompt_ids, _ = bridge.chat_prompt(await bridge.acquire(body.model), chat_request(body))
         return JSONResponse(CountTokensResponse(input_tokens=len(prompt_ids)).model_dump())
 
     return router

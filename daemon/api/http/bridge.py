@@ -34,6 +34,7 @@ from moed.api.http.chat_request import ChatRequest, fold_system_messages, warn_d
 from moed.api.http.error_status import ParamError
 from moed.api.http.metrics import HttpMetrics
 from moed.engine.model_manager import LoadedEntry
+from moed.engine.model_pool import UNSET
 from moed.engine.request import GenerationRequest, RequestHandle, StreamEvent
 from moed.engine.sampling import MAX_SEED, ReasoningBudget, SamplingParams
 from moed.errors import InvalidRequestError, ModelNotFoundError, ServiceUnavailableError, quoted
@@ -262,6 +263,31 @@ class EngineBridge:
                                       "name one in the request's 'model' field")
         raise ModelNotFoundError(f"model {quoted(name)} is not loaded (loaded: {', '.join(sorted(loaded))}); "
                                  "use one of these names (GET /v1/models lists them) or load it with `moed load`")
+
+    async def acquire(self, model: str | None, *, keep_alive: Any = UNSET, options: Any = None) -> LoadedEntry:
+        """The model a request names, loaded first when the daemon loads on demand (``ctx.pool``, see
+        ``engine/model_pool.py``): the request waits for the load (one load per model, however many requests
+        wait), up to the pool's bound, then gets a 503 with Retry-After. ``keep_alive`` (seconds, None =
+        forever) applies to that model from this request on."""
+        pool = self.ctx.pool
+        try:
+            entry = self.resolve(model)
+        except ModelNotFoundError:
+            if pool is None or not isinstance(model, str) or model in DEFAULT_MODEL_ALIASES:
+                raise
+            try:
+                future = pool.start_load(model, options)
+            except InvalidRequestError as missing:
+                raise ModelNotFoundError(str(missing)) from None
+            try:
+                entry = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), pool.config.load_wait_s)
+            except asyncio.TimeoutError:
+                raise ServiceUnavailableError(
+                    f"model {quoted(model)} is still loading; retry in a few seconds (`moed ps` shows the load)",
+                    retry_after=5) from None
+        if pool is not None:
+            pool.touch(entry.name, keep_alive)
+        return entry
 
     def models(self) -> list[ModelInfo]:
         """Every loaded model, sorted by name."""

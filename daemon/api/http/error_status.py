@@ -27,6 +27,7 @@ class HttpFailure:
     message: str
     param: str | None = None  # the request field at fault, where known
     code: str | None = None  # a machine-readable reason clients act on (e.g. "context_length_exceeded")
+    retry_after: int = 1  # seconds, the Retry-After of a 429 / 503
 
 
 class ParamError(errors.InvalidRequestError):
@@ -68,7 +69,7 @@ def _failure_of(exc: BaseException) -> HttpFailure:
     if isinstance(exc, errors.QueueFullError):
         return HttpFailure(429, "rate_limit", message)
     if isinstance(exc, errors.ServiceUnavailableError):
-        return HttpFailure(503, "unavailable", message)
+        return HttpFailure(503, "unavailable", message, retry_after=exc.retry_after)
     if isinstance(exc, errors.InsufficientMemoryError):
         return HttpFailure(503, "unavailable", message)
     if isinstance(exc, errors.InvalidRequestError):

@@ -157,7 +157,7 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
 
 async def create_chat_completion(bridge: EngineBridge, body: ChatCompletionRequest, request: Request):
     refuse_unsupported(body)
-    entry = bridge.resolve(body.model)
+    entry = await bridge.acquire(body.model)
     chat = chat_request(body)
     prepared = bridge.prepare_chat(entry, chat)
     parser, stream = prepared.parser, prepared.stream

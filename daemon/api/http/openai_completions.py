@@ -37,7 +37,7 @@ async def create_completion(bridge: EngineBridge, body: CompletionRequest, reque
         raise ParamError("echo is not supported; leave it out (the prompt is yours already)", "echo")
     if body.suffix:
         raise ParamError("suffix (fill-in-the-middle) is not supported; leave it out", "suffix")
-    entry = bridge.resolve(body.model)
+    entry = await bridge.acquire(body.model)
     prompt_ids = prompt_ids_of(bridge, entry, body.prompt)
     bridge.check_prompt_fits(entry, prompt_ids)
     # OpenAI's documented default for completions is 16 tokens; never more than the context has room for

@@ -385,7 +385,7 @@ async def create_response(bridge: EngineBridge, body: ResponsesRequest, request:
     if body.previous_response_id:
         raise ParamError("previous_response_id is not supported: moed stores no responses; send the whole "
                          "conversation in 'input'", "previous_response_id")
-    entry = bridge.resolve(body.model)
+    entry = await bridge.acquire(body.model)
     prepared = bridge.prepare_chat(entry, chat_request(body))
     parser, stream = prepared.parser, prepared.stream
     builder = ResponseBuilder(body, entry.name)

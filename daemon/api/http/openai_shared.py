@@ -49,7 +49,7 @@ def error_body(failure: HttpFailure) -> dict[str, Any]:
 
 
 def error_response(failure: HttpFailure) -> JSONResponse:
-    headers = {"Retry-After": "1"} if failure.status in (429, 503) else None
+    headers = {"Retry-After": str(failure.retry_after)} if failure.status in (429, 503) else None
     if failure.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(error_body(failure), status_code=failure.status, headers=headers)
