@@ -57,6 +57,7 @@ class LoadedEntry:
     loaded_at: float = field(default_factory=time.time)
     source: str = "path"  # where its files are (moed.catalog.entry.SOURCES)
     planned_bytes: int = 0  # the host RAM its load was planned to take (weights, KV pool, states, activations)
+    found: CatalogEntry | None = None  # what the catalog said of it (Ollama's default parameters and system)
 
     @property
     def stats(self):
@@ -64,6 +65,8 @@ class LoadedEntry:
 
     def host_bytes(self) -> int:
         """Host RAM of this model: its expert bank, and its non-expert weights unless they live on the device."""
+        if self.runtime.loaded is None:  # a model without checkpoint weights (a test stand-in)
+            return 0
         bank = self.runtime.loaded.bank.nbytes()
         if self.runtime.model.device is not None:
             return bank  # weights (and KV) are device memory, counted by vram_bytes
@@ -172,7 +175,8 @@ class ModelManager:
             loop = EngineLoop(runtime, name=name, max_batch=options.max_batch, max_queue=options.max_queue,
                               context_length=plan.context_length, prefix_cache=options.prefix_cache,
                               kv_tokens=plan.kv_tokens, checkpoint_bytes=plan.checkpoint_bytes)
-            entry = LoadedEntry(name, path, runtime, loop, options, source=found.source, planned_bytes=plan.total_bytes)
+            entry = LoadedEntry(name, path, runtime, loop, options, source=found.source, planned_bytes=plan.total_bytes,
+                                found=found)
             with self._lock:
                 if self._closing:
                     raise InvalidRequestError(f"loading {quoted(name)} stopped: the daemon is shutting down")

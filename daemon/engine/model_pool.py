@@ -43,10 +43,14 @@ class PoolConfig:
     options: LoadOptions = field(default_factory=LoadOptions)  # how models are loaded on demand
 
 
+HOLD_S = 5.0  # a model just handed to a request is not unloaded before the request reaches its queue
+
+
 @dataclass
 class _Life:
     keep_alive_s: float | None
     last_used: float
+    hold_until: float = 0.0
 
 
 class ModelPool:
@@ -103,17 +107,20 @@ class ModelPool:
         self.touch(entry.name, keep_alive)
         return entry
 
-    def touch(self, name: str, keep_alive=UNSET) -> None:
-        """A request used ``name`` now; ``keep_alive`` (seconds, None = forever, UNSET = unchanged) from now on."""
+    def touch(self, name: str, keep_alive=UNSET, *, hold: bool = True) -> None:
+        """A request uses ``name`` now; ``keep_alive`` (seconds, None = forever, UNSET = unchanged) counts from its
+        end. ``hold``: the request is yet to be submitted (the model stays for it); False: nothing will run (a
+        load-only request), so keep_alive 0 unloads at once."""
         with self._lock:
             life = self._lives.get(name)
             if life is None:
                 life = self._lives[name] = _Life(FOREVER, self._clock())
             life.last_used = self._clock()
+            life.hold_until = self._clock() + HOLD_S if hold else 0.0
             if keep_alive is not UNSET:
                 life.keep_alive_s = keep_alive
-        if keep_alive is not UNSET:
-            self._reap()  # keep_alive 0 on an idle model: unloaded now
+        if not hold:
+            self._reap()
 
     def expires_in(self, name: str) -> float | None:
         """Seconds until ``name`` unloads when it stays idle (None: it stays)."""
@@ -226,8 +233,10 @@ class ModelPool:
                     continue
                 if entry.loop.num_active or entry.loop.num_queued:
                     life.last_used = now  # in use: the keep-alive counts from its last request's end
+                    life.hold_until = 0.0  # its request arrived
                     continue
-                expired = life.keep_alive_s is not None and now - life.last_used >= life.keep_alive_s
+                expired = (life.keep_alive_s is not None and now - life.last_used >= life.keep_alive_s
+                           and now >= life.hold_until)
             if expired:
                 log.info("unloading %s: idle for its keep-alive", entry.name)
                 self._forget(entry.name)

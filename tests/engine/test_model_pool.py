@@ -125,7 +125,7 @@ def test_keep_alive_zero_unloads_when_idle_and_a_duration_counts_from_the_last_r
         assert pool.expires_in("b") is None
         time.sleep(0.5)
         assert _names(pool) == {"b"}
-        pool.acquire("b", keep_alive=0)
+        pool.touch("b", 0, hold=False)  # a load-only request with keep_alive 0: unloaded at once
         _wait_for(lambda: not _names(pool), "keep_alive 0 to unload b")
     finally:
         _close(pool)

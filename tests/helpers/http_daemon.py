@@ -57,6 +57,14 @@ class HttpDaemon:
         kw.setdefault("timeout", 60)
         return anthropic.Anthropic(base_url=self.url, **kw)
 
+    def ollama(self, **kw):
+        import ollama
+
+        if self.token:
+            kw.setdefault("headers", {"Authorization": f"Bearer {self.token}"})
+        kw.setdefault("timeout", 60)
+        return ollama.Client(host=self.url, **kw)
+
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Until no loop has a running or queued request (cancellations land at a step boundary)."""
         deadline = time.monotonic() + timeout
@@ -67,16 +75,29 @@ class HttpDaemon:
     def close(self) -> None:
         """In `moed serve`'s order: refuse new requests, close the models (cancels running ones), stop."""
         self.ctx.stopping = True
+        if self.ctx.pool is not None:
+            self.ctx.pool.stop()
         self.manager.close()
         self.server.stop()
 
 
 def start_http_daemon(models_dir: Path | None = None, *, models: tuple[str, ...] = (), token: str | None = None,
-                      options: LoadOptions | None = None) -> HttpDaemon:
-    """A context + manager over ``models_dir`` with ``models`` loaded, and an HttpServer on 127.0.0.1:0."""
-    manager = ModelManager([models_dir] if models_dir else [])
-    ctx = DaemonContext(manager=manager)
+                      options: LoadOptions | None = None, catalog=None, pool=None) -> HttpDaemon:
+    """A context + manager over ``models_dir`` with ``models`` loaded, and an HttpServer on 127.0.0.1:0;
+    ``catalog``: where else models are found by name; ``pool``: a PoolConfig to load models on demand (its
+    options default to ``options``)."""
+    import dataclasses
+
+    from moed.engine.model_pool import ModelPool, PoolConfig
+
+    manager = ModelManager([models_dir] if models_dir else [], catalog=catalog)
     options = options or LoadOptions(device="cpu", max_batch=4, context_length=256)
+    if pool is True:
+        pool = PoolConfig()
+    model_pool = None if pool is None else ModelPool(manager, dataclasses.replace(pool, options=options))
+    ctx = DaemonContext(manager=manager, pool=model_pool)
+    if model_pool is not None:
+        model_pool.start()
     server = None
     try:
         for name in models:
@@ -99,6 +120,8 @@ class ChatScriptedConfig(ScriptedConfig):
 
 
 class _NoExecutor:
+    stats = type("Stats", (), {"device": "cpu", "cache_bytes": 0, "model_device_bytes": 0, "policy": "-"})()
+
     def close(self) -> None:
         pass
 

@@ -1,8 +1,9 @@
 """build_app: the FastAPI app of the HTTP gateway (routes, token check, errors in each API's own shape).
 
 Routes: ``GET /health`` (no token), ``GET /metrics`` (Prometheus text), ``GET /v1/models``, ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``POST /v1/responses``, and the Anthropic endpoints when
-``moed.api.http.anthropic_messages`` is present (see ``_include_anthropic``). Errors are
+``POST /v1/completions``, ``POST /v1/responses``, the Anthropic endpoints when
+``moed.api.http.anthropic_messages`` is present (see ``_include_anthropic``), and Ollama's ``/api/*``
+(``ollama_api.py``). Errors are
 OpenAI's ``{"error": {"message", "type", "param", "code"}}`` except under a path prefix that
 registered its own shape (``register_error_shape``).
 """
@@ -95,7 +96,9 @@ def build_app(ctx: DaemonContext, *, token: str | None) -> FastAPI:
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found" if exc.status_code == 404 else "invalid_request"
         message = (f"no such endpoint: {request.method} {request.url.path}; moed serves /v1/models, "
-                   "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /metrics and /health"
+                   "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, Ollama's /api/chat, "
+                   "/api/generate, /api/tags, /api/show, /api/ps, /api/pull, /api/delete, /api/version, /metrics and "
+                   "/health"
                    if exc.status_code in (404, 405) else str(exc.detail))
         return render_failure(app, request.url.path, HttpFailure(exc.status_code, kind, message))
 
@@ -137,6 +140,10 @@ def build_app(ctx: DaemonContext, *, token: str | None) -> FastAPI:
         return await create_response(bridge, body, request)
 
     _include_anthropic(app, bridge)
+    from moed.api.http import ollama_api
+
+    app.include_router(ollama_api.ollama_router(bridge, ctx))
+    register_error_shape(app, ollama_api.ERROR_PATH_PREFIX, ollama_api.ollama_error_response)
     if token:
         app.add_middleware(TokenCheck, token=token, fastapi_app=app)
     app.add_middleware(RequestCounter, metrics=bridge.metrics)  # refused requests count too

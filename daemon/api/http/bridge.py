@@ -264,17 +264,21 @@ class EngineBridge:
         raise ModelNotFoundError(f"model {quoted(name)} is not loaded (loaded: {', '.join(sorted(loaded))}); "
                                  "use one of these names (GET /v1/models lists them) or load it with `moed load`")
 
-    async def acquire(self, model: str | None, *, keep_alive: Any = UNSET, options: Any = None) -> LoadedEntry:
+    async def acquire(self, model: str | None, *, keep_alive: Any = UNSET, context_length: int | None = None,
+                      load_only: bool = False) -> LoadedEntry:
         """The model a request names, loaded first when the daemon loads on demand (``ctx.pool``, see
         ``engine/model_pool.py``): the request waits for the load (one load per model, however many requests
         wait), up to the pool's bound, then gets a 503 with Retry-After. ``keep_alive`` (seconds, None =
-        forever) applies to that model from this request on."""
+        forever) applies to that model from this request on; ``context_length``: the context a load this request
+        starts gets (Ollama's num_ctx); ``load_only``: no generation follows (keep_alive 0 then unloads at once)."""
         pool = self.ctx.pool
         try:
             entry = self.resolve(model)
         except ModelNotFoundError:
             if pool is None or not isinstance(model, str) or model in DEFAULT_MODEL_ALIASES:
                 raise
+            options = None if context_length is None else dataclasses.replace(pool.config.options,
+                                                                              context_length=context_length)
             try:
                 future = pool.start_load(model, options)
             except InvalidRequestError as missing:
@@ -286,7 +290,7 @@ class EngineBridge:
                     f"model {quoted(model)} is still loading; retry in a few seconds (`moed ps` shows the load)",
                     retry_after=5) from None
         if pool is not None:
-            pool.touch(entry.name, keep_alive)
+            pool.touch(entry.name, keep_alive, hold=not load_only)
         return entry
 
     def models(self) -> list[ModelInfo]:

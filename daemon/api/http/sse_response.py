@@ -19,8 +19,10 @@ class SseResponse(StreamingResponse):
     after a completed answer it does nothing.
     """
 
-    def __init__(self, events: AsyncIterable[str], cancel: Callable[[], object]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers=STREAM_HEADERS)
+    def __init__(self, events: AsyncIterable[str], cancel: Callable[[], object],
+                 media_type: str = "text/event-stream") -> None:
+        """``media_type``: Ollama's streams are NDJSON (``application/x-ndjson``), one JSON object a line."""
+        super().__init__(events, media_type=media_type, headers=STREAM_HEADERS)
         self._cancel = cancel
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
