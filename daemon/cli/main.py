@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="bank dtype of the routed experts (default: the checkpoint's own precision, as for generate)")
     conv.add_argument("--force", action="store_true", help="replace dst if it exists")
 
+    from moed.cli.pull_cmd import add_pull_arguments
+
+    add_pull_arguments(sub.add_parser("pull", help="fetch a model from the Hugging Face Hub into the Hugging Face "
+                                                   "cache (resumable, checksummed; HF_ENDPOINT / HF_TOKEN respected)"))
+
     from moed.cli.fit_cmd import add_fit_command
 
     add_fit_command(sub)
@@ -139,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             from moed.cli.convert_cmd import run_convert
             return run_convert(args)
+        if args.command == "pull":
+            from moed.cli.pull_cmd import run_pull
+            return run_pull(args)
         if args.command == "serve":
             from moed.cli.serve_cmd import run_serve
 

@@ -13,6 +13,7 @@ from moed.api.http.bridge import EngineBridge
 from moed.api.http.error_status import HttpFailure
 from moed.api.http.ollama_chat import json_object, ollama_chat, ollama_generate
 from moed.api.http.ollama_models import OLLAMA_API_VERSION, delete, ps, show, tags
+from moed.api.http.ollama_pull import ollama_pull
 
 ERROR_PATH_PREFIX = "/api/"
 NOT_OFFERED = {
@@ -57,6 +58,10 @@ def ollama_router(bridge: EngineBridge, ctx: DaemonContext) -> APIRouter:
     async def delete_model(request: Request) -> Response:
         delete(ctx, json_object(await request.body()))
         return JSONResponse({})
+
+    @router.post("/api/pull")
+    async def pull_model(request: Request) -> Response:
+        return await ollama_pull(json_object(await request.body()))
 
     @router.post("/api/chat")
     async def chat(request: Request) -> Response:
