@@ -48,6 +48,8 @@ def status_lines(s: Snapshot) -> tuple[MenuItem, ...]:
         return (MenuItem(head, enabled=False),)
     models = ", ".join(s.loaded_names) if s.loaded_names else "no model loaded"
     lines = [MenuItem(f"moed {s.state or 'unknown'} · {models} · {s.tokens_per_second:.1f} tok/s", enabled=False)]
+    for name, fraction in s.loading:
+        lines.append(MenuItem(f"loading {name}: {fraction:.0%}", enabled=False))
     if s.has_gpu:
         lines.append(MenuItem(f"VRAM: ours {gb(s.vram_ours)} · other apps {gb(s.vram_other_apps)} · "
                               f"free {gb(s.vram_free)}", enabled=False))
@@ -60,7 +62,7 @@ def status_lines(s: Snapshot) -> tuple[MenuItem, ...]:
 
 def models_submenu(s: Snapshot) -> MenuItem:
     items = tuple(
-        MenuItem(m.name, action=UNLOAD if m.is_loaded else LOAD, args=(m.name,) if m.is_loaded else (m.path,),
+        MenuItem(m.name, action=UNLOAD if m.is_loaded else LOAD, args=(m.name,) if m.is_loaded else (m.load_arg,),
                  checked=m.is_loaded, enabled=s.state != "loading")
         for m in s.models)
     if not items:

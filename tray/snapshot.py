@@ -12,9 +12,15 @@ SNAPSHOT_TIMEOUT_S = 1.5
 
 @dataclass(frozen=True)
 class ModelEntry:
-    name: str  # served name when loaded, else the directory name
-    path: str  # what LoadModel accepts
+    name: str  # served name when loaded, else its catalog name ("qwen3:30b-a3b", "org/repo:Q4_K_M", a directory's)
+    path: str  # where its files are
     is_loaded: bool
+    source: str = "moed"  # moed | ollama | huggingface | lmstudio | path
+
+    @property
+    def load_arg(self) -> str:
+        """What LoadModel is given: the path of a model in moed's folders, the name of one in another store."""
+        return self.name if self.source in ("ollama", "huggingface", "lmstudio") else self.path
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class Snapshot:
     state: str = ""  # idle | generating | loading | paused | stopping
     models: tuple[ModelEntry, ...] = ()  # on disk and loaded
     loaded_names: tuple[str, ...] = ()
+    loading: tuple[tuple[str, float], ...] = ()  # models being loaded on demand: (name, fraction read)
     tokens_per_second: float = 0.0
     has_gpu: bool = False
     vram_total: int = 0
@@ -59,14 +66,18 @@ def snapshot_from(address: str, status, models) -> Snapshot:
     """Translate a control_pb2.Status and a list of control_pb2.ModelInfo into a Snapshot."""
     mem = status.memory
     entries: dict[str, ModelEntry] = {}
+    loading = tuple((info.name, float(info.load_fraction)) for info in models if info.state == "loading")
     for info in models:
+        if info.state == "loading":
+            continue
         key = info.path or info.name
         if key not in entries or info.loaded:  # a loaded entry wins over the on-disk one
-            entries[key] = ModelEntry(name=info.name, path=info.path, is_loaded=bool(info.loaded))
+            entries[key] = ModelEntry(name=info.name, path=info.path, is_loaded=bool(info.loaded),
+                                      source=info.source or "moed")
     return Snapshot(
         running=True, address=address, state=status.state,
         models=tuple(sorted(entries.values(), key=lambda m: m.name.lower())),
-        loaded_names=tuple(m.name for m in status.models),
+        loaded_names=tuple(m.name for m in status.models), loading=loading,
         tokens_per_second=float(status.tokens_per_second),
         has_gpu=bool(mem.has_gpu), vram_total=int(mem.vram_total), vram_ours=int(mem.vram_ours),
         vram_other_apps=int(mem.vram_other_apps), vram_free=int(mem.vram_free),

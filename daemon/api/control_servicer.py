@@ -110,8 +110,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         loaded = self.ctx.manager.loaded()
         infos = [model_info(e, disk_bytes=dir_bytes(e.path), pool=pool) for e in loaded]
         busy = {e.name for e in loaded} | {str(e.path.resolve()) for e in loaded}
-        for name, seconds in (pool.loading() if pool is not None else {}).items():
-            infos.append(control_pb2.ModelInfo(name=name, state="loading", load_seconds=seconds))
+        for name, (seconds, fraction) in (pool.loading() if pool is not None else {}).items():
+            infos.append(control_pb2.ModelInfo(name=name, state="loading", load_seconds=seconds,
+                                               load_fraction=fraction))
             busy.add(name)
         for found in self.ctx.manager.catalog.list():
             if found.name not in busy and str(found.path.resolve()) not in busy:

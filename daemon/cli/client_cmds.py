@@ -246,7 +246,7 @@ def print_ps(client: MoedClient) -> None:
     for m in models:
         if m.state == "loading":
             print(f"{m.name[:32]:32} {'loading':10} {'-':9} {'-':7} {'-':>8} {'-':>10} {'-':>11} "
-                  f"{f'{m.load_seconds:.0f} s so far':>16}")
+                  f"{f'{m.load_fraction:.0%}, {m.load_seconds:.0f} s':>16}")
             continue
         print(f"{m.name[:32]:32} {m.state or 'loaded':10} {m.device or '-':9} {m.experts_dtype or '-':7} "
               f"{m.context_length:>8} {gb(m.host_bytes):>10} {gb(m.vram_bytes):>11} {until(m):>16}")

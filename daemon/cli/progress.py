@@ -1,4 +1,8 @@
-"""A one-line progress bar on stderr for long loads (shown only on a terminal or when forced)."""
+"""Progress of long CLI work (convert, load, pull) as a tqdm bar on stderr: bytes, rate and ETA while it runs
+(on a terminal; nothing on a pipe), one summary line at the end either way.
+
+``ProgressBar(label)`` is the ``progress(done, total)`` callback the loaders and the converter take.
+"""
 
 from __future__ import annotations
 
@@ -12,25 +16,37 @@ class ProgressBar:
         self.stream = stream or sys.stderr
         self.started = time.perf_counter()
         self.shown = False
+        self._bar = None
+        self._done = 0
 
     def __call__(self, done: int, total: int) -> None:
         elapsed = time.perf_counter() - self.started
-        if elapsed < self.min_seconds and done < total:
+        if done < total and (elapsed < self.min_seconds or not _is_tty(self.stream)):
             return
-        if not self.stream.isatty() and done < total:
-            return
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        rate = done / elapsed / 1e9 if elapsed > 0 else 0.0
-        end = "\n" if done >= total else "\r"
+        if self._bar is None and done < total:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, desc=self.label, file=self.stream,
+                             leave=False, dynamic_ncols=True)
+            self._done = done
+        elif self._bar is not None:
+            self._bar.total = total
+            self._bar.update(done - self._done)
+            self._done = done
         if done >= total:
-            tail = f"in {_duration(elapsed)}"
-        else:
-            tail = f"ETA {_duration((total - done) / (rate * 1e9))}" if rate > 0 else "ETA ?"
-        self.stream.write(f"{self.label} [{bar:<30}] {frac * 100:5.1f}% {done / 1e9:.2f}/{total / 1e9:.2f} GB "
-                          f"{rate:.2f} GB/s {tail}   {end}")
-        self.stream.flush()
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+            self.stream.write(f"{self.label}: {total / 1e9:.2f} GB in {_duration(elapsed)}\n")
+            self.stream.flush()
         self.shown = True
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _duration(seconds: float) -> str:

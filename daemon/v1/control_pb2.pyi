@@ -69,7 +69,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "path", "format", "family", "loaded", "experts_dtype", "disk_bytes", "host_bytes", "vram_bytes", "device", "policy", "context_length", "active_requests", "source", "state", "expires_in_seconds", "load_seconds")
+    __slots__ = ("name", "path", "format", "family", "loaded", "experts_dtype", "disk_bytes", "host_bytes", "vram_bytes", "device", "policy", "context_length", "active_requests", "source", "state", "expires_in_seconds", "load_seconds", "load_fraction")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class ModelInfo(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FRACTION_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     format: str
@@ -104,7 +105,8 @@ class ModelInfo(_message.Message):
     state: str
     expires_in_seconds: float
     load_seconds: float
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., format: _Optional[str] = ..., family: _Optional[str] = ..., loaded: _Optional[bool] = ..., experts_dtype: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., vram_bytes: _Optional[int] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ..., context_length: _Optional[int] = ..., active_requests: _Optional[int] = ..., source: _Optional[str] = ..., state: _Optional[str] = ..., expires_in_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+    load_fraction: float
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., format: _Optional[str] = ..., family: _Optional[str] = ..., loaded: _Optional[bool] = ..., experts_dtype: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., vram_bytes: _Optional[int] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ..., context_length: _Optional[int] = ..., active_requests: _Optional[int] = ..., source: _Optional[str] = ..., state: _Optional[str] = ..., expires_in_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ..., load_fraction: _Optional[float] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -1,4 +1,5 @@
-"""An unloaded model's memory goes back to the OS: 20 load/unload cycles of the demo model in a real daemon.
+"""An unloaded model's memory goes back to the OS: 20 load/unload cycles of the demo model in a real daemon, then
+two loads of one name at once (one loads, the other is told it is loaded / being loaded), then unloaded.
 
 Measured without the fix (engine/memory_release.py): the idle daemon grew from 307 MiB to 1,135 MiB
 after four cycles (glibc kept the freed chunks); with malloc_trim after each unload but one arena per
@@ -9,6 +10,7 @@ thread, by ~2 MiB per cycle; with both it stays flat after the first load, whose
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import pytest
@@ -37,6 +39,26 @@ def test_twenty_load_unload_cycles_leave_the_idle_daemon_where_it_started(demo_m
                 loaded = rss()
                 assert client.unload("demo-moe-ftw")
                 idle.append(rss())
+        outcomes: list[str] = []
+
+        def race() -> None:
+            with daemon.client(timeout=300) as own:
+                try:
+                    for _ in own.load("demo-moe-ftw", device="cpu", context_length=2048):
+                        pass
+                    outcomes.append("loaded")
+                except Exception as exc:  # noqa: BLE001 - the loser's answer is checked below
+                    outcomes.append(getattr(exc, "code", exc).name if hasattr(exc, "code") else repr(exc))
+
+        threads = [threading.Thread(target=race) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert sorted(outcomes) == ["ALREADY_EXISTS", "loaded"], outcomes
+        with daemon.client(timeout=300) as client:
+            assert client.unload("demo-moe-ftw")
+        idle.append(rss())
         mib = [x >> 20 for x in (before, loaded, *idle)]
         assert loaded - before > 300 << 20, mib  # the model really was in memory
         assert idle[-1] <= before + max(before // 10, 100 << 20), mib

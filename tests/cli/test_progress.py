@@ -1,4 +1,5 @@
-"""The progress bar: bytes, rate and an ETA while running; the elapsed time at the end."""
+"""The CLI's progress bar (tqdm): bytes, rate and ETA while it runs on a terminal, nothing on a pipe until the
+end, one summary line with the elapsed time at the end."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ class Tty(io.StringIO):
         return True
 
 
-def test_progress_shows_bytes_rate_eta_then_elapsed(monkeypatch):
-    clock = iter([0.0, 10.0, 20.0])
+def test_a_terminal_sees_bytes_and_the_end_a_summary(monkeypatch):
+    clock = iter([0.0, 10.0, 20.0] + [20.0] * 20)
     monkeypatch.setattr(progress_mod.time, "perf_counter", lambda: next(clock))
     out = Tty()
     bar = ProgressBar("converting", stream=out)
-    bar(2 * 10**9, 8 * 10**9)  # 2 GB in 10 s: 0.2 GB/s, 6 GB left -> 30 s
+    bar(2 * 10**9, 8 * 10**9)
     bar(8 * 10**9, 8 * 10**9)
-    first, last = out.getvalue().split("\r")
-    assert "2.00/8.00 GB" in first and "0.20 GB/s" in first and "ETA 30 s" in first
-    assert last.rstrip().endswith("in 20 s") and "100.0%" in last
+    text = out.getvalue()
+    assert "converting" in text and "2.00G/8.00G" in text  # tqdm's bar while it ran
+    assert text.rstrip().endswith("converting: 8.00 GB in 20 s")
 
 
 def test_nothing_is_drawn_on_a_pipe_until_the_end():
@@ -31,4 +32,4 @@ def test_nothing_is_drawn_on_a_pipe_until_the_end():
     bar(1, 10)
     assert out.getvalue() == ""
     bar(10, 10)
-    assert "100.0%" in out.getvalue()
+    assert out.getvalue().startswith("loading: ")

@@ -173,3 +173,17 @@ def test_importing_the_tray_loads_neither_torch_nor_the_engine_nor_pystray():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
                             env={"PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_models_from_other_stores_load_by_name_and_loads_in_flight_show_their_progress():
+    status = control_pb2.Status(state="loading")
+    listed = [control_pb2.ModelInfo(name="qwen3:30b-a3b", path="/home/u/.ollama/models/blobs/sha256-ab",
+                                    source="ollama", state="on disk"),
+              control_pb2.ModelInfo(name="mine", path="/m/mine", source="moed", state="on disk"),
+              control_pb2.ModelInfo(name="org/repo:Q4_K_M", state="loading", load_fraction=0.42)]
+    s = snapshot_from("addr", status, listed)
+    assert [e.name for e in s.models] == ["mine", "qwen3:30b-a3b"] and s.loading == (("org/repo:Q4_K_M", 0.42),)
+    assert "loading org/repo:Q4_K_M: 42%" in texts(build_menu(s))
+    menu = by_text(build_menu(s.__class__(**{**s.__dict__, "state": "idle"})), "Models").submenu
+    assert by_text(list(menu), "qwen3").args == ("qwen3:30b-a3b",)  # a name LoadModel resolves, not the blob
+    assert by_text(list(menu), "mine").args == ("/m/mine",)
