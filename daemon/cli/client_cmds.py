@@ -268,7 +268,7 @@ def print_models(client: MoedClient) -> None:
 def print_status(s) -> None:
     print(f"state {s.state} | version {s.version} | active {s.active_requests} queued {s.queued_requests} | "
           f"{s.tokens_per_second:.1f} tok/s | served {s.requests_served}")
-    print(f"  HTTP API {s.http_url} (OpenAI: {s.http_url}/v1, Anthropic: {s.http_url})" if s.http_url
+    print(f"  HTTP API {s.http_url} (OpenAI: {s.http_url}/v1, Anthropic and Ollama: {s.http_url})" if s.http_url
           else "  HTTP API off (start the daemon with --http 127.0.0.1:8080 for agents and OpenAI/Anthropic clients)")
     for m in s.models:
         print(f"  model {m.name}: {m.device}, policy {m.policy}, {m.experts_dtype} experts, context {m.context_length}")
