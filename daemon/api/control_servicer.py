@@ -110,7 +110,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         loaded = self.ctx.manager.loaded()
         infos = [model_info(e, disk_bytes=dir_bytes(e.path), pool=pool) for e in loaded]
         busy = {e.name for e in loaded} | {str(e.path.resolve()) for e in loaded}
-        for name, (seconds, fraction) in (pool.loading() if pool is not None else {}).items():
+        in_flight = {name: (seconds, 0.0) for name, seconds in (pool.loading() if pool is not None else {}).items()}
+        in_flight.update(self.ctx.manager.loading())  # explicit loads too, with the fraction read
+        for name, (seconds, fraction) in sorted(in_flight.items()):
             infos.append(control_pb2.ModelInfo(name=name, state="loading", load_seconds=seconds,
                                                load_fraction=fraction))
             busy.add(name)

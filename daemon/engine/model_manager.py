@@ -96,6 +96,7 @@ class ModelManager:
         self._loads_done = threading.Condition(self._lock)
         self._loading = 0
         self._reserved: set[str] = set()  # names of loads in flight
+        self._progress: dict[str, tuple[float, float]] = {}  # load in flight -> (started, fraction read)
         self._closing = False  # close() was called: no new loads; loads in flight stop at their next progress
         self.last_used: str | None = None
 
@@ -129,6 +130,12 @@ class ModelManager:
     def is_loading(self) -> bool:
         return self._loading > 0
 
+    def loading(self) -> dict[str, tuple[float, float]]:
+        """Loads in flight (explicit and on demand) -> (seconds since they started, fraction of the weights read)."""
+        now = time.monotonic()
+        with self._lock:
+            return {name: (now - started, fraction) for name, (started, fraction) in self._progress.items()}
+
     def load(self, model: str, options: LoadOptions, *, name: str = "", progress: ProgressFn | None = None) -> LoadedEntry:
         """Load a model and start its engine loop; everything that can be checked before reading the
         weights is (options, name, host RAM for weights plus KV cache), and a load that fails later
@@ -149,6 +156,7 @@ class ModelManager:
                 what = "is already loaded" if name in self._models else "is being loaded"
                 raise ModelExistsError(f"a model named {quoted(name)} {what}; unload it first or pick another name")
             self._reserved.add(name)  # a second load of this name is refused until this one ends
+            self._progress[name] = (time.monotonic(), 0.0)
             self._loading += 1
         runtime = loop = None
         try:
@@ -160,6 +168,10 @@ class ModelManager:
             def report(done: int, total: int) -> None:  # on the loading thread, between reads
                 if self._closing:
                     raise InvalidRequestError(f"loading {quoted(name)} stopped: the daemon is shutting down")
+                if total:
+                    with self._lock:
+                        if name in self._progress:
+                            self._progress[name] = (self._progress[name][0], done / total)
                 if progress:
                     progress("reading", done, total)
 
@@ -168,6 +180,8 @@ class ModelManager:
             if options.kv_type is not None:
                 runtime.model.kv_dtype = plan.kv_dtype
             runtime = apply_runtime_hook(runtime, name)
+            with self._lock:
+                self._progress[name] = (self._progress[name][0], 1.0)  # every weight is read
             if progress:
                 progress("building", 1, 1)
             if runtime.tokenizer is None:
@@ -195,6 +209,7 @@ class ModelManager:
         finally:
             with self._lock:
                 self._reserved.discard(name)
+                self._progress.pop(name, None)
                 self._loading -= 1
                 self._loads_done.notify_all()
 

@@ -65,7 +65,6 @@ class ModelPool:
         self._lives: dict[str, _Life] = {}
         self._loads: dict[str, Future] = {}  # name -> the load in flight
         self._load_started: dict[str, float] = {}
-        self._load_progress: dict[str, float] = {}  # name -> fraction of its weights read
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self._host_ram = manager.host_ram_available
@@ -131,11 +130,10 @@ class ModelPool:
                 return None
             return max(0.0, life.last_used + life.keep_alive_s - self._clock())
 
-    def loading(self) -> dict[str, tuple[float, float]]:
-        """Models being loaded on demand -> (seconds since their load started, fraction of the weights read)."""
+    def loading(self) -> dict[str, float]:
+        """Models being loaded on demand -> seconds since their load was asked for (making room included)."""
         with self._lock:
-            return {n: (self._clock() - self._load_started.get(n, self._clock()), self._load_progress.get(n, 0.0))
-                    for n in self._loads}
+            return {n: self._clock() - self._load_started.get(n, self._clock()) for n in self._loads}
 
     def _loaded(self, name: str) -> LoadedEntry | None:
         for entry in self.manager.loaded():
@@ -177,7 +175,6 @@ class ModelPool:
             with self._lock:
                 self._loads.pop(canonical, None)
                 self._load_started.pop(canonical, None)
-                self._load_progress.pop(canonical, None)
 
     def _load_with_room(self, name: str, canonical: str, options: LoadOptions) -> LoadedEntry:
         if self.config.max_loaded:
@@ -186,14 +183,9 @@ class ModelPool:
                     raise ServiceUnavailableError(
                         f"cannot load {quoted(canonical)}: {self.config.max_loaded} models are loaded and all are "
                         "busy; retry when one is idle", retry_after=5)
-        def progress(stage: str, done: int, total: int) -> None:
-            if stage == "reading" and total:
-                with self._lock:
-                    self._load_progress[canonical] = done / total
-
         while True:
             try:
-                return self.manager.load(name, options, name=canonical, progress=progress)
+                return self.manager.load(name, options, name=canonical)
             except InsufficientMemoryError:
                 if not self._unload_lru(f"memory for {canonical}"):
                     raise

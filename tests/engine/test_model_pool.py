@@ -153,3 +153,15 @@ def test_keep_alive_values_as_ollama_takes_them(value, seconds):
 def test_bad_keep_alive_values_are_clear_errors(value):
     with pytest.raises(InvalidRequestError, match="keep_alive"):
         parse_keep_alive(value)
+
+
+def test_loads_in_flight_report_their_progress(models):
+    """What `moed ps`, the tray's status line and ListModels show while a model loads."""
+    manager = ModelManager([models])
+    seen = []
+    manager.load("a", OPTIONS, progress=lambda stage, done, total: seen.append(manager.loading().get("a")))
+    try:
+        assert seen and all(s is not None for s in seen) and max(s[1] for s in seen) == pytest.approx(1.0)
+        assert manager.loading() == {}
+    finally:
+        manager.unload_all()
