@@ -182,14 +182,13 @@ async def ollama_chat(bridge: EngineBridge, raw: bytes, request: Request) -> Res
     prepared = bridge.prepare_chat(entry, chat)
     events = _chat_objects(prepared, entry.name, started, load_s, request)
     if body.stream is not False:
-        return SseResponse(events, prepared.stream.cancel, media_type=NDJSON)
+        return SseResponse(_with_errors(events), prepared.stream.cancel, media_type=NDJSON)
     return await _whole(events, chat=True)
 
 
-async def _chat_objects(prepared, model: str, started: float, load_s: float, request: Request
-                        ) -> AsyncIterator[str]:
-    """NDJSON lines of a chat answer (content / thinking deltas, whole tool calls, the final object)."""
-    calls = _Calls()
+async def _answer_events(prepared, request: Request) -> AsyncIterator:
+    """The parsed events Ollama's objects are made of (no heartbeats, no log-probabilities); a failed generation
+    raises at its Finished."""
     events = parsed_events(prepared.stream, prepared.parser, is_disconnected=request.is_disconnected)
     async with contextlib.aclosing(events):
         async for event in events:
@@ -197,6 +196,17 @@ async def _chat_objects(prepared, model: str, started: float, load_s: float, req
                 continue
             if isinstance(event, Finished):
                 _raise_if_failed(event)
+            yield event
+
+
+async def _chat_objects(prepared, model: str, started: float, load_s: float, request: Request
+                        ) -> AsyncIterator[str]:
+    """NDJSON lines of a chat answer (content / thinking deltas, whole tool calls, the final object)."""
+    calls = _Calls()
+    events = _answer_events(prepared, request)
+    async with contextlib.aclosing(events):
+        async for event in events:
+            if isinstance(event, Finished):
                 whole = calls.take()
                 if whole:
                     yield _line(ChatResponse(model=model, created_at=now_iso(), done=False,
@@ -212,6 +222,18 @@ async def _chat_objects(prepared, model: str, started: float, load_s: float, req
                 message = (Message(role="assistant", content="", thinking=event.text) if event.kind == "reasoning"
                            else Message(role="assistant", content=event.text))
                 yield _line(ChatResponse(model=model, created_at=now_iso(), done=False, message=message))
+
+
+async def _with_errors(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream that fails midway ends with Ollama's ``{"error": "..."}`` line (the status was sent already)."""
+    from moed.errors import MoedError
+
+    async with contextlib.aclosing(lines):
+        try:
+            async for line in lines:
+                yield line
+        except MoedError as exc:
+            yield json.dumps({"error": str(exc)}) + "\n"
 
 
 def _raise_if_failed(event: Finished) -> None:
@@ -282,19 +304,16 @@ async def ollama_generate(bridge: EngineBridge, raw: bytes, request: Request) ->
         lines = _generate_objects(prepared, entry.name, started, load_s, request)
         cancel = prepared.stream.cancel
     if body.stream is not False:
-        return SseResponse(lines, cancel, media_type=NDJSON)
+        return SseResponse(_with_errors(lines), cancel, media_type=NDJSON)
     return await _whole(lines, chat=False)
 
 
 async def _generate_objects(prepared, model: str, started: float, load_s: float, request: Request
                             ) -> AsyncIterator[str]:
-    events = parsed_events(prepared.stream, prepared.parser, is_disconnected=request.is_disconnected)
+    events = _answer_events(prepared, request)
     async with contextlib.aclosing(events):
         async for event in events:
-            if event is None or isinstance(event, Logprobs):
-                continue
             if isinstance(event, Finished):
-                _raise_if_failed(event)
                 yield _line(GenerateResponse(model=model, created_at=now_iso(), done=True, response="",
                                              done_reason=DONE_REASONS.get(event.reason, "stop"),
                                              **_durations(event.usage, started, load_s)))
