@@ -20,6 +20,8 @@ rope.scaling.*, expert_count, expert_used_count.
   deepseek2): MLA ranks and the ``*_mla`` head sizes (key_length there is the absorbed
   kv_lora + rope); sigmoid routing (expert_gating_func 2) with group limits, scale and norm; the
   yarn log multiplier is 0.1 * mscale_all_dim. Softmax-routed DeepSeek-V2 files are refused.
+- deepseek2 with GLM's chat template (``[gMASK]``) -> glm4_moe_lite (GLM-4.7-Flash, which llama.cpp writes as
+  deepseek2): the same keys, always sigmoid-routed, MTP layers left out as for glm4moe; GLM's tool-call syntax.
 - glm4moe -> glm4_moe: the converter appends the multi-token-prediction layers to block_count
   (``nextn_predict_layers``); they are left out. Partial rotary from rope.dimension_count.
 - glm-dsa -> glm_moe_dsa (GLM-5): deepseek2's keys (always sigmoid-routed), MTP layers left out as for
@@ -294,6 +296,24 @@ def _glm_dsa(m: GgufMetadata) -> dict[str, Any]:
     return cfg
 
 
+def _glm4_moe_lite(m: GgufMetadata) -> dict[str, Any]:
+    """GLM-4.7-Flash: deepseek2's MLA keys, sigmoid routing, its multi-token-prediction layers appended to
+    block_count (left out)."""
+    cfg = _deepseek2(m, GATING_SIGMOID)
+    layers = cfg["num_hidden_layers"] - m.int("nextn_predict_layers", default=0)
+    if layers < 1:
+        raise ModelFormatError(f"{m.file.path}: block_count {cfg['num_hidden_layers']} leaves no layer besides the "
+                               "multi-token-prediction ones; the file is corrupt")
+    cfg.update(num_hidden_layers=layers, **_sigmoid_group_experts(m, layers, GATING_SIGMOID))
+    return cfg
+
+
+def is_glm_template(meta: dict) -> bool:
+    """The file's chat template is GLM's (it opens every conversation with ``[gMASK]``)."""
+    template = meta.get("tokenizer.chat_template")
+    return isinstance(template, str) and "[gMASK]" in template
+
+
 def _glm4moe(m: GgufMetadata) -> dict[str, Any]:
     cfg = m.common()
     extra = m.int("nextn_predict_layers", default=0)
@@ -369,8 +389,12 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
 }
 
 
+GLM_LITE = GgufArchitecture("glm4_moe_lite", "Glm4MoeLiteForCausalLM", "GLM-4.7-Flash", _glm4_moe_lite)
+
+
 def read_config(file: GgufFile, arch: str) -> dict[str, Any]:
-    """The config.json of ``file`` (an architecture of ``ARCHITECTURES``)."""
-    spec = ARCHITECTURES[arch]
+    """The config.json of ``file`` (an architecture of ``ARCHITECTURES``; deepseek2 with GLM's template is
+    GLM-4.7-Flash)."""
+    spec = GLM_LITE if arch == "deepseek2" and is_glm_template(file.metadata) else ARCHITECTURES[arch]
     cfg = spec.build(GgufMetadata(file, arch))
     return {"model_type": spec.family, "architectures": [spec.hf_class], **cfg}

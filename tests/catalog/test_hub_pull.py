@@ -44,7 +44,8 @@ def hub(tmp_path_factory):
 def _pull(hub: FakeHub, cache: Path, *args: str, wait: bool = True):
     env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(cache), HF_HUB_DISABLE_TELEMETRY="1",
                HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5")
-    env.pop("HF_HUB_OFFLINE", None)
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # other tests' modules set them in this process
+        env.pop(key, None)
     cmd = [sys.executable, "-m", "moed.cli.main", "pull", *args]
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -111,8 +112,9 @@ def test_clear_errors(hub, tmp_path):
     assert missing.returncode == 2 and "no GGUF tagged Q2_K" in missing.stderr and "Q8_0" in missing.stderr
     nothing = _pull(hub, tmp_path, "org/nope")
     assert nothing.returncode == 2 and "no repository org/nope" in nothing.stderr, nothing.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     offline = subprocess.run([sys.executable, "-m", "moed.cli.main", "pull", "org/Tiny-GGUF"], capture_output=True,
-                             text=True, timeout=120, env=dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9",
+                             text=True, timeout=120, env=dict(env, HF_ENDPOINT="http://127.0.0.1:9",
                                                               HF_HUB_CACHE=str(tmp_path)))
     assert offline.returncode == 2 and "cannot reach the Hugging Face Hub" in offline.stderr, offline.stderr
 
@@ -135,6 +137,7 @@ def test_ollamas_pull_endpoint_streams_progress_and_the_model_then_answers(hub, 
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     d = start_http_daemon(catalog=Catalog(CatalogRoots(huggingface=tmp_path)), pool=PoolConfig(),
                           options=LoadOptions(device="cpu", context_length=128))
     try:

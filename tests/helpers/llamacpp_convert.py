@@ -25,7 +25,11 @@ CONVERTER = REPO / ".cache/llamacpp-convert"
 VOCAB = 49152
 GLM_SPECIAL = ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]  # the converter's GLM vocab needs them
 FAMILIES = ["qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_next",
-            "qwen3_5_moe_text", "glm_moe_dsa"]
+            "qwen3_5_moe_text", "glm_moe_dsa", "glm4_moe_lite"]
+GLM = ("glm4_moe", "glm_moe_dsa", "glm4_moe_lite")
+# GLM-4.7-Flash's chat template opens with [gMASK] (how moed tells it from other deepseek2 files), reduced
+GLM_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def converter_script() -> Path | None:
@@ -56,10 +60,12 @@ def converter_config(family: str, *, wide: bool = False):
         cfg.max_position_embeddings = 1024
         cfg.rope_parameters = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
                                    mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0)
-    elif family in ("glm4_moe", "glm_moe_dsa"):
+    elif family in GLM:
         cfg.vocab_size = VOCAB + 8
-        if family == "glm_moe_dsa":
-            cfg.scoring_func = "sigmoid"  # as GLM-5's config.json says; the converter writes the gating from it
+        if family in ("glm_moe_dsa", "glm4_moe_lite"):
+            cfg.scoring_func = "sigmoid"  # as their config.json says; the converter writes the gating from it
+        if family == "glm4_moe_lite":
+            cfg.first_k_dense_replace = 1  # GLM-4.7-Flash's config.json gives it; the converter reads it
     if wide:
         _widen(cfg, family)
     return cfg
@@ -79,13 +85,17 @@ def _widen(cfg, family: str) -> None:
 
 
 def tokenizer_files_for(family: str, files: dict[str, str]) -> dict[str, str]:
-    if family not in ("glm4_moe", "glm_moe_dsa"):
+    if family not in GLM:
         return files
     tok = json.loads(files["tokenizer.json"])
     for i, content in enumerate(GLM_SPECIAL):
         tok["added_tokens"].append(dict(id=VOCAB + i, content=content, single_word=False, lstrip=False, rstrip=False,
                                         normalized=False, special=True))
-    return dict(files, **{"tokenizer.json": json.dumps(tok)})
+    files = dict(files, **{"tokenizer.json": json.dumps(tok)})
+    if family == "glm4_moe_lite":
+        config = json.loads(files.get("tokenizer_config.json", "{}"))
+        files["tokenizer_config.json"] = json.dumps(dict(config, chat_template=GLM_TEMPLATE))
+    return files
 
 
 def build_for_converter(family: str, hf: Path, files: dict[str, str], *, wide: bool = False,

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next",
-            "qwen3_5_moe_text", "deepseek_v32", "glm_moe_dsa", "deepseek_v4")
+            "qwen3_5_moe_text", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "glm4_moe_lite")
 
 COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
@@ -75,6 +75,11 @@ def tiny_config(family: str):
                                 head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                                 first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
                                 use_qk_norm=True, attention_bias=True)
+    if family == "glm4_moe_lite":  # GLM-4.7-Flash: MLA, the first layer dense
+        return tf.Glm4MoeLiteConfig(**COMMON, intermediate_size=96, moe_intermediate_size=64, num_key_value_heads=4,
+                                    n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=32,
+                                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_shared_experts=1,
+                                    routed_scaling_factor=1.8)
     if family == "deepseek_v4":
         # one layer of each kind, windows short enough that the parity prompts (5-13 tokens, then 32 decoded)
         # close several of them: sliding window 8, compressed sparse (ratio 4, its indexer keeps 4 entries; 16

@@ -12,7 +12,8 @@ from moed.models.families.base import Family, FamilyNames, base_config, check_ac
 from moed.models.model_config import ModelConfig, require, rope_from_config
 
 
-def _parse_deepseek_v3(cfg: dict) -> ModelConfig:
+def deepseek_v3_config(cfg: dict) -> ModelConfig:
+    """DeepSeek-V3: MLA attention, grouped sigmoid experts (and the families built on them)."""
     check_act(cfg)
     n = require(cfg, "num_hidden_layers")
     heads = require(cfg, "num_attention_heads")
@@ -37,6 +38,17 @@ def _parse_deepseek_v3(cfg: dict) -> ModelConfig:
                        interleaved=bool(cfg.get("rope_interleave", True)))
 
 
+def mlp_layer_types(cfg: dict, n: int, default: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Which layers are MoE from config.json's ``mlp_layer_types`` ("dense" / "sparse" per layer), else
+    ``default``."""
+    types = cfg.get("mlp_layer_types")
+    if types is None:
+        return default
+    if not isinstance(types, list) or len(types) != n or any(t not in ("dense", "sparse") for t in types):
+        raise ModelFormatError(f"config.json: mlp_layer_types must give dense or sparse for each of the {n} layers")
+    return tuple(t == "sparse" for t in types)
+
+
 def _parse_deepseek_v32(cfg: dict) -> ModelConfig:
     """DeepSeek-V3.2: DeepSeek-V3's MLA (always with a q LoRA) and experts, plus DeepSeek Sparse Attention: a
     lightning indexer per layer picks each query's ``index_topk`` keys (its rotary on halves)."""
@@ -51,14 +63,9 @@ def sparse_mla(cfg: dict, *, rope_interleaved: bool, indexer_layers: tuple[bool,
         raise ModelFormatError(f"config.json: index_head_dim={cfg['index_head_dim']} is smaller than "
                                f"qk_rope_head_dim={rope_dim} (the indexer rotates that many dims of each head)")
     # the MLA attention always rotates pairs (its rope_interleave field is gone from these configs)
-    base = _parse_deepseek_v3(dict(cfg, rope_interleave=True))
+    base = deepseek_v3_config(dict(cfg, rope_interleave=True))
     n = base.num_layers
-    types = cfg.get("mlp_layer_types")
-    moe_layers = base.moe_layers
-    if types is not None:
-        if not isinstance(types, list) or len(types) != n or any(t not in ("dense", "sparse") for t in types):
-            raise ModelFormatError(f"config.json: mlp_layer_types must give dense or sparse for each of the {n} layers")
-        moe_layers = tuple(t == "sparse" for t in types)
+    moe_layers = mlp_layer_types(cfg, n, base.moe_layers)
     attention = dataclasses.replace(base.attention, index_topk=cfg["index_topk"], index_num_heads=cfg["index_n_heads"],
                                     index_head_dim=cfg["index_head_dim"], index_rope_interleaved=rope_interleaved)
     return dataclasses.replace(base, attention=attention, moe_layers=moe_layers, indexer_layers=indexer_layers)
@@ -69,7 +76,7 @@ DEEPSEEK_NAMES = FamilyNames(moe_prefix="model.layers.{i}.mlp", router="gate",
 
 
 FAMILIES = (
-    Family("deepseek_v3", _parse_deepseek_v3, DEEPSEEK_NAMES, architectures=("DeepseekV3ForCausalLM",),
+    Family("deepseek_v3", deepseek_v3_config, DEEPSEEK_NAMES, architectures=("DeepseekV3ForCausalLM",),
            tool_format="deepseek"),
     Family("deepseek_v32", _parse_deepseek_v32, DEEPSEEK_NAMES, architectures=("DeepseekV32ForCausalLM",),
            tool_format="dsml", chat_template="deepseek_v32"),

@@ -1,11 +1,14 @@
-"""GLM-4.5 / 4.6 / 4.7 (``glm4_moe``: GQA with q/k/v biases, partial rotary, DeepSeek-V3's experts) and GLM-5
-(``glm_moe_dsa``: DeepSeek-V3.2's sparse MLA with shared indexer layers)."""
+"""GLM-4.5 / 4.6 / 4.7 (``glm4_moe``: GQA with q/k/v biases, partial rotary, DeepSeek-V3's experts),
+GLM-4.7-Flash (``glm4_moe_lite``: DeepSeek-V3's MLA and experts) and GLM-5 (``glm_moe_dsa``: DeepSeek-V3.2's sparse
+MLA with shared indexer layers)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from moed.errors import ModelFormatError
 from moed.models.families.base import Family, base_config, check_act, mha, sigmoid_group_moe
-from moed.models.families.deepseek import DEEPSEEK_NAMES, sparse_mla
+from moed.models.families.deepseek import DEEPSEEK_NAMES, deepseek_v3_config, mlp_layer_types, sparse_mla
 from moed.models.model_config import ModelConfig, require
 
 
@@ -18,6 +21,14 @@ def _parse_glm4_moe(cfg: dict) -> ModelConfig:
               qk_norm="per_head" if cfg.get("use_qk_norm") else "none")
     moe, moe_layers = sigmoid_group_moe(cfg, n)
     return base_config(cfg, att, moe, moe_layers, (None,) * n, att.head_dim)
+
+
+def _parse_glm4_moe_lite(cfg: dict) -> ModelConfig:
+    """GLM-4.7-Flash: DeepSeek-V3's MLA (rotary on pairs) and experts; which layers are MoE comes from
+    ``mlp_layer_types`` (transformers' default: all but the first)."""
+    base = deepseek_v3_config(cfg)
+    n = base.num_layers
+    return dataclasses.replace(base, moe_layers=mlp_layer_types(cfg, n, (False,) + (True,) * (n - 1)))
 
 
 def _parse_glm_moe_dsa(cfg: dict) -> ModelConfig:
@@ -45,6 +56,8 @@ def _parse_glm_moe_dsa(cfg: dict) -> ModelConfig:
 
 FAMILIES = (
     Family("glm4_moe", _parse_glm4_moe, DEEPSEEK_NAMES, architectures=("Glm4MoeForCausalLM",), tool_format="glm"),
+    Family("glm4_moe_lite", _parse_glm4_moe_lite, DEEPSEEK_NAMES, architectures=("Glm4MoeLiteForCausalLM",),
+           tool_format="glm"),
     Family("glm_moe_dsa", _parse_glm_moe_dsa, DEEPSEEK_NAMES, architectures=("GlmMoeDsaForCausalLM",),
            tool_format="glm"),
 )
