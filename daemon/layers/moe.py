@@ -21,13 +21,14 @@ def route(cfg: MoeConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
           table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D] -> (topk_ids [N, A] int64, topk_weights [N, A] f32). ``table`` (DeepSeek-V4's hash layers,
     int ``[V, A]``): the experts are the row of each token in ``token_ids [N]``, the scores still weigh them."""
-    if cfg.scoring in ("softmax", "topk_softmax") and _native_router(x, weight, bias):
+    native_ok = score_bias is None  # the native router has no correction bias (ERNIE's softmax + bias)
+    if cfg.scoring in ("softmax", "topk_softmax") and native_ok and _native_router(x, weight, bias):
         # decode: logits, softmax and top-k in one native call (native/cpu/router.c; this code is its reference)
         return native().route(x, weight, bias, cfg.scoring, cfg.top_k,
                               cfg.scoring == "softmax" and bool(cfg.norm_topk_prob))
     # routing decides which experts run: always float32, whatever dtype the router is stored in
     logits = linear_f32(x, weight, bias)  # [N, E]
-    if cfg.scoring in ("softmax", "topk_softmax") and _native_select(logits):
+    if cfg.scoring in ("softmax", "topk_softmax") and native_ok and _native_select(logits):
         # decode with a bf16 router: its logits from the dense GEMV, then the native router's own choice
         return native().route_select(logits, cfg.scoring, cfg.top_k, cfg.scoring == "softmax" and bool(cfg.norm_topk_prob))
     if cfg.scoring == "topk_softmax":  # gpt-oss: softmax over the chosen logits only
@@ -35,7 +36,11 @@ def route(cfg: MoeConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         return ids, torch.softmax(values, dim=-1)
     if cfg.scoring == "softmax":
         probs = torch.softmax(logits, dim=-1)
-        weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
+        if score_bias is not None:  # ERNIE-4.5: chosen on probabilities + bias, weighed by the probabilities
+            ids = torch.topk(probs + score_bias.reshape(1, -1), cfg.top_k, dim=-1).indices
+            weights = probs.gather(1, ids)
+        else:
+            weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights

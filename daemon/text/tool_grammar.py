@@ -32,6 +32,10 @@ Each call names one of the offered tools and its arguments follow that tool's pa
 
 * ``mistral`` (Mixtral's v3 tokenizer): ``[TOOL_CALLS][{"name": "N", "arguments": {...}}, ...]``
 
+* ``minimax`` (MiniMax-M2 / M2.5)::
+
+      <minimax:tool_call>\n<invoke name="N">\n<parameter name="K">value</parameter>\n</invoke>\n</minimax:tool_call>
+
 A ``<think>...</think>`` block may come first (or the answer starts inside it when the prompt opened it).
 Parameters come in the schema's order (required ones always, the others optionally). Markers the tokenizer has
 as special tokens (harmony's, DeepSeek's, ``[TOOL_CALLS]``) are referenced by id. A syntax without a grammar
@@ -48,8 +52,9 @@ from typing import Any
 from moed.text.grammar import JSON_LAYOUT, Grammar
 
 JSON_WRAPPED = ("generic", "hermes", "qwen3")
-GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm", "harmony", "deepseek", "mistral")
-REASONING = {"qwen3": ("<think>", "</think>"), "glm": ("<think>", "</think>"), "deepseek": ("<think>", "</think>")}
+GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm", "harmony", "deepseek", "mistral", "minimax")
+REASONING = {"qwen3": ("<think>", "</think>"), "glm": ("<think>", "</think>"), "deepseek": ("<think>", "</think>"),
+             "minimax": ("<think>", "</think>")}
 DSML = "｜DSML｜"  # the fullwidth bars are part of DeepSeek's markup tokens
 
 
@@ -127,13 +132,17 @@ def _xml_calls(tools: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
     return rules, " | ".join(options)
 
 
-def _dsml_calls(tools: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
+def _dsml_calls(tools: Sequence[dict[str, Any]], prefix: str = DSML) -> tuple[list[str], str]:
     """DeepSeek's DSML invokes, each parameter with ``string="true"`` and its raw text, or ``string="false"`` and
-    JSON (the block around them: ``tool_call_grammar``)."""
+    JSON; with ``prefix`` "", MiniMax-M2's invokes (no ``string`` attribute: raw strings, other values JSON). The
+    block around them: ``tool_call_grammar``."""
+    def param_open(key: str, schema: dict) -> str:
+        kind = "" if not prefix else f' string="{"true" if _is_string(schema) else "false"}"'
+        return json.dumps(f'<{prefix}parameter name="{key}"{kind}>')
+
     rules, options = _tagged_calls(
-        tools, lambda name: json.dumps(f'<{DSML}invoke name="{name}">\n'),
-        lambda key, schema: json.dumps(f'<{DSML}parameter name="{key}" string="{"true" if _is_string(schema) else "false"}">'),
-        f"</{DSML}parameter>\n", "", json.dumps(f"</{DSML}invoke>\n"))
+        tools, lambda name: json.dumps(f'<{prefix}invoke name="{name}">\n'), param_open,
+        f"</{prefix}parameter>\n", "", json.dumps(f"</{prefix}invoke>\n"))
     rules.append(f"invokes: ({' | '.join(options)})")
     return rules, "invokes"
 
@@ -230,11 +239,13 @@ def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, para
         lines += _deepseek_calls(tools, special, deepseek_v31)
         lines.append("calls: section_open " + ("call" if not parallel else 'call ("\\n"? call)*') + " section_close")
         tags, gap = REASONING["deepseek"], "GAP: /[ \\n]*/"
-    elif tool_format == "dsml":
-        rules, invoke = _dsml_calls(tools)
+    elif tool_format in ("dsml", "minimax"):
+        rules, invoke = _dsml_calls(tools, DSML if tool_format == "dsml" else "")
         lines += rules
         one = invoke if not parallel else f"{invoke}+"
-        lines.append(f'calls: {json.dumps(f"<{DSML}{dsml_block}>" + chr(10))} {one} {json.dumps(f"</{DSML}{dsml_block}>")}')
+        opened, closed = ((f"<{DSML}{dsml_block}>", f"</{DSML}{dsml_block}>") if tool_format == "dsml"
+                          else ("<minimax:tool_call>", "</minimax:tool_call>"))
+        lines.append(f'calls: {json.dumps(opened + chr(10))} {one} {json.dumps(closed)}')
         tags, gap = ("<think>", "</think>"), "GAP: /\\n*/"
     else:
         if xml_calls or tool_format == "glm":
@@ -248,7 +259,7 @@ def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, para
         tags, gap = REASONING.get(tool_format), "GAP: /[ \\n]*/"
     if tags is None or reasoning == "none":
         lines.append(gap)
-        lines.append("start: GAP calls" if tool_format == "dsml" else "start: calls")
+        lines.append("start: GAP calls" if tool_format in ("dsml", "minimax") else "start: calls")
     else:
         opened, closed = (json.dumps(t) for t in tags)
         lines.append(f"think_rest[lazy]: /(.|\\n)*/ {closed}")

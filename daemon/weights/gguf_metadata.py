@@ -28,6 +28,12 @@ rope.scaling.*, expert_count, expert_used_count.
   glm4moe, and the lightning indexer's attention.indexer.{head_count,key_length,top_k,types} (which
   layers run an indexer; without the key, the layers that hold indexer tensors). llama.cpp itself keeps
   the indexer's tensors but runs every key; moed runs the sparse attention they define.
+- ernie4_5-moe -> ernie4_5_moe: MoE layers from leading_dense_block_count (moe_layer_start_index) and
+  interleave_moe_layer_step (moe_layer_interval) to the last layer, which holds a router; softmax routing
+  chosen with exp_probs_b; shared experts (expert_shared_count, each the routed experts' size).
+- minimax-m2 -> minimax_m2: full-width q/k norms, partial rotary from rope.dimension_count (rotary_dim),
+  sigmoid routing with the correction bias (exp_probs_b; llama.cpp's graph always gates minimax-m2 by
+  sigmoid), an MoE in every layer.
 - qwen3next -> qwen3_next: the DeltaNet's sizes from the ssm.* keys (group_count = key heads,
   time_step_rank = value heads, state_size = key head size, inner_size = all value heads), the
   layer pattern from attention.recurrent_layers; MTP layers left out as for GLM.
@@ -217,6 +223,33 @@ def _olmoe(m: GgufMetadata) -> dict[str, Any]:
                 norm_topk_prob=False, clip_qkv=None, attention_bias="blk.0.attn_q.bias" in m.file)
 
 
+def _ernie4_5_moe(m: GgufMetadata) -> dict[str, Any]:
+    cfg = m.common()
+    n = cfg["num_hidden_layers"]
+    num_experts, top_k = m.experts()
+    start = m.int("leading_dense_block_count", default=1)
+    step = m.int("interleave_moe_layer_step", default=1, minimum=1)
+    routed = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in m.file]
+    expected = [i for i in range(n) if (i + 1) % step == 0 and i >= start]
+    if routed != expected[:len(routed)] or not routed:
+        raise ModelFormatError(f"{m.file.path}: the layers with a router ({routed[:8]}) do not follow "
+                               f"leading_dense_block_count={start} and interleave_moe_layer_step={step}")
+    dense = next((i for i in range(n) if f"blk.{i}.ffn_gate.weight" in m.file), None)
+    return dict(cfg, moe_num_experts=num_experts, moe_k=top_k, moe_intermediate_size=m.expert_rows(),
+                moe_num_shared_experts=m.int("expert_shared_count", default=0), moe_layer_start_index=start,
+                moe_layer_interval=step, moe_layer_end_index=routed[-1], use_bias=False,
+                intermediate_size=m.rows(f"blk.{dense}.ffn_gate.weight") if dense is not None
+                else m.expert_rows())
+
+
+def _minimax_m2(m: GgufMetadata) -> dict[str, Any]:
+    cfg = m.common()
+    num_experts, top_k = m.experts()
+    m.require_moe_layers(0, cfg["num_hidden_layers"])
+    return dict(cfg, num_local_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=m.expert_rows(),
+                use_qk_norm="blk.0.attn_q_norm.weight" in m.file)
+
+
 def _mixtral(m: GgufMetadata) -> dict[str, Any]:
     if not m.has("expert_count") or "blk.0.ffn_gate_exps.weight" not in m.file:
         raise UnsupportedModelError(f"{m.file.path}: a dense Llama model (no experts); moed runs Mixture-of-Experts "
@@ -382,6 +415,8 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     "glm4moe": GgufArchitecture("glm4_moe", "Glm4MoeForCausalLM", "GLM-4.5/4.6/4.7", _glm4moe,
                                 "post_attention_norm"),
     "glm-dsa": GgufArchitecture("glm_moe_dsa", "GlmMoeDsaForCausalLM", "GLM-5", _glm_dsa),
+    "ernie4_5-moe": GgufArchitecture("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", "ERNIE-4.5-MoE", _ernie4_5_moe),
+    "minimax-m2": GgufArchitecture("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMax-M2", _minimax_m2),
     "qwen3next": GgufArchitecture("qwen3_next", "Qwen3NextForCausalLM", "Qwen3-Next", _qwen3next,
                                   "post_attention_norm"),
     "qwen35moe": GgufArchitecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5/3.6-MoE", _qwen3next,

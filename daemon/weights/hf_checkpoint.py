@@ -312,7 +312,7 @@ class HfCheckpoint:
         return self.micro.shape(self.source, key) if self._quantised(key) else self.source.shape(key)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: self._shape(key) for name, key in self.weight_keys.items()}
+        return {name: _flat_score_bias(name, self._shape(key)) for name, key in self.weight_keys.items()}
 
     def weight_dtype(self, name: str) -> torch.dtype:
         """The dtype a non-expert weight is kept in: the checkpoint's own when it is float32, bf16 or
@@ -328,7 +328,8 @@ class HfCheckpoint:
 
     def read_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One non-expert weight, in ``dtype`` (default: ``weight_dtype(name)``)."""
-        return self._read(self.weight_keys[name]).to(dtype or self.weight_dtype(name)).contiguous()
+        tensor = self._read(self.weight_keys[name]).to(dtype or self.weight_dtype(name)).contiguous()
+        return tensor.reshape(_flat_score_bias(name, tuple(tensor.shape)))
 
     def _read(self, key: str) -> torch.Tensor:
         """A tensor as float32 (FP8 block scales applied), or in its own dtype when that is bf16/fp16/fp32."""
@@ -481,6 +482,13 @@ class HfCheckpoint:
                 f"{self.path}: tensor {quoted(key)} has shape {list(got)} but config.json implies {list(shape)}; "
                 "the config and the weights do not belong together")
         return self._read(key).float()
+
+
+def _flat_score_bias(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A router's correction bias stored as [1, E] (ERNIE-4.5, one expert group) is the [E] vector moed keeps."""
+    if name.endswith("router.score_bias") and len(shape) == 2 and shape[0] == 1:
+        return (shape[1],)
+    return shape
 
 
 def _reader_names(family: Family, keys: set[str]):

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next",
-            "qwen3_5_moe_text", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "glm4_moe_lite")
+            "qwen3_5_moe_text", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "glm4_moe_lite",
+            "ernie4_5_moe", "minimax_m2")
 
 COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
@@ -80,6 +81,12 @@ def tiny_config(family: str):
                                     n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=32,
                                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_shared_experts=1,
                                     routed_scaling_factor=1.8)
+    if family == "ernie4_5_moe":  # ERNIE-4.5: the first layer dense, one shared expert
+        return tf.Ernie4_5_MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=64, num_key_value_heads=2,
+                                     moe_num_experts=8, moe_k=2, moe_num_shared_experts=1)
+    if family == "minimax_m2":  # MiniMax-M2: full-width q/k norms, rotary on half of each head, sigmoid + bias
+        return tf.MiniMaxM2Config(**COMMON, intermediate_size=64, num_key_value_heads=2, head_dim=32,
+                                  num_local_experts=8, num_experts_per_tok=2, rotary_dim=16)
     if family == "deepseek_v4":
         # one layer of each kind, windows short enough that the parity prompts (5-13 tokens, then 32 decoded)
         # close several of them: sliding window 8, compressed sparse (ratio 4, its indexer keeps 4 entries; 16
@@ -105,7 +112,9 @@ def build_tiny_model(family: str, dst: Path, *, seed: int = 0, scale: float = 4.
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() >= 2:
+            if "e_score_correction_bias" in name:  # ERNIE-4.5 keeps it as a [1, E] parameter
+                param.normal_(0, 0.05)
+            elif param.dim() >= 2:
                 param.mul_(scale)
             elif "bias" in name or "sinks" in name:
                 param.normal_(0, 0.5)

@@ -429,6 +429,27 @@ def dsml_calls(calls: list[tuple[str, dict]], section: str = "function_calls") -
     return f"\n\n<{DSML}{section}>\n" + "\n".join(invokes) + f"\n</{DSML}{section}>"
 
 
+def minimax_calls(calls: list[tuple[str, dict]]) -> str:
+    """As MiniMax-M2's tool-calling guide shows its output: raw values, JSON for everything but strings."""
+    invokes = []
+    for name, args in calls:
+        params = [f'<parameter name="{k}">{v if isinstance(v, str) else json.dumps(v)}</parameter>'
+                  for k, v in args.items()]
+        invokes.append(f'<invoke name="{name}">\n' + "\n".join(params) + "\n</invoke>")
+    return "<minimax:tool_call>\n" + "\n".join(invokes) + "\n</minimax:tool_call>"
+
+
+# MiniMax-M2.5's guide, "Model Output Format": two parallel invokes with JSON-array values
+MINIMAX_GUIDE = ('<minimax:tool_call>\n<invoke name="search_web">\n<parameter name="query_tag">["technology", '
+                 '"events"]</parameter>\n<parameter name="query_list">["\\"OpenAI\\" \\"latest\\" \\"release\\""]'
+                 '</parameter>\n</invoke>\n<invoke name="search_web">\n<parameter name="query_tag">["technology", '
+                 '"events"]</parameter>\n<parameter name="query_list">["\\"Gemini\\" \\"latest\\" \\"release\\""]'
+                 '</parameter>\n</invoke>\n</minimax:tool_call>')
+# MiniMax's reference parser drops a newline at each end of a value: a value written here has none
+MINIMAX_WRITE = dict(WRITE_ARGS, content=WRITE_ARGS["content"].rstrip("\n"))
+SEARCH = {"search_web": {"type": "object", "properties": {"query_list": {"type": "array", "items": {"type": "string"}},
+                                                          "query_tag": {"type": "array", "items": {"type": "string"}}}}}
+
 XML_CASES = [
     ("glm", {},  # GLM-4.5: newlines after the name and between the pairs
      "<think>The user wants the weather, then a file.</think>\nChecking.\n" + glm_call("get_weather", WEATHER_ARGS)
@@ -450,11 +471,23 @@ XML_CASES = [
     ("dsml", {},  # chat mode (the prompt closed </think>), DeepSeek-V4's section name
      "Done." + dsml_calls([("get_time", TIME_ARGS)], section="tool_calls") + "\nAfter.",
      ("Done.\n\nAfter.", "", [("get_time", TIME_ARGS)])),
+    ("minimax", {"starts_in_reasoning": True},  # the prompt ends "]~b]ai\n<think>\n"; interleaved thinking
+     "The user wants the weather, then a file.\n</think>\n\nLet me help you query the weather.\n"
+     + minimax_calls([("get_weather", WEATHER_ARGS), ("write_file", MINIMAX_WRITE)]) + "[e~[",
+     ("Let me help you query the weather.\n", "The user wants the weather, then a file.\n",
+      [("get_weather", WEATHER_ARGS), ("write_file", MINIMAX_WRITE)])),
+    ("minimax", {}, MINIMAX_GUIDE,
+     ("", "", [("search_web", {"query_tag": ["technology", "events"], "query_list": ['"OpenAI" "latest" "release"']}),
+               ("search_web", {"query_tag": ["technology", "events"], "query_list": ['"Gemini" "latest" "release"']})])),
+    ("minimax", {},
+     "<think></think>XML in prose stays text: <invoke name=\"x\"> and <minimax:tool a < b.[e~[",
+     ("XML in prose stays text: <invoke name=\"x\"> and <minimax:tool a < b.", "", [])),
 ]
 XML_MARKERS = {
     "glm": ["<tool_call>", "</tool_call>", "<arg_value>", "</arg_value>", "<think>", "</think>", "<|user|>",
                  "<|observation|>"],
     "dsml": [f"<{DSML}", f"</{DSML}", "<think>", "<｜end▁of▁sentence｜>"],
+    "minimax": ["<minimax:tool_call>", "</minimax:tool_call>", "</invoke>", "</parameter>", "<think>", "[e~["],
 }
 
 
@@ -465,7 +498,7 @@ def test_glm_and_dsml_calls_in_any_split(family, options, output, expected):
     splits = [[output], list(output)] + [random_splits(output, rng) for _ in range(20)]
     splits += [[output[:i], output[i:]] for i in range(1, len(output))]
     for chunks in splits:
-        parser = output_parser_for(family, tools=True, tool_parameters=GLM_SCHEMAS, **options)
+        parser = output_parser_for(family, tools=True, tool_parameters={**GLM_SCHEMAS, **SEARCH}, **options)
         got = summarize(run(parser, chunks), parser)
         assert got == expected, f"split {chunks[:6]}..."
         for marker in XML_MARKERS[family]:
@@ -475,10 +508,10 @@ def test_glm_and_dsml_calls_in_any_split(family, options, output, expected):
 @pytest.mark.parametrize("family, output", [(c[0], c[2]) for c in XML_CASES if c[3][2]])
 def test_glm_and_dsml_arguments_stream_pair_by_pair(family, output):
     """The name goes out with the first pair, and each later pair is its own piece, before the call closes."""
-    parser = output_parser_for(family, tools=True, tool_parameters=GLM_SCHEMAS,
+    parser = output_parser_for(family, tools=True, tool_parameters={**GLM_SCHEMAS, **SEARCH},
                                starts_in_reasoning="<think>" not in output and "</think>" in output)
     named_at, pieces = None, 0
-    close = "</tool_call>" if family != "dsml" else f"</{DSML}invoke>"
+    close = {"dsml": f"</{DSML}invoke>", "minimax": "</invoke>"}.get(family, "</tool_call>")
     for i, ch in enumerate(output):
         for e in parser.feed(ch):
             if e.kind == "tool_call" and e.name and named_at is None:
@@ -532,7 +565,18 @@ def test_glm_and_dsml_unfinished_calls_are_incomplete(family, output, sent):
     assert summarize(events, parser) == ("", "", [])
 
 
+def test_minimax_values_on_lines_of_their_own():
+    """MiniMax-M2 may write a value on its own lines; one newline at each end is not part of it (as MiniMax's
+    reference parser reads it)."""
+    output = ('<minimax:tool_call>\n<invoke name="f">\n<parameter name="city">\nParis\n</parameter>\n'
+              '<parameter name="n">\n7\n</parameter>\n</invoke>\n</minimax:tool_call>')
+    parser = output_parser_for("minimax", tools=True, tool_parameters={"f": {"properties": {
+        "city": {"type": "string"}, "n": {"type": "integer"}}}})
+    assert summarize(run(parser, list(output)), parser)[2] == [("f", {"city": "Paris", "n": 7})]
+
+
 def test_glm_and_dsml_prompts_open_reasoning():
     assert prompt_opens_reasoning("glm", "<|user|>hi<|assistant|><think>")
     assert prompt_opens_reasoning("dsml", "<｜User｜>hi<｜Assistant｜><think>")
+    assert prompt_opens_reasoning("minimax", "]~b]user\nhi[e~[\n]~b]ai\n<think>\n")
     assert not prompt_opens_reasoning("dsml", "<｜User｜>hi<｜Assistant｜></think>")

@@ -60,6 +60,8 @@ DS_V3 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜too
          '{"city": "Paris\\nCentre", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
 DS_V31 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
           '{"city": "Paris\\nCentre", "days": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+MINIMAX = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris\nCentre</parameter>\n'
+           '<parameter name="days">2</parameter>\n</invoke>\n</minimax:tool_call>')
 MIXTRAL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris\\nCentre", "days": 2}}]'
 
 CASES = {
@@ -78,6 +80,8 @@ CASES = {
     "deepseek R1, prompt opened thinking": ("deepseek", {"reasoning": "open"}, "hm</think>\n\n" + DS_V3),
     "deepseek V3.1": ("deepseek", {"deepseek_v31": True, "reasoning": "none"}, DS_V31),
     "mixtral": ("mistral", {}, MIXTRAL),
+    "minimax": ("minimax", {"reasoning": "none"}, MINIMAX),
+    "minimax after thinking": ("minimax", {"reasoning": "open"}, "The weather.\n</think>\n\n" + MINIMAX),
 }
 
 
@@ -107,11 +111,14 @@ def test_the_templates_call_is_accepted_and_read_back(tokenizer, case):
     ("deepseek V3.1", DS_V3),
     ("mixtral", MIXTRAL.replace('"get_weather"', '"get_time"')),
     ("mixtral", "Sure. " + MIXTRAL),
+    ("minimax", MINIMAX.replace(">2<", ">two<")),
+    ("minimax", MINIMAX.replace('<parameter name="city">Paris\nCentre</parameter>\n', "")),  # required city
 ])
 def test_a_call_outside_the_schema_or_syntax_is_refused(tokenizer, case, text):
     fmt, options, _ = {"hermes": CASES["hermes"], "qwen3-coder XML": CASES["qwen3-coder XML"],
                        "dsml V4": CASES["dsml V4"], "glm": CASES["glm-4.7 / glm-5"], "deepseek V3": CASES["deepseek V3"],
-                       "deepseek V3.1": CASES["deepseek V3.1"], "mixtral": CASES["mixtral"]}[case]
+                       "deepseek V3.1": CASES["deepseek V3.1"], "mixtral": CASES["mixtral"],
+                       "minimax": CASES["minimax"]}[case]
     assert not _accepts(tokenizer, tool_call_grammar(fmt, TOOLS, **options), text)
 
 

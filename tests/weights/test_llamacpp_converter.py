@@ -159,3 +159,26 @@ def test_glm5_indexer_layers_come_from_the_types_key_or_from_the_tensors(tmp_pat
     file.metadata[key] = [True, False]
     with pytest.raises(ModelFormatError, match="each of the 3 layers"):
         read_config(file, "glm-dsa")
+
+
+def test_ernie_with_its_sentencepiece_vocabulary_runs_like_transformers(tmp_path):
+    """ERNIE-4.5-MoE as llama.cpp's converter writes it (its SentencePiece vocabulary, dense first layer, softmax
+    routing with exp_probs_b, shared experts): the same model as transformers' from the same weights."""
+    script = _converter()
+    model_file = _train_sentencepiece(tmp_path)
+    cfg = tiny_config("ernie4_5_moe")  # vocab 512: the converter pads the 400 pieces with [PAD] tokens
+    hf = tmp_path / "hf"
+    reference = build_tiny_model("ernie4_5_moe", hf, config=cfg).eval()
+    (hf / "tokenizer.model").write_bytes(model_file.read_bytes())
+    out = tmp_path / "ernie.gguf"
+    done = run_converter(script, "ernie4_5_moe", hf, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = GgufCheckpoint(out)
+    expected = parse_model_config(json.loads((hf / "config.json").read_text()))
+    for field in ("family", "hidden_size", "num_layers", "attention", "moe", "moe_layers", "rope"):
+        assert getattr(ckpt.config, field) == getattr(expected, field), field
+    runtime = open_runtime(out, weights_dtype="fp32")
+    try:
+        assert_matches_reference(runtime, reference, tol=1e-3, tokens_equal=True, steps=12, seed=3, what="ernie")
+    finally:
+        runtime.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from moed.text.output_parsers.base import OutputParser, PendingCall
@@ -30,22 +31,49 @@ from moed.text.output_parsers.json_stream import JsonSyntaxError
 from moed.text.output_parsers.xml_call import ParamCall
 
 DSML = "｜DSML｜"
-SECTION_OPENS = (f"<{DSML}function_calls>", f"<{DSML}tool_calls>")
-SECTION_CLOSES = (f"</{DSML}function_calls>", f"</{DSML}tool_calls>")
-INVOKE_OPEN = f'<{DSML}invoke name="'
-INVOKE_CLOSE = f"</{DSML}invoke>"
-PARAM_OPEN = f'<{DSML}parameter name="'
-PARAM_CLOSE = f"</{DSML}parameter>"
 EOS = "<｜end▁of▁sentence｜>"
 _PARAM_HEAD = re.compile(r'([^"]*)"(?:\s+string="(true|false)")?\s*>')
 
 
-class DsmlInvoke(ParamCall):
-    """Reads one invoke after ``<｜DSML｜invoke name="`` up to and including ``</｜DSML｜invoke>``."""
+@dataclass(frozen=True)
+class InvokeMarkup:
+    """The tags of a syntax of XML-like invokes (DeepSeek's DSML, MiniMax-M2's)."""
 
-    def __init__(self, call: PendingCall, tool_parameters: Mapping[str, Any] | None) -> None:
+    section_opens: tuple[str, ...]
+    section_closes: tuple[str, ...]
+    tag_prefix: str  # "｜DSML｜" or ""
+
+    @property
+    def invoke_open(self) -> str:
+        return f'<{self.tag_prefix}invoke name="'
+
+    @property
+    def invoke_close(self) -> str:
+        return f"</{self.tag_prefix}invoke>"
+
+    @property
+    def param_open(self) -> str:
+        return f'<{self.tag_prefix}parameter name="'
+
+    @property
+    def param_close(self) -> str:
+        return f"</{self.tag_prefix}parameter>"
+
+
+DSML_MARKUP = InvokeMarkup((f"<{DSML}function_calls>", f"<{DSML}tool_calls>"),
+                           (f"</{DSML}function_calls>", f"</{DSML}tool_calls>"), DSML)
+
+
+class DsmlInvoke(ParamCall):
+    """Reads one invoke after ``<｜DSML｜invoke name="`` (``markup.invoke_open``) up to and including its closing
+    tag. ``trim_newlines``: a raw value loses one newline at each end (MiniMax-M2 may write a value on lines of its
+    own)."""
+
+    def __init__(self, call: PendingCall, tool_parameters: Mapping[str, Any] | None,
+                 markup: InvokeMarkup = DSML_MARKUP, trim_newlines: bool = False) -> None:
         super().__init__(call, tool_parameters, "name")  # name | params | value
         self._is_string: bool | None = None
+        self.markup, self.trim_newlines = markup, trim_newlines
 
     def _step(self, text: str, pos: int) -> int:
         rest = text[pos:]
@@ -64,13 +92,14 @@ class DsmlInvoke(ParamCall):
         if self._state == "params":
             body = rest.lstrip()
             skipped = len(rest) - len(body)
-            if body.startswith(INVOKE_CLOSE):
+            m = self.markup
+            if body.startswith(m.invoke_close):
                 self._close()
-                return pos + skipped + len(INVOKE_CLOSE)
-            if body.startswith(PARAM_OPEN):
-                head = _PARAM_HEAD.match(body, len(PARAM_OPEN))
+                return pos + skipped + len(m.invoke_close)
+            if body.startswith(m.param_open):
+                head = _PARAM_HEAD.match(body, len(m.param_open))
                 if head is None:
-                    if ">" in body[len(PARAM_OPEN):]:
+                    if ">" in body[len(m.param_open):]:
                         raise JsonSyntaxError("a DSML parameter tag must be name=\"KEY\" [string=\"true|false\"]")
                     return pos + skipped
                 self._key = head.group(1).strip()
@@ -79,13 +108,16 @@ class DsmlInvoke(ParamCall):
                 self._is_string = None if head.group(2) is None else head.group(2) == "true"
                 self._state = "value"
                 return pos + skipped + head.end()
-            if body and not (INVOKE_CLOSE.startswith(body) or PARAM_OPEN.startswith(body)):
+            if body and not (m.invoke_close.startswith(body) or m.param_open.startswith(body)):
                 raise JsonSyntaxError(f"unexpected {body[:20]!r} between DSML parameters")
             return pos + skipped
-        end = rest.find(PARAM_CLOSE)
+        end = rest.find(self.markup.param_close)
         if end == -1:
             return pos
         raw = rest[:end]
+        if self.trim_newlines:
+            raw = raw[1:] if raw.startswith("\n") else raw
+            raw = raw[:-1] if raw.endswith("\n") else raw
         prop = self._schema(self._key)
         if self._is_string:
             value = raw
@@ -98,13 +130,15 @@ class DsmlInvoke(ParamCall):
             value = typed_value(raw, prop)
         self._add_param(self._key, value)
         self._state = "params"
-        return pos + end + len(PARAM_CLOSE)
+        return pos + end + len(self.markup.param_close)
 
 
 class DsmlParser(OutputParser):
     tool_format = "dsml"
     end_tokens = (EOS,)
     think_tags = ("<think>", "</think>")
+    markup = DSML_MARKUP
+    trim_newlines = False
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
@@ -122,17 +156,19 @@ class DsmlParser(OutputParser):
     def _body_step(self, final: bool) -> bool:
         state = self._state
         if state == "text":
-            progressed, marker = self._text_step(SECTION_OPENS, final)
-            if marker in SECTION_OPENS:
+            m = self.markup
+            progressed, marker = self._text_step(m.section_opens, final)
+            if marker in m.section_opens:
                 self._state = "section"
             return progressed
         if state == "section":  # between the invokes of a section: whitespace is dropped
-            text, marker = self._take_until((INVOKE_OPEN, *SECTION_CLOSES, *self.end_tokens), final)
+            m = self.markup
+            text, marker = self._take_until((m.invoke_open, *m.section_closes, *self.end_tokens), final)
             if text.strip():
                 self._emit_text(text)
-            if marker == INVOKE_OPEN:
-                self._call = PendingCall(raw=INVOKE_OPEN)
-                self._reader = DsmlInvoke(self._call, self.tool_parameters)
+            if marker == m.invoke_open:
+                self._call = PendingCall(raw=m.invoke_open)
+                self._reader = DsmlInvoke(self._call, self.tool_parameters, m, self.trim_newlines)
                 self._state = "call"
             elif marker is not None:
                 self._state = "text"
@@ -149,12 +185,13 @@ class DsmlParser(OutputParser):
                 self._state = "section"
             return end > 0
         # skip: a malformed invoke, up to its end
-        junk, marker = self._take_until((INVOKE_CLOSE, *SECTION_CLOSES, *self.end_tokens), final)
-        call.raw += junk + (marker if marker == INVOKE_CLOSE else "")
+        m = self.markup
+        junk, marker = self._take_until((m.invoke_close, *m.section_closes, *self.end_tokens), final)
+        call.raw += junk + (marker if marker == m.invoke_close else "")
         if marker is None:
             return bool(junk)
         self._close_call(ok=False)
-        self._state = "section" if marker == INVOKE_CLOSE else "text"
+        self._state = "section" if marker == m.invoke_close else "text"
         return True
 
     def _finish_body(self) -> None:

@@ -2,7 +2,8 @@
 ``{"type": "any"}`` / ``{"type": "tool"}`` (Anthropic) make a tiny random model, which never calls a tool by
 itself, answer with calls whose arguments parse as JSON of the tool's schema, 20 times of 20, sampled at
 temperature 1: in moed's generic format (a template without tool syntax) and in each family's own syntax (Qwen's
-Hermes JSON, Qwen3-Coder's XML, DeepSeek's DSML and V3 call tokens, Mixtral's [TOOL_CALLS], GLM's), read back by
+Hermes JSON, Qwen3-Coder's XML, DeepSeek's DSML and V3 call tokens, Mixtral's [TOOL_CALLS], GLM's, MiniMax-M2's
+XML invokes), read back by
 the usual parsers.
 """
 
@@ -51,7 +52,14 @@ MIXTRAL_TEMPLATE = (
     "{{ bos_token }}{%- if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
     "{%- for m in messages %}{%- if m.role == 'user' %}[INST] {{ m.content }}[/INST]{%- else %}{{ m.content }}"
     "{{ eos_token }}{%- endif %}{%- endfor %}")
-NATIVE = ["qwen", "coder", "dsv32", "dsv3", "mixtral", "glm"]
+# MiniMax-M2's markers, reduced; its prompt opens <think>: closed here, or a random model would think forever
+MINIMAX_TEMPLATE = (
+    "]~!b[]~b]system\n{%- if tools %}# Tools\n<tools>\n{%- for t in tools %}<tool>{{ t.function | tojson }}</tool>\n"
+    "{%- endfor %}</tools>\nWhen making tool calls, use XML format:\n<minimax:tool_call>\n<invoke name=\"tool-name\">\n"
+    "<parameter name=\"param-key\">param-value</parameter>\n</invoke>\n</minimax:tool_call>{%- endif %}[e~[\n"
+    "{%- for m in messages %}]~b]{{ 'ai' if m.role == 'assistant' else m.role }}\n{{ m.content }}[e~[\n{%- endfor %}"
+    "{%- if add_generation_prompt %}]~b]ai\n<think>\n\n</think>\n\n{%- endif %}")
+NATIVE = ["qwen", "coder", "dsv32", "dsv3", "mixtral", "glm", "minimax"]
 
 
 def _valid(name: str, arguments: dict) -> bool:
@@ -66,7 +74,8 @@ def _valid(name: str, arguments: dict) -> bool:
 def daemon(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     for name, family in (("tiny", "mixtral"), ("qwen", "qwen3_moe"), ("coder", "qwen3_moe"), ("dsv32", "deepseek_v32"),
-                         ("dsv3", "deepseek_v3"), ("mixtral", "mixtral"), ("glm", "glm4_moe")):
+                         ("dsv3", "deepseek_v3"), ("mixtral", "mixtral"), ("glm", "glm4_moe"),
+                         ("minimax", "minimax_m2")):
         # "tiny": no tool syntax -> generic format
         config = tiny_config(family)
         config.max_position_embeddings = 2048  # the tools' system prompt alone is ~800 tokens of the tiny vocab
@@ -77,6 +86,7 @@ def daemon(tmp_path_factory):
     install_tool_template(root / "coder", CODER_TEMPLATE)
     install_tool_template(root / "dsv3", DSV3_TEMPLATE)
     install_tool_template(root / "mixtral", MIXTRAL_TEMPLATE)
+    install_tool_template(root / "minimax", MINIMAX_TEMPLATE)
     config_path = root / "dsv32" / "tokenizer_config.json"  # no template of its own: moed's DeepSeek-V3.2 one
     config_path.write_text(json.dumps({k: v for k, v in json.loads(config_path.read_text()).items()
                                        if k != "chat_template"}))
