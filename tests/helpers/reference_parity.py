@@ -27,3 +27,19 @@ def assert_matches_reference(runtime, reference, *, tol: float, tokens_equal: bo
         (done,) = run_offline(runtime, [p], [SamplingParams(max_tokens=steps, ignore_eos=True)], context_length=64)
         assert done.token_ids == expected, what
     return err
+
+
+def expected_greedy(model_dir, prompt: str, steps: int = 32) -> tuple[list[int], str]:
+    """transformers' greedy tokens (past any end token) for ``prompt`` as moed tokenizes it, and their text."""
+    import transformers as tf
+
+    from moed.text.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir)
+    ids = tok.encode(prompt)
+    reference = tf.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+    tokens = out[0, len(ids):].tolist()
+    return tokens, tok.decode(tokens)

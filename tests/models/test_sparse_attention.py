@@ -12,6 +12,7 @@ import torch
 
 import moed.layers.paged_attention as paged
 import moed.layers.sparse_indexer as sparse
+from helpers.reference_parity import expected_greedy
 from helpers.tiny_models import build_tiny_model, build_tiny_model_dir
 from moed.config import EngineConfig
 from moed.engine.offline_run import run_offline
@@ -292,16 +293,7 @@ def dsa_models_dir(tmp_path_factory):
 
 
 def _expected(root, family: str, prompt: str, steps: int = 32) -> tuple[list[int], str]:
-    """transformers' greedy tokens for the prompt as moed tokenizes it, and their text."""
-    import transformers as tf
-
-    from moed.text.tokenizer import Tokenizer
-
-    tok = Tokenizer(root / family)
-    ids = tok.encode(prompt)
-    reference = tf.AutoModelForCausalLM.from_pretrained(root / family, attn_implementation="eager").eval()
-    tokens = _reference_greedy(reference, ids, steps)
-    return tokens, tok.decode(tokens)
+    return expected_greedy(root / family, prompt, steps)
 
 
 PROMPT = "The router reads the weights again and again, then the scheduler finds a long answer"
