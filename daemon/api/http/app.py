@@ -123,8 +123,14 @@ def build_app(ctx: DaemonContext, *, token: str | None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
+        """Loaded models; with load on demand also every model on disk a request may name (as Ollama's OpenAI
+        endpoint lists its local models)."""
         cards = [ModelCard(id=m.name, created=m.created, context_length=m.context_length,
                            max_model_len=m.context_length) for m in bridge.models()]
+        if ctx.pool is not None:
+            listed = {c.id for c in cards}
+            cards += [ModelCard(id=f.name, created=int(f.modified), context_length=None, max_model_len=None,
+                                loaded=False) for f in ctx.manager.catalog.list() if f.name not in listed]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.post("/v1/chat/completions")

@@ -5,10 +5,11 @@ call they need goes through here, the same calls the gRPC ``InferenceServicer`` 
 ``ModelManager.get`` to pick a model, the model's own chat template and tokenizer to build the
 prompt, ``EngineLoop.submit`` to queue it, ``RequestHandle.events`` / ``cancel`` to stream it.
 
-Model names: a request's ``model`` must be the name a loaded model is listed under (``GET
-/v1/models``, ``moed ps``). When exactly one model is loaded, an empty name or ``"default"`` also
-means that model. Any other name is a 404 listing the loaded names: a typo never silently runs a
-different model than the one asked for.
+Model names: a request's ``model`` is the name a loaded model is listed under (``GET /v1/models``,
+``moed ps``), or, when the daemon loads on demand (``ctx.pool``), a name the catalog finds (``moed models``),
+which ``acquire`` loads first. When exactly one model is loaded, an empty name or ``"default"`` also means
+that model. A name found nowhere is a 404: a typo never silently runs a different model than the one asked
+for.
 
 Streams: the engine thread pushes ``StreamEvent``s into a thread-safe queue; a small pump thread
 per request moves them onto the asyncio loop, so the event loop never blocks on the engine. When

@@ -163,6 +163,11 @@ async def create_chat_completion(bridge: EngineBridge, body: ChatCompletionReque
     parser, stream = prepared.parser, prepared.stream
     chat_id, created = new_id("chatcmpl-"), now()
     tokenizer = bridge.tokenizer(entry) if prepared.params.logprobs is not None else None
+    if body.stream and (body.n or 1) > 1:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        streams: list[PreparedChat] = [prepared]
+        return SseResponse(_choices_chunks(bridge, entry, chat, streams, body.n, chat_id, created, include_usage,
+                                           tokenizer), lambda: [p.stream.cancel() for p in streams])
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SseResponse(_chunks(stream, parser, chat_id, created, entry.name, include_usage, tokenizer),
@@ -219,41 +224,109 @@ async def collect_choices(bridge: EngineBridge, entry, chat: ChatRequest, first:
 
 async def _chunks(stream, parser, chat_id: str, created: int, model: str, include_usage: bool,
                   tokenizer=None) -> AsyncIterator[str]:
-    def chunk(delta: ChatDelta, reason: str | None = None) -> str:
-        return sse(ChatCompletionChunk(id=chat_id, created=created, model=model,
-                                       choices=[ChatChunkChoice(delta=delta, finish_reason=reason)]))
-
-    yield chunk(ChatDelta(role="assistant", content=""))
-    started: set[int] = set()
+    usages: list = []
     try:
-        async for event in parsed_events(stream, parser, heartbeat_s=HEARTBEAT_S, logprobs=tokenizer is not None):
-            if event is None:
-                yield SSE_KEEPALIVE
-            elif isinstance(event, Logprobs):  # the log-probabilities of the tokens just sent, in a chunk of their own
-                yield sse(ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[ChatChunkChoice(
-                    delta=ChatDelta(), logprobs=chat_logprobs(tokenizer, event.entries))]))
-            elif isinstance(event, Finished):
-                raise_if_failed(event.reason, event.error)
-                yield chunk(ChatDelta(), finish_reason(event.reason, has_tool_calls=event.has_tool_calls))
-                if include_usage:
-                    yield sse(ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[],
-                                                  usage=usage_of(event.usage)))
-                yield SSE_DONE
-            elif event.kind == "text" and event.text:
-                yield chunk(ChatDelta(content=event.text))
-            elif event.kind == "reasoning" and event.text:
-                yield chunk(ChatDelta(reasoning_content=event.text))
-            elif event.kind == "tool_call":
-                args = event.arguments_delta
-                if event.tool_index not in started:
-                    started.add(event.tool_index)
-                    delta = ToolCallDelta(index=event.tool_index, id=event.tool_id, type="function",
-                                          function=ToolCallDeltaFunction(name=event.name, arguments=args))
-                elif args:
-                    delta = ToolCallDelta(index=event.tool_index, function=ToolCallDeltaFunction(arguments=args))
-                else:
-                    continue
-                yield chunk(ChatDelta(tool_calls=[delta]))
+        async for line in _choice_chunks(stream, parser, 0, chat_id, created, model, tokenizer, usages):
+            yield line
+        if include_usage:
+            yield sse(ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[],
+                                          usage=usage_of(usages[0])))
+        yield SSE_DONE
     except Exception as exc:  # the status line is long gone: report it in the stream (the SDKs raise it)
         yield sse(error_body(failure_of(exc)))
         yield SSE_DONE
+
+
+async def _choices_chunks(bridge: EngineBridge, entry, chat: ChatRequest, streams: list[PreparedChat], n: int,
+                          chat_id: str, created: int, include_usage: bool, tokenizer) -> AsyncIterator[str]:
+    """``n`` choices streamed together, each chunk naming its choice's index (as OpenAI streams them): the first
+    runs alone until its first output (its prompt is then in the prefix cache), then the others start and
+    prefill only what no block holds; their chunks interleave as they come. ``streams`` collects every choice's
+    stream, so the response can cancel them all however it ends."""
+    queue: asyncio.Queue = asyncio.Queue()
+    usages: list = [None] * n
+    first = streams[0]
+    tasks: list[asyncio.Task] = []
+
+    async def run(prepared: PreparedChat, index: int) -> None:
+        holder: list = []
+        sent = 0
+        try:
+            gen = _choice_chunks(prepared.stream, prepared.parser, index, chat_id, created, entry.name, tokenizer,
+                                 holder, keepalive=index == 0)
+            async with contextlib.aclosing(gen):
+                async for line in gen:
+                    await queue.put(line)
+                    sent += line is not SSE_KEEPALIVE
+                    if index == 0 and sent == 2:  # its role, then its first output: the prompt is cached now
+                        more = [bridge.prepare_more(entry, chat, first, i) for i in range(1, n)]
+                        streams.extend(more)
+                        tasks.extend(asyncio.create_task(run(p, i)) for i, p in enumerate(more, start=1))
+            usages[index] = holder[0] if holder else None
+        except Exception as exc:  # noqa: BLE001 - handed to the response
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks.append(asyncio.create_task(run(first, 0)))
+    finished = 0
+    try:
+        while finished < n:
+            item = await queue.get()
+            if item is None:
+                finished += 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            yield item
+        if include_usage:
+            yield sse(ChatCompletionChunk(id=chat_id, created=created, model=entry.name, choices=[],
+                                          usage=choices_usage(usages)))
+        yield SSE_DONE
+    except Exception as exc:  # the status line is long gone: report it in the stream (the SDKs raise it)
+        yield sse(error_body(failure_of(exc)))
+        yield SSE_DONE
+    finally:
+        for task in tasks:
+            task.cancel()
+        for p in streams:
+            p.stream.cancel()
+
+
+async def _choice_chunks(stream, parser, index: int, chat_id: str, created: int, model: str, tokenizer,
+                         usages: list, *, keepalive: bool = True) -> AsyncIterator[str]:
+    """One choice's chunks: its role, deltas (text, reasoning, tool calls, log-probabilities) and finish reason;
+    its usage is appended to ``usages`` at the end. A failed generation raises."""
+    def chunk(delta: ChatDelta, reason: str | None = None) -> str:
+        return sse(ChatCompletionChunk(id=chat_id, created=created, model=model,
+                                       choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=reason)]))
+
+    yield chunk(ChatDelta(role="assistant", content=""))
+    started: set[int] = set()
+    async for event in parsed_events(stream, parser, heartbeat_s=HEARTBEAT_S, logprobs=tokenizer is not None):
+        if event is None:
+            if keepalive:
+                yield SSE_KEEPALIVE
+        elif isinstance(event, Logprobs):  # the log-probabilities of the tokens just sent, in a chunk of their own
+            yield sse(ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[ChatChunkChoice(
+                index=index, delta=ChatDelta(), logprobs=chat_logprobs(tokenizer, event.entries))]))
+        elif isinstance(event, Finished):
+            raise_if_failed(event.reason, event.error)
+            yield chunk(ChatDelta(), finish_reason(event.reason, has_tool_calls=event.has_tool_calls))
+            usages.append(event.usage)
+            return
+        elif event.kind == "text" and event.text:
+            yield chunk(ChatDelta(content=event.text))
+        elif event.kind == "reasoning" and event.text:
+            yield chunk(ChatDelta(reasoning_content=event.text))
+        elif event.kind == "tool_call":
+            args = event.arguments_delta
+            if event.tool_index not in started:
+                started.add(event.tool_index)
+                delta = ToolCallDelta(index=event.tool_index, id=event.tool_id, type="function",
+                                      function=ToolCallDeltaFunction(name=event.name, arguments=args))
+            elif args:
+                delta = ToolCallDelta(index=event.tool_index, function=ToolCallDeltaFunction(arguments=args))
+            else:
+                continue
+            yield chunk(ChatDelta(tool_calls=[delta]))

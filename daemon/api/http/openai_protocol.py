@@ -246,8 +246,11 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "moed"
-    context_length: int  # what llama-server / vLLM report (max_model_len), for agents that read it
-    max_model_len: int
+    # what llama-server / vLLM report (max_model_len), for agents that read it; None for a model on disk, which
+    # a request loads on demand (its context is set then)
+    context_length: int | None
+    max_model_len: int | None
+    loaded: bool = True
 
 
 class ModelList(BaseModel):

@@ -35,9 +35,30 @@ def test_completions_n3_and_greedy_choices_agree(client):
     assert all(len(c.logprobs.tokens) == 8 for c in sampled.choices)
 
 
-def test_n_with_stream_or_too_many_is_a_400(client):
-    for extra in ({"n": 2, "stream": True}, {"n": 17}):
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                           **extra)
-        assert "n=" in str(err.value)
+def test_streamed_chat_n3_interleaves_the_choices_and_equals_the_whole_answer(client):
+    """OpenAI's streamed n: each chunk names its choice; every choice gets its role, deltas and finish reason; the
+    text of each equals the non-streamed answer with the same seed, and the usage counts the prompt once."""
+    messages = [{"role": "user", "content": PROMPT_TEXT + "Go on."}]
+    kw = dict(model="tiny", messages=messages, n=3, temperature=1.0, seed=5, max_tokens=10)
+    whole = client.chat.completions.create(**kw)
+    texts, roles, reasons, usage = {}, {}, {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            roles[choice.index] = roles.get(choice.index) or choice.delta.role
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert sorted(texts) == [0, 1, 2] and all(roles[i] == "assistant" and reasons[i] for i in range(3))
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 2 * (usage.prompt_tokens - 16), usage
+
+
+def test_n_with_streamed_completions_or_too_many_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=2, stream=True)
+    assert "n=2" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=17)
+    assert "n=" in str(err.value)

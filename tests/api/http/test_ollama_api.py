@@ -96,6 +96,9 @@ def test_list_show_ps_and_version(client, daemon):
     running = client.ps().models
     tiny = next(m for m in running if m.model == "tiny-qwen:latest")
     assert tiny.context_length == 1024 and tiny.expires_at is not None and tiny.size > 0
+    openai_ids = {m.id: m for m in daemon.openai().models.list().data}  # OpenAI clients see the same models
+    assert {"tiny-qwen:latest", "toolish"} <= set(openai_ids)
+    assert openai_ids["toolish"].model_extra.get("loaded") in (True, False)
     version = httpx.get(f"{daemon.url}/api/version").json()
     assert version["version"] and version["moed"]
 
