@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from moed.api.http.bridge import EngineBridge, PreparedChat
 from moed.api.http.chat_request import ChatRequest, media_placeholder
+from moed.api.http.choice_streams import interleave
 from moed.api.http.error_status import ParamError, failure_of
 from moed.api.http.openai_protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage,
@@ -239,56 +240,31 @@ async def _chunks(stream, parser, chat_id: str, created: int, model: str, includ
 
 async def _choices_chunks(bridge: EngineBridge, entry, chat: ChatRequest, streams: list[PreparedChat], n: int,
                           chat_id: str, created: int, include_usage: bool, tokenizer) -> AsyncIterator[str]:
-    """``n`` choices streamed together, each chunk naming its choice's index (as OpenAI streams them): the first
-    runs alone until its first output (its prompt is then in the prefix cache), then the others start and
-    prefill only what no block holds; their chunks interleave as they come. ``streams`` collects every choice's
-    stream, so the response can cancel them all however it ends."""
-    queue: asyncio.Queue = asyncio.Queue()
-    usages: list = [None] * n
+    """``n`` choices streamed together (``choice_streams.interleave``), each chunk naming its choice's index, as
+    OpenAI streams them; ``streams`` collects every choice's stream, so the response can cancel them all."""
+    usages: list[list] = [[] for _ in range(n)]
     first = streams[0]
-    tasks: list[asyncio.Task] = []
 
-    async def run(prepared: PreparedChat, index: int) -> None:
-        holder: list = []
-        sent = 0
-        try:
-            gen = _choice_chunks(prepared.stream, prepared.parser, index, chat_id, created, entry.name, tokenizer,
-                                 holder, keepalive=index == 0)
-            async with contextlib.aclosing(gen):
-                async for line in gen:
-                    await queue.put(line)
-                    sent += line is not SSE_KEEPALIVE
-                    if index == 0 and sent == 2:  # its role, then its first output: the prompt is cached now
-                        more = [bridge.prepare_more(entry, chat, first, i) for i in range(1, n)]
-                        streams.extend(more)
-                        tasks.extend(asyncio.create_task(run(p, i)) for i, p in enumerate(more, start=1))
-            usages[index] = holder[0] if holder else None
-        except Exception as exc:  # noqa: BLE001 - handed to the response
-            await queue.put(exc)
-        finally:
-            await queue.put(None)
+    def lines(prepared: PreparedChat, index: int) -> AsyncIterator[str]:
+        return _choice_chunks(prepared.stream, prepared.parser, index, chat_id, created, entry.name, tokenizer,
+                              usages[index], keepalive=index == 0)
 
-    tasks.append(asyncio.create_task(run(first, 0)))
-    finished = 0
+    def start_more() -> list[AsyncIterator[str]]:
+        more = [bridge.prepare_more(entry, chat, first, i) for i in range(1, n)]
+        streams.extend(more)
+        return [lines(p, i) for i, p in enumerate(more, start=1)]
+
     try:
-        while finished < n:
-            item = await queue.get()
-            if item is None:
-                finished += 1
-                continue
-            if isinstance(item, Exception):
-                raise item
-            yield item
+        async for line in interleave(lines(first, 0), start_more, n):
+            yield line
         if include_usage:
             yield sse(ChatCompletionChunk(id=chat_id, created=created, model=entry.name, choices=[],
-                                          usage=choices_usage(usages)))
+                                          usage=choices_usage([u[0] if u else None for u in usages])))
         yield SSE_DONE
     except Exception as exc:  # the status line is long gone: report it in the stream (the SDKs raise it)
         yield sse(error_body(failure_of(exc)))
         yield SSE_DONE
     finally:
-        for task in tasks:
-            task.cancel()
         for p in streams:
             p.stream.cancel()
 

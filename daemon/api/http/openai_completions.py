@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from moed.api.http.bridge import EngineBridge
+from moed.api.http.choice_streams import interleave
 from moed.api.http.error_status import ParamError, failure_of
 from moed.api.http.openai_protocol import Completion, CompletionChoice, CompletionRequest
 from moed.api.http.openai_shared import (HEARTBEAT_S, SSE_DONE, SSE_KEEPALIVE, completion_logprobs, error_body,
@@ -46,10 +47,18 @@ async def create_completion(bridge: EngineBridge, body: CompletionRequest, reque
     stream = bridge.open_stream(entry, prompt_ids, params)
     cmpl_id, created = new_id("cmpl-"), now()
     tokenizer = bridge.tokenizer(entry) if params.logprobs is not None else None
+    n = body.n or 1
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SseResponse(_chunks(stream, cmpl_id, created, entry.name, include_usage, tokenizer), stream.cancel)
-    n = body.n or 1
+        streams = [stream]
+
+        def start_more():
+            more = [bridge.open_stream(entry, prompt_ids, choice_params(params, i)) for i in range(1, n)]
+            streams.extend(more)
+            return more
+
+        return SseResponse(_chunks(streams, start_more, n, cmpl_id, created, entry.name, include_usage, tokenizer),
+                           lambda: [s.cancel() for s in streams])
     outputs = [([], [], [None]) for _ in range(n)]  # per choice: texts, logprobs, done event
 
     async def drain(gen, out) -> None:
@@ -91,31 +100,57 @@ async def create_completion(bridge: EngineBridge, body: CompletionRequest, reque
     return JSONResponse(answer.model_dump(exclude_none=True))
 
 
-async def _chunks(stream, cmpl_id: str, created: int, model: str, include_usage: bool,
-                  tokenizer=None) -> AsyncIterator[str]:
+async def _chunks(streams: list, start_more, n: int, cmpl_id: str, created: int, model: str,
+                  include_usage: bool, tokenizer=None) -> AsyncIterator[str]:
+    """The stream of ``n`` choices (``choice_streams.interleave`` for more than one: the first runs alone until
+    its prompt is cached), then the usage and ``[DONE]``."""
+    usages: list[list] = [[] for _ in range(n)]
+
+    def lines(stream, index: int) -> AsyncIterator[str]:
+        return _choice_chunks(stream, index, cmpl_id, created, model, tokenizer, usages[index], keepalive=index == 0)
+
+    try:
+        if n == 1:
+            choices = lines(streams[0], 0)
+        else:
+            choices = interleave(lines(streams[0], 0), lambda: [lines(s, i) for i, s in enumerate(start_more(), 1)],
+                                 n, lines_before_output=0)
+        async for line in choices:
+            yield line
+        if include_usage:
+            usage = (usage_of(usages[0][0] if usages[0] else None) if n == 1
+                     else choices_usage([u[0] if u else None for u in usages]))
+            yield sse(Completion(id=cmpl_id, created=created, model=model, choices=[], usage=usage))
+        yield SSE_DONE
+    except Exception as exc:  # the status line is long gone: report it in the stream (the SDKs raise it)
+        yield sse(error_body(failure_of(exc)))
+        yield SSE_DONE
+    finally:
+        for s in streams:
+            s.cancel()
+
+
+async def _choice_chunks(stream, index: int, cmpl_id: str, created: int, model: str, tokenizer, usages: list, *,
+                         keepalive: bool = True) -> AsyncIterator[str]:
+    """One choice's chunks (text, log-probabilities, the finish reason); its usage appended to ``usages``."""
     offset = 0
 
     def chunk(text: str, reason: str | None = None, entries=()) -> str:
         nonlocal offset
         logprobs = completion_logprobs(tokenizer, entries, offset) if tokenizer is not None and entries else None
         offset += len(text)
-        return sse(Completion(id=cmpl_id, created=created, model=model,
-                              choices=[CompletionChoice(text=text, finish_reason=reason, logprobs=logprobs)]))
+        return sse(Completion(id=cmpl_id, created=created, model=model, choices=[
+            CompletionChoice(index=index, text=text, finish_reason=reason, logprobs=logprobs)]))
 
-    try:
-        async for event in stream.events(heartbeat_s=HEARTBEAT_S):
-            if event is None:
+    async for event in stream.events(heartbeat_s=HEARTBEAT_S):
+        if event is None:
+            if keepalive:
                 yield SSE_KEEPALIVE
-            elif not event.done:
-                if event.text or (tokenizer is not None and event.logprobs):
-                    yield chunk(event.text, entries=event.logprobs)
-            else:
-                raise_if_failed(event.finish_reason, event.error)
-                yield chunk(event.text, finish_reason(event.finish_reason, has_tool_calls=False))
-                if include_usage:
-                    yield sse(Completion(id=cmpl_id, created=created, model=model, choices=[],
-                                         usage=usage_of(event.usage)))
-                yield SSE_DONE
-    except Exception as exc:  # the status line is long gone: report it in the stream (the SDKs raise it)
-        yield sse(error_body(failure_of(exc)))
-        yield SSE_DONE
+        elif not event.done:
+            if event.text or (tokenizer is not None and event.logprobs):
+                yield chunk(event.text, entries=event.logprobs)
+        else:
+            raise_if_failed(event.finish_reason, event.error)
+            yield chunk(event.text, finish_reason(event.finish_reason, has_tool_calls=False))
+            usages.append(event.usage)
+            return

@@ -200,9 +200,6 @@ def refuse_unsupported(body: Any) -> None:
         raise ParamError("modalities: audio output is not supported: moed's models write text only", "modalities")
     refuse_fields(body, REFUSED_CHAT if hasattr(body, "messages") else {})
     n = getattr(body, "n", None)
-    if n not in (None, 1) and getattr(body, "stream", False) and not hasattr(body, "messages"):
-        raise ParamError(f"n={n} with stream: true is not supported on /v1/completions; stream one choice per "
-                         "request, or ask for several choices without streaming (chat completions stream them)", "n")
     if n is not None and n > MAX_CHOICES:
         raise ParamError(f"n={n}: at most {MAX_CHOICES} choices per request", "n")
     best_of = getattr(body, "best_of", None)

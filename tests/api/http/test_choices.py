@@ -55,10 +55,20 @@ def test_streamed_chat_n3_interleaves_the_choices_and_equals_the_whole_answer(cl
     assert usage.prompt_tokens_details.cached_tokens >= 2 * (usage.prompt_tokens - 16), usage
 
 
-def test_n_with_streamed_completions_or_too_many_is_a_400(client):
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=2, stream=True)
-    assert "n=2" in str(err.value)
+def test_streamed_completions_n3_equal_the_whole_answer(client):
+    kw = dict(model="tiny", prompt=PROMPT_TEXT, n=3, temperature=1.0, seed=9, max_tokens=8)
+    whole = client.completions.create(**kw)
+    texts, reasons, usage = {}, {}, None
+    for chunk in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert [texts[i] for i in range(3)] == [c.text for c in whole.choices] and all(reasons.values())
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_too_many_choices_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=17)
     assert "n=" in str(err.value)
