@@ -8,7 +8,7 @@ import time
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from moed.api.client import MoedClient
+from moed.api.client import DaemonCallError, MoedClient
 from moed.cache.expert_dtypes import LOAD_DTYPES
 from moed.cli.progress import ProgressBar
 from moed.errors import InvalidRequestError
@@ -21,6 +21,8 @@ def add_client_commands(sub, add_address) -> None:
                      help="the prompt, after a model name (qwen3:30b-a3b, org/repo:Q4_K_M, a path) when two are given; "
                           "a model that is not loaded is loaded first")
     run.add_argument("--model", default="", help="model name (default: the only loaded one)")
+    run.add_argument("--no-pull", action="store_true", help="do not pull a Hugging Face model (ORG/REPO[:QUANT]) "
+                     "that is not on this machine (by default `moed run` pulls it first, as `ollama run` does)")
     run.add_argument("--raw", action="store_true", help="plain prompt, no chat template")
     add_sampling(run)
 
@@ -151,6 +153,27 @@ def _decimal(text: str) -> Decimal | None:
     return number if number.is_finite() and text.strip() else None
 
 
+def pull_missing(model: str, exc: DaemonCallError) -> bool:
+    """The daemon found no model ``model`` and it names a Hugging Face repository: pull it into the Hugging Face
+    cache (where the daemon finds it) and say so; False when that does not apply."""
+    import grpc
+
+    from moed.catalog.hub_pull import parse_name, plan_pull, pull
+
+    if not model or exc.code != grpc.StatusCode.INVALID_ARGUMENT or "not found" not in str(exc) or Path(model).exists():
+        return False
+    try:
+        parse_name(model)
+    except InvalidRequestError:
+        return False
+    if "/" not in model:
+        return False
+    print(f"{model} is not on this machine: pulling it from the Hugging Face Hub (--no-pull to skip)", file=sys.stderr)
+    plan = plan_pull(model)
+    pull(plan, bar=True)
+    return True
+
+
 def stream_answer(client: MoedClient, **kw) -> None:
     final = None
     for part in client.generate(**kw):
@@ -174,11 +197,13 @@ def run_client_command(args: argparse.Namespace, client: MoedClient) -> int:
             args.prompt = " ".join(rest)
         else:
             args.prompt = " ".join(args.words)
-        if args.raw:
-            stream_answer(client, prompt=args.prompt, model=args.model, **sampling_kwargs(args))
-        else:
-            stream_answer(client, messages=[{"role": "user", "content": args.prompt}], model=args.model,
-                          **sampling_kwargs(args))
+        ask = (dict(prompt=args.prompt) if args.raw else dict(messages=[{"role": "user", "content": args.prompt}]))
+        try:
+            stream_answer(client, model=args.model, **ask, **sampling_kwargs(args))
+        except DaemonCallError as exc:
+            if args.no_pull or not pull_missing(args.model, exc):
+                raise
+            stream_answer(client, model=args.model, **ask, **sampling_kwargs(args))
     elif cmd == "chat":
         return chat_loop(client, args)
     elif cmd == "ps":

@@ -156,3 +156,28 @@ def test_ollamas_pull_endpoint_streams_progress_and_the_model_then_answers(hub, 
         assert client.pull("hf.co/org/Tiny-GGUF:Q8_0", stream=False).status == "success"
     finally:
         d.close()
+
+
+def test_moed_run_pulls_a_hub_model_that_is_not_here_then_answers(hub, tmp_path):
+    """As `ollama run` does: the daemon finds no `org/repo:QUANT`, the CLI pulls it into the Hugging Face cache the
+    daemon reads, and asks again; --no-pull leaves the error as it is."""
+    from helpers.daemon_process import start_daemon
+
+    daemon = start_daemon(tmp_path / "home", "--device", "cpu", extra_env={"HF_ENDPOINT": hub.url})
+    try:
+        env = {k: v for k, v in daemon.env.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+        env.update(MOED_SOCKET=str(daemon.socket), HF_ENDPOINT=hub.url)
+
+        def moed(*args):
+            return subprocess.run([sys.executable, "-m", "moed.cli.main", *args], env=env, capture_output=True,
+                                  text=True, timeout=180)
+
+        refused = moed("run", "org/Tiny-GGUF:Q8_0", "The router reads", "--no-pull")
+        assert refused.returncode == 2 and "not found" in refused.stderr
+        done = moed("run", "org/Tiny-GGUF:Q8_0", "The router reads", "--max-tokens", "3", "--temperature", "0")
+        assert done.returncode == 0, done.stderr
+        assert "pulling it from the Hugging Face Hub" in done.stderr and "generated" in done.stderr
+        typo = moed("run", "nothing-like-this", "hi")  # not a Hub name: no pull, the daemon's error
+        assert typo.returncode == 2 and "pulling" not in typo.stderr
+    finally:
+        assert daemon.stop() == 0
