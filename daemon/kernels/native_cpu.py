@@ -170,7 +170,7 @@ class _AttnDecode(ctypes.Structure):  # moed_attn_decode_args (native/cpu/attn_d
                 ("block_table", ctypes.c_void_p), ("start", ctypes.c_void_p), ("pos", ctypes.c_void_p),
                 ("length", ctypes.c_void_p), ("num_keys", ctypes.c_int64), ("window", ctypes.c_int64),
                 ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("chunk", ctypes.c_int64)]
 
 
 KV_TYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # MOED_KV_* (attn_decode.h); int8: q8_0
@@ -438,7 +438,7 @@ class NativeCpu:
                     v_cache: torch.Tensor, block_tables: torch.Tensor, starts: list[int], positions: list[int],
                     lengths: list[int], num_keys: int, window: int | None, scale: float,
                     sinks: torch.Tensor | None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         """One new token per row: q [B, H*Dh], k [B, Hk*Dh], v [B, Hk*Dv] float32 -> attention output
         [B, H*Dv] (the input of o_proj), storing the normalised, rotated k and v in the paged pools
         [num_blocks, block_size, Hk, Dh|Dv] (float32, bfloat16, or int8 q8_0 with ``k_scale`` / ``v_scale``
@@ -478,7 +478,8 @@ class NativeCpu:
                            sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
                            k_cache.shape[0], KV_TYPE_CODES[k_cache.dtype], block_tables.shape[1],
                            block_tables.data_ptr(), ints[0].data_ptr(), ints[1].data_ptr(), lens.data_ptr(),
-                           num_keys, window or 0, scale, _ptr(sinks), out.data_ptr(), _ptr(k_scale), _ptr(v_scale))
+                           num_keys, window or 0, scale, _ptr(sinks), out.data_ptr(), _ptr(k_scale), _ptr(v_scale),
+                           chunk or 0)
         with self._lock:
             rc = self._lib.moed_cpu_attn_decode(self._pool, ctypes.byref(args))
         if rc != 0:

@@ -20,15 +20,24 @@ from moed.runner.forward_batch import ForwardBatch
 
 
 class MhaAttention:
-    """Standard attention layer (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss)."""
+    """Standard attention layer (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss, MiniMax-M2, Llama-4)."""
 
     def __init__(self, cfg: AttentionConfig, weights: dict[str, torch.Tensor], prefix: str, layer: int,
-                 rotary: RotaryEmbedding, window: int | None, eps: float) -> None:
+                 rotary: RotaryEmbedding, window: int | None, eps: float, *, chunk: int | None = None,
+                 rope: bool = True) -> None:
+        """``chunk``: chunked local attention (Llama-4); ``rope`` False: a NoPE layer (no rotation, no weightless
+        q/k norm, the query temperature of ``cfg.nope_temperature``)."""
         self.cfg, self.layer, self.rotary, self.window, self.eps = cfg, layer, rotary, window, eps
+        self.chunk, self.rope = chunk, rope
         get = lambda name: weights.get(f"{prefix}.{name}")  # noqa: E731
         self.wq, self.wk, self.wv, self.wo = (get(f"{p}_proj.weight") for p in "qkvo")
         self.bq, self.bk, self.bv, self.bo = (get(f"{p}_proj.bias") for p in "qkvo")
         self.q_norm, self.k_norm = get("q_norm.weight"), get("k_norm.weight")
+        self.per_head_norm = cfg.qk_norm == "per_head" or (cfg.qk_norm == "weightless" and rope)
+        if cfg.qk_norm == "weightless" and rope:  # Llama-4: x / rms(x) per head, after the rotary in transformers;
+            # the rotation keeps each head's sum of squares, so normalising first is the same map
+            self.q_norm = self.k_norm = torch.ones(cfg.head_dim, dtype=torch.float32,
+                                                   device=self.wq.device if isinstance(self.wq, torch.Tensor) else None)
         self.sinks = get("sinks")
         self._native_f32: tuple | None = None  # q_norm, k_norm, sinks as float32 for the native kernel
 
@@ -53,6 +62,10 @@ class MhaAttention:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        if cfg.nope_temperature and not self.rope:  # Llama-4's NoPE layers: a query temperature by position
+            floor_scale, attn_scale = cfg.nope_temperature
+            pos = batch.positions.to(q.device, torch.float32)
+            q = q * (torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0)[..., None].to(q.dtype)
         if steps == 1 and not batch.packed:
             out = self._native_decode(q, k, v, batch, cache, cos_sin)
             if out is not None:
@@ -61,10 +74,11 @@ class MhaAttention:
         q = q.view(bsz, steps, cfg.num_heads, cfg.head_dim)
         k = k.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm == "per_head":  # Qwen3 normalises each head
+        if self.per_head_norm:  # Qwen3 normalises each head
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, Dh]
-        q, k = self._rotate(q, cos_sin), self._rotate(k, cos_sin)
+        if self.rope:
+            q, k = self._rotate(q, cos_sin), self._rotate(k, cos_sin)
         cache.write(self.layer, "k", k.transpose(1, 2), batch)
         cache.write(self.layer, "v", v, batch)
 
@@ -75,7 +89,8 @@ class MhaAttention:
                          for name in ("k", "v"))
 
         out = attend_paged(q, read_kv, batch.starts, batch.lengths, cfg.scaling, window=self.window,
-                           sinks=self.sinks, value_dim=cfg.head_dim, rows=batch.rows, offsets=batch.offsets)
+                           sinks=self.sinks, value_dim=cfg.head_dim, rows=batch.rows, offsets=batch.offsets,
+                           chunk=self.chunk)
         return linear(out if gate is None else out * gate, self.wo, self.bo)
 
     def _native_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
@@ -89,24 +104,29 @@ class MhaAttention:
         if k_store.dtype not in (torch.float32, torch.bfloat16, torch.int8) or k_store.device.type != "cpu":
             return None
         q_norm, k_norm, sinks = self.native_f32()
-        cos, sin = (t[:, 0].float().contiguous() for t in cos_sin)
         rows = q.shape[0]
+        if self.rope:
+            cos, sin = (t[:, 0].float().contiguous() for t in cos_sin)
+        else:
+            cos = sin = torch.empty(rows, 0)
         return lib.attn_decode(
             q.reshape(rows, -1).float().contiguous(), k.reshape(rows, -1).float().contiguous(),
             v.reshape(rows, -1).float().contiguous(), num_heads=self.cfg.num_heads,
             num_kv_heads=self.cfg.num_kv_heads, q_norm=q_norm, k_norm=k_norm, eps=self.eps,
-            rot_dim=self.rotary.dim, interleaved=self.rotary.interleaved, cos=cos, sin=sin, k_cache=k_store,
+            rot_dim=self.rotary.dim if self.rope else 0, interleaved=self.rotary.interleaved, cos=cos, sin=sin,
+            k_cache=k_store,
             v_cache=v_store, block_tables=cache.table_tensor(batch), starts=batch.starts,
             positions=batch.positions[:, 0].tolist(),
             lengths=batch.lengths, num_keys=batch.num_keys, window=self.window, scale=self.cfg.scaling,
-            sinks=sinks, k_scale=cache.entry_scale(self.layer, "k"), v_scale=cache.entry_scale(self.layer, "v"))
+            sinks=sinks, k_scale=cache.entry_scale(self.layer, "k"), v_scale=cache.entry_scale(self.layer, "v"),
+            chunk=self.chunk)
 
     def native_f32(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The per-head q/k norm weights (None unless per-head) and the sinks as float32, for the native
         decode kernels (made once)."""
         if self._native_f32 is None:
             f32 = lambda t: None if t is None else t.detach().float().contiguous()  # noqa: E731
-            per_head = self.cfg.qk_norm == "per_head"
+            per_head = self.per_head_norm
             self._native_f32 = (f32(self.q_norm) if per_head else None, f32(self.k_norm) if per_head else None,
                                 f32(self.sinks))
         return self._native_f32

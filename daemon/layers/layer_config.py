@@ -14,7 +14,7 @@ from typing import Any
 class RopeConfig:
     """Rotary embedding parameters (transformers' ``rope_parameters``)."""
 
-    rope_type: str = "default"  # default | linear | llama3 | yarn
+    rope_type: str = "default"  # default | linear | llama3 | yarn | factors (a GGUF's rope_freqs divisors)
     theta: float = 10000.0
     dim: int = 0  # rotated dims per head
     interleaved: bool = False  # DeepSeek lays rotary pairs out as (x0, x1), (x2, x3)...
@@ -47,6 +47,9 @@ class MoeConfig:
     has_expert_bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # Llama-4: the chosen expert's router weight scales its INPUT (expert(w * x), weight 1), not its output; exact
+    # for one expert per token only (the shared expert takes x unscaled)
+    weight_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,11 +62,16 @@ class AttentionConfig:
     head_dim: int
     has_qkv_bias: bool = False
     has_o_bias: bool = False
-    qk_norm: str = "none"  # none | per_head (Qwen3) | full (OLMoE: over the whole projection)
+    # none | per_head (Qwen3) | full (OLMoE: over the whole projection) | weightless (Llama-4: a per-head RMS norm
+    # without weights, on the rotary layers only; it commutes with the rotation, so it runs where per_head does)
+    qk_norm: str = "none"
     clip_qkv: float | None = None
     has_sinks: bool = False
     gated: bool = False  # Qwen3-Next: q_proj also gives a per-channel gate, sigmoid(gate) * attention output
     scaling: float = 0.0
+    # Llama-4's no-rotary layers scale each query by log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1:
+    # (floor_scale, attn_scale), or () for none
+    nope_temperature: tuple[float, float] = ()
     # MLA (DeepSeek-V3)
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0

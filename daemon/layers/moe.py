@@ -91,7 +91,10 @@ class MoeLayer:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] (real tokens only, no padding) -> [N, D]."""
         ids, weights = route(self.cfg, x, self.router, self.router_bias, self.score_bias)
-        out = self.executor.run(self.moe_layer, x, ids, weights.to(x.dtype))
+        if self.cfg.weight_input:  # Llama-4 (one expert per token): expert(w * x) with weight 1
+            out = self.executor.run(self.moe_layer, x * weights.to(x.dtype), ids, torch.ones_like(weights, dtype=x.dtype))
+        else:
+            out = self.executor.run(self.moe_layer, x, ids, weights.to(x.dtype))
         if self.shared is not None:
             shared = self.shared.forward(x)
             if self.shared_gate is not None:

@@ -105,13 +105,17 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: t
 
 def attend_row(q: torch.Tensor, read_kv: ReadKV, row: int, start: int, scale: float, *, window: int | None = None,
                sinks: torch.Tensor | None = None, value_dim: int | None = None,
-               key_block: int | None = None, chosen: torch.Tensor | None = None) -> torch.Tensor:
+               key_block: int | None = None, chosen: torch.Tensor | None = None,
+               chunk: int | None = None) -> torch.Tensor:
     """q [H, n, Dk] of one sequence whose first new token is at position ``start`` (its keys 0..start+n-1 are
     in the pool, the new ones included) -> [H, n, Dv]. ``chosen`` [n, K]: the only key positions each query
-    may attend (sparse attention; still causal)."""
+    may attend (sparse attention; still causal). ``chunk`` (Llama-4's chunked local attention): the query at p
+    sees only keys of its own chunk, p - p % chunk <= j <= p."""
     heads, n = q.shape[0], q.shape[1]
     end = start + n
     lo = 0 if window is None else max(0, start - window + 1)
+    if chunk is not None:
+        lo = max(lo, start - start % chunk)
     out = lse = positions = None
     key_block = key_block or KEY_BLOCK
     j0 = lo
@@ -120,11 +124,15 @@ def attend_row(q: torch.Tensor, read_kv: ReadKV, row: int, start: int, scale: fl
         j1, causal = (min(start, j0 + key_block), False) if j0 < start else (end, True)
         k, v = read_kv(row, j0, j1)
         mask = None
-        if window is not None:  # key j is visible to the query at p iff p - window < j <= p
+        if window is not None or chunk is not None:  # key j is visible to the query at p iff lowest(p) <= j <= p
             if positions is None:
                 positions = torch.arange(start, end, device=q.device)[:, None]
             keys = torch.arange(j0, j1, device=q.device)[None, :]
-            mask, causal = (keys <= positions) & (keys > positions - window), False
+            mask, causal = keys <= positions, False
+            if window is not None:  # p - window < j
+                mask &= keys > positions - window
+            if chunk is not None:  # p - p % chunk <= j
+                mask &= keys >= positions - positions % chunk
         if chosen is not None:
             picked = selection_mask(chosen, j0, j1)
             if causal:  # the new tokens' own keys: query i sees keys 0..i of the square
@@ -145,14 +153,15 @@ def attend_row(q: torch.Tensor, read_kv: ReadKV, row: int, start: int, scale: fl
 def attend_paged(q: torch.Tensor, read_kv: ReadKV, starts: list[int], lengths: list[int], scale: float, *,
                  window: int | None = None, sinks: torch.Tensor | None = None, value_dim: int,
                  key_block: int | None = None, rows: list[int] | None = None,
-                 offsets: list[int] | None = None, chosen: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+                 offsets: list[int] | None = None, chosen: list[torch.Tensor | None] | None = None,
+                 chunk: int | None = None) -> torch.Tensor:
     """q [R, H, T, Dk] -> [R, T, H * Dv], zeros where no sequence is. Sequence i has ``lengths[i]`` new tokens
     from position ``starts[i]`` (their keys already in the pool) at places ``offsets[i]..`` of tensor row
     ``rows[i]`` (default: row i from place 0, the padded layout; ForwardBatch.segment). ``read_kv`` is called
     with the sequence's index. Each sequence's new tokens are attended in query tiles of QUERY_TILE: a tile's
     keys are everything before it (in blocks of ``key_block``, default KEY_BLOCK: callers whose blocks cost
     more per key pass less) and its own causal square. ``chosen[i]`` (sparse attention): sequence i's key
-    positions per query, [n, K], or None (every key)."""
+    positions per query, [n, K], or None (every key). ``chunk``: chunked local attention (``attend_row``)."""
     num_rows, heads, steps, _ = q.shape
     out = torch.zeros(num_rows, steps, heads * value_dim, dtype=q.dtype, device=q.device)
     tile, key_block = QUERY_TILE, key_block or KEY_BLOCK
@@ -167,7 +176,7 @@ def attend_paged(q: torch.Tensor, read_kv: ReadKV, starts: list[int], lengths: l
             b = min(n, a + tile)
             picked = None if chosen[seq] is None else chosen[seq][a:b]
             o = attend_row(q[row, :, off + a:off + b], read_kv, seq, start + a, scale, window=window, sinks=sinks,
-                           value_dim=value_dim, key_block=key_block, chosen=picked)
+                           value_dim=value_dim, key_block=key_block, chosen=picked, chunk=chunk)
             out[row, off + a:off + b] = o.transpose(0, 1).reshape(b - a, heads * value_dim)
     return out
 
@@ -197,13 +206,17 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
 
 
-def dense_mask(starts: list[int], lengths: list[int], steps: int, num_keys: int, window: int | None) -> torch.Tensor:
-    """[B, 1, T, L] bool for ``attend_dense`` (tests): key j visible to the query at p iff j <= p (and p - w < j)."""
+def dense_mask(starts: list[int], lengths: list[int], steps: int, num_keys: int, window: int | None,
+               chunk: int | None = None) -> torch.Tensor:
+    """[B, 1, T, L] bool for ``attend_dense`` (tests): key j visible to the query at p iff j <= p (and p - w < j,
+    and p - p % chunk <= j)."""
     keys = torch.arange(num_keys)[None, None, :]
     pos = (torch.tensor(starts)[:, None] + torch.arange(steps)[None, :])[:, :, None]
     mask = keys <= pos
     if window is not None:
         mask &= keys > pos - window
+    if chunk is not None:
+        mask &= keys >= pos - pos % chunk
     return mask[:, None]
 
 

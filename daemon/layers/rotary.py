@@ -1,4 +1,4 @@
-"""Rotary position embeddings: inverse frequencies for default/linear/llama3/yarn, and their application.
+"""Rotary position embeddings: inverse frequencies for default/linear/llama3/yarn/factors, and their application.
 
 Shapes: P positions, R rotated dims per head (``RopeConfig.dim``), H heads.
 """
@@ -22,6 +22,11 @@ def rope_inv_freq(rope: RopeConfig, max_position_embeddings: int) -> tuple[torch
         return inv_freq / float(rope.param("factor", 1.0)), 1.0
     if rope.rope_type == "llama3":
         return _llama3(rope, inv_freq), 1.0
+    if rope.rope_type == "factors":  # llama.cpp's rope_freqs: each frequency divided by its factor
+        factors = torch.tensor(rope.param("freq_factors"), dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope freq_factors: {factors.numel()} factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors, 1.0
     return _yarn(rope, max_position_embeddings)
 
 

@@ -115,12 +115,16 @@ class DecodeChain:
         if config.has_recurrent_state or config.attention.gated:
             return Unsupported("gated / linear attention (a hybrid model)")
         att = config.attention
+        if att.qk_norm == "weightless" or att.nope_temperature or any(config.attention_chunks) \
+                or not all(map(config.uses_rope, range(config.num_layers))):
+            return Unsupported("Llama-4's attention (weightless q/k norm, chunked local attention, layers without "
+                               "rotary)")
         if att.qk_norm not in ("none", "per_head") or att.clip_qkv is not None:
             return Unsupported("q/k norm over the whole projection or q/k/v clipping")
         d = config.hidden_size
         moe_cfg = config.moe
-        if moe_cfg.scoring not in ROUTER_KINDS:
-            return Unsupported(f"{moe_cfg.scoring} router")
+        if moe_cfg.scoring not in ROUTER_KINDS or moe_cfg.weight_input:
+            return Unsupported(f"{moe_cfg.scoring} router" + (" weighing the expert's input" if moe_cfg.weight_input else ""))
         structs, keep, attentions = [], [bank], []
         for i, (input_norm, attention, post_norm, mlp) in enumerate(model.layers):
             if isinstance(mlp, MoeLayer) and mlp.executor is not executor:

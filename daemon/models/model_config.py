@@ -41,6 +41,10 @@ class ModelConfig:
     # sparse attention (attention.index_topk > 0): per layer, whether it runs its own indexer (True) or reuses
     # the top-k keys of the nearest indexer layer before it (GLM-5's "shared" layers); empty: every layer runs one
     indexer_layers: tuple[bool, ...] = ()
+    # Llama-4: per layer, the chunk of its chunked local attention (a query sees the keys of its own chunk of
+    # that many positions; None: every earlier key), and which layers use no rotary embedding (NoPE)
+    attention_chunks: tuple[int | None, ...] = ()
+    nope_layers: tuple[bool, ...] = ()
     # DeepSeek-V4: per layer, the compression ratio of its KV (0: sliding window only; the CSA ratio: compressed
     # sparse attention with an indexer; the HCA ratio: heavily compressed), which layers route by token id
     # (tid2eid), the hyper-connection residual, and the compressed branches' own rotary
@@ -61,6 +65,12 @@ class ModelConfig:
         while not self.has_indexer(source):
             source -= 1
         return source
+
+    def attention_chunk(self, layer: int) -> int | None:
+        return self.attention_chunks[layer] if self.attention_chunks else None
+
+    def uses_rope(self, layer: int) -> bool:
+        return not (self.nope_layers and self.nope_layers[layer])
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.linear_layers) and self.linear_layers[layer]
@@ -118,10 +128,15 @@ def rope_from_config(cfg: dict, dim: int, *, interleaved: bool = False) -> RopeC
         params["rope_type"] = params.pop("type")
     theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.pop("rope_type", "default") or "default"
-    if rope_type not in ("default", "linear", "llama3", "yarn"):
+    if rope_type not in ("default", "linear", "llama3", "yarn", "factors"):
         raise ModelFormatError(
             f"config.json: rope type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)"
         )
+    if rope_type == "factors":  # a GGUF's rope_freqs (llama.cpp's form of llama3 scaling): one divisor a frequency
+        factors = params.get("freq_factors")
+        if not isinstance(factors, (list, tuple)) or not all(isinstance(f, (int, float)) and f > 0 for f in factors):
+            raise ModelFormatError("config.json: rope type 'factors' needs freq_factors, positive numbers")
+        params["freq_factors"] = tuple(float(f) for f in factors)
     partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     return RopeConfig(
         rope_type=rope_type,

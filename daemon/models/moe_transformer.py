@@ -71,7 +71,8 @@ class MoeTransformer:
                                          index_source=config.index_source(i) if config.attention.index_topk else None)
             else:
                 attention = MhaAttention(config.attention, weights, f"{prefix}.self_attn", i, self.rotary,
-                                         config.sliding_windows[i], config.rms_norm_eps)
+                                         config.sliding_windows[i], config.rms_norm_eps,
+                                         chunk=config.attention_chunk(i), rope=config.uses_rope(i))
             if config.moe_layers[i]:
                 mlp = MoeLayer(config.moe, weights, f"{prefix}.mlp", config.moe_layer_index(i), executor)
             else:

@@ -19,7 +19,8 @@ Formats: ``qwen3`` (Hermes ``<tool_call>`` + ``<think>``, and Qwen3-Coder's XML 
 ``hermes`` (Qwen2-MoE), ``harmony`` (gpt-oss channels), ``deepseek`` (DeepSeek-V3's tool-call tokens +
 ``<think>``), ``dsml`` (DeepSeek-V3.2 / V4 DSML invokes + ``<think>``), ``glm`` (GLM-4.5 .. GLM-5
 ``<tool_call>`` with ``<arg_key>`` / ``<arg_value>`` pairs + ``<think>``), ``minimax`` (MiniMax-M2's
-``<minimax:tool_call>`` XML invokes + ``<think>``), ``mistral`` (``[TOOL_CALLS]``),
+``<minimax:tool_call>`` XML invokes + ``<think>``), ``mistral`` (``[TOOL_CALLS]``), ``llama4`` (Llama-4's JSON call
+object or pythonic call list opening the answer),
 ``plain`` (all text, no tools). A model whose template cannot render tools (or whose format has no tool
 syntax) gets the generic format of ``moed.text.generic_tools`` instead: every model can take tools.
 """
@@ -37,6 +38,7 @@ from moed.text.output_parsers.dsml import DsmlParser
 from moed.text.output_parsers.glm import GlmParser
 from moed.text.output_parsers.harmony import HarmonyParser
 from moed.text.output_parsers.hermes import HermesParser, Qwen3Parser
+from moed.text.output_parsers.llama import LlamaParser
 from moed.text.output_parsers.minimax import MiniMaxParser
 from moed.text.output_parsers.mistral import MistralParser
 from moed.text.output_parsers.plain import PlainParser
@@ -53,6 +55,7 @@ _PARSERS: dict[str, type[OutputParser]] = {
     "glm": GlmParser,
     "mistral": MistralParser,
     "minimax": MiniMaxParser,
+    "llama4": LlamaParser,
 }
 TOOL_FORMATS = frozenset(_PARSERS)  # formats with a tool-call syntax
 FORMATS = TOOL_FORMATS | {"plain"}  # every format a family may name

@@ -36,6 +36,10 @@ Each call names one of the offered tools and its arguments follow that tool's pa
 
       <minimax:tool_call>\n<invoke name="N">\n<parameter name="K">value</parameter>\n</invoke>\n</minimax:tool_call>
 
+* ``llama4`` (Llama-4's template asks for JSON calls; several are separated by ``; ``)::
+
+      {"name": "N", "parameters": {...}}
+
 A ``<think>...</think>`` block may come first (or the answer starts inside it when the prompt opened it).
 Parameters come in the schema's order (required ones always, the others optionally). Markers the tokenizer has
 as special tokens (harmony's, DeepSeek's, ``[TOOL_CALLS]``) are referenced by id. A syntax without a grammar
@@ -52,20 +56,20 @@ from typing import Any
 from moed.text.grammar import JSON_LAYOUT, Grammar
 
 JSON_WRAPPED = ("generic", "hermes", "qwen3")
-GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm", "harmony", "deepseek", "mistral", "minimax")
+GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm", "harmony", "deepseek", "mistral", "minimax", "llama4")
 REASONING = {"qwen3": ("<think>", "</think>"), "glm": ("<think>", "</think>"), "deepseek": ("<think>", "</think>"),
              "minimax": ("<think>", "</think>")}
 DSML = "｜DSML｜"  # the fullwidth bars are part of DeepSeek's markup tokens
 
 
-def _call_schema(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One call's JSON: {"name": one of the tools, "arguments": that tool's parameters}."""
+def _call_schema(tools: Sequence[dict[str, Any]], key: str = "arguments") -> dict[str, Any]:
+    """One call's JSON: {"name": one of the tools, ``key``: that tool's parameters}."""
     options = []
     for tool in tools:
         function = tool.get("function", tool)
         parameters = function.get("parameters") or function.get("input_schema") or {"type": "object"}
-        options.append({"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-                        "required": ["name", "arguments"], "additionalProperties": False})
+        options.append({"type": "object", "properties": {"name": {"const": function["name"]}, key: parameters},
+                        "required": ["name", key], "additionalProperties": False})
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "x-guidance": JSON_LAYOUT}
 
@@ -234,6 +238,10 @@ def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, para
     special = special or {}
     if tool_format == "mistral":
         lines += _mistral_calls(tools, special, parallel)
+        tags, gap = None, "GAP: /[ \\n]*/"
+    elif tool_format == "llama4":
+        lines.append("call: %json " + json.dumps(_call_schema(tools, "parameters")))
+        lines.append("calls: " + ("call" if not parallel else 'call ("; " call)*'))
         tags, gap = None, "GAP: /[ \\n]*/"
     elif tool_format == "deepseek":
         lines += _deepseek_calls(tools, special, deepseek_v31)

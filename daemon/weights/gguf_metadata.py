@@ -34,6 +34,12 @@ rope.scaling.*, expert_count, expert_used_count.
 - minimax-m2 -> minimax_m2: full-width q/k norms, partial rotary from rope.dimension_count (rotary_dim),
   sigmoid routing with the correction bias (exp_probs_b; llama.cpp's graph always gates minimax-m2 by
   sigmoid), an MoE in every layer.
+- llama4 -> llama4_text (Llama-4 Scout / Maverick): the keys llama.cpp reads and the values its graph fixes
+  for them: without ``attention.sliding_window = 0``, three chunked rotary layers (chunks of 8192) then one
+  NoPE layer with the query temperature (floor 8192, scale 0.1); the weightless q/k norm unless there are 128
+  experts (Maverick); MoE layers every interleave_moe_layer_step (dense ones of feed_forward_length between);
+  llama3 rotary scaling as the ``rope_freqs`` tensor of per-frequency divisors (rope type "factors"); Q/K
+  not permuted (llama.cpp rotates Llama-4's adjacent pairs, as transformers does).
 - qwen3next -> qwen3_next: the DeltaNet's sizes from the ssm.* keys (group_count = key heads,
   time_step_rank = value heads, state_size = key head size, inner_size = all value heads), the
   layer pattern from attention.recurrent_layers; MTP layers left out as for GLM.
@@ -45,6 +51,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import torch
 
 from moed.errors import ModelFormatError, UnsupportedModelError, quoted
 from moed.weights.gguf_file import GgufFile
@@ -250,6 +258,39 @@ def _minimax_m2(m: GgufMetadata) -> dict[str, Any]:
                 use_qk_norm="blk.0.attn_q_norm.weight" in m.file)
 
 
+LLAMA4_CHUNK, LLAMA4_FLOOR_SCALE, LLAMA4_ATTN_SCALE, LLAMA4_NOPE_EVERY = 8192, 8192, 0.1, 4  # llama.cpp's llama4
+
+
+def _llama4(m: GgufMetadata) -> dict[str, Any]:
+    cfg = m.common()
+    n = cfg["num_hidden_layers"]
+    num_experts, top_k = m.experts()
+    step = m.int("interleave_moe_layer_step", default=1, minimum=1)
+    routed = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in m.file]
+    if routed != [i for i in range(n) if (i + 1) % step == 0]:
+        raise ModelFormatError(f"{m.file.path}: the layers with a router ({routed[:8]}) are not every "
+                               f"interleave_moe_layer_step={step}th layer; {RECONVERT}")
+    if "rope_freqs.weight" in m.file:  # llama3 scaling, written as the divisor of each frequency
+        stored = m.file.tensor("rope_freqs.weight")
+        factors = m.file.read("rope_freqs.weight").view(torch.float32).reshape(-1) \
+            if stored.type_name == "F32" and stored.nbytes % 4 == 0 else None
+        if factors is None or factors.numel() != cfg["head_dim"] // 2 or not bool(torch.isfinite(factors).all()) \
+                or bool((factors <= 0).any()):
+            raise ModelFormatError(f"{m.file.path}: rope_freqs.weight should hold {cfg['head_dim'] // 2} positive F32 "
+                                   f"factors; {RECONVERT}")
+        cfg["rope_parameters"] = dict(cfg["rope_parameters"], rope_type="factors", freq_factors=factors.tolist())
+    chunked = not (m.has("attention.sliding_window") and m.int("attention.sliding_window") == 0)
+    uses_rope = [int(not chunked or (i + 1) % LLAMA4_NOPE_EVERY != 0) for i in range(n)]
+    cfg.pop("intermediate_size", None)
+    return dict(cfg, num_local_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=m.expert_rows(),
+                intermediate_size_mlp=m.int("feed_forward_length", default=0), moe_layers=routed,
+                interleave_moe_layer_step=step, no_rope_layers=uses_rope,
+                attention_chunk_size=LLAMA4_CHUNK if chunked else None,
+                layer_types=["chunked_attention" if r and chunked else "full_attention" for r in uses_rope],
+                attn_temperature_tuning=chunked, floor_scale=LLAMA4_FLOOR_SCALE, attn_scale=LLAMA4_ATTN_SCALE,
+                use_qk_norm=num_experts != 128, attention_bias="blk.0.attn_q.bias" in m.file)
+
+
 def _mixtral(m: GgufMetadata) -> dict[str, Any]:
     if not m.has("expert_count") or "blk.0.ffn_gate_exps.weight" not in m.file:
         raise UnsupportedModelError(f"{m.file.path}: a dense Llama model (no experts); moed runs Mixture-of-Experts "
@@ -417,6 +458,7 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     "glm-dsa": GgufArchitecture("glm_moe_dsa", "GlmMoeDsaForCausalLM", "GLM-5", _glm_dsa),
     "ernie4_5-moe": GgufArchitecture("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", "ERNIE-4.5-MoE", _ernie4_5_moe),
     "minimax-m2": GgufArchitecture("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMax-M2", _minimax_m2),
+    "llama4": GgufArchitecture("llama4_text", "Llama4ForCausalLM", "Llama-4", _llama4),
     "qwen3next": GgufArchitecture("qwen3_next", "Qwen3NextForCausalLM", "Qwen3-Next", _qwen3next,
                                   "post_attention_norm"),
     "qwen35moe": GgufArchitecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5/3.6-MoE", _qwen3next,

@@ -363,7 +363,10 @@ class HfCheckpoint:
                 continue
             if names.fused_gate_up:  # gpt-oss: one tensor per layer holds every expert
                 fused = self._shaped(prefix + names.fused_gate_up, (num_experts, d, 2 * inter))
-                gate_up = torch.cat([fused[..., 0::2], fused[..., 1::2]], dim=-1)  # interleaved -> gate | up
+                if names.fused_interleaved:
+                    gate_up = torch.cat([fused[..., 0::2], fused[..., 1::2]], dim=-1)  # interleaved -> gate | up
+                else:
+                    gate_up = fused  # already gate | up
                 del fused
                 down = self._shaped(prefix + names.fused_down, (num_experts, inter, d))
                 gub = db = None

@@ -32,6 +32,7 @@ typedef struct {
     float *out;                    /* [B][H*Dv] */
     uint16_t *k_scale, *v_scale;   /* q8_0: fp16 bits [num_blocks][block_size][Hk][Dh/32] / [..][Dv/32], the
                                     * d of each 32 values (value = int8 * d, llama.cpp's Q8_0); else NULL */
+    int64_t chunk;                 /* > 0: chunked local attention (Llama-4): only keys j >= pos - pos % chunk */
 } moed_attn_decode_args;
 
 enum { MOED_KV_F32 = 0, MOED_KV_BF16 = 1, MOED_KV_Q8_0 = 2 };

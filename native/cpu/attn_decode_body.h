@@ -151,6 +151,7 @@ void ATTN_TASK(const moed_attn_decode_args *a, int64_t b, int64_t g, float *work
     const int64_t p = a->pos[b];
     int64_t j0 = 0, j1 = p + 1 < L ? p + 1 : L;
     if (a->window > 0 && p - a->window + 1 > 0) j0 = p - a->window + 1;
+    if (a->chunk > 0 && p - p % a->chunk > j0) j0 = p - p % a->chunk;
     const int64_t n = j1 > j0 ? j1 - j0 : 0;
     /* scores [G][n]: each key row is widened once into kw (bf16; q8_0 with its scales; float32 rows are read
      * where they are), then four query heads at a time take their dot products with it */

@@ -25,7 +25,7 @@ CONVERTER = REPO / ".cache/llamacpp-convert"
 VOCAB = 49152
 GLM_SPECIAL = ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]  # the converter's GLM vocab needs them
 FAMILIES = ["qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_next",
-            "qwen3_5_moe_text", "glm_moe_dsa", "glm4_moe_lite", "minimax_m2"]
+            "qwen3_5_moe_text", "glm_moe_dsa", "glm4_moe_lite", "minimax_m2", "llama4_text"]
 GLM = ("glm4_moe", "glm_moe_dsa", "glm4_moe_lite")
 # GLM-4.7-Flash's chat template opens with [gMASK] (how moed tells it from other deepseek2 files), reduced
 GLM_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
@@ -60,6 +60,14 @@ def converter_config(family: str, *, wide: bool = False):
         cfg.max_position_embeddings = 1024
         cfg.rope_parameters = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
                                    mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0)
+    elif family == "llama4_text":
+        # llama.cpp fixes Llama-4's chunk (8192), NoPE interval (4) and query temperature (8192, 0.1) and reads the
+        # MoE layers from interleave_moe_layer_step: the tiny model with those values
+        import transformers as tf
+
+        cfg = tf.Llama4TextConfig(**dict(cfg.to_dict(), attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1,
+                                         no_rope_layers=None, layer_types=None, moe_layers=None,
+                                         interleave_moe_layer_step=2))
     elif family in GLM:
         cfg.vocab_size = VOCAB + 8
         if family in ("glm_moe_dsa", "glm4_moe_lite"):

@@ -13,7 +13,7 @@ import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next",
             "qwen3_5_moe_text", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "glm4_moe_lite",
-            "ernie4_5_moe", "minimax_m2")
+            "ernie4_5_moe", "minimax_m2", "llama4_text")
 
 COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
@@ -87,6 +87,17 @@ def tiny_config(family: str):
     if family == "minimax_m2":  # MiniMax-M2: full-width q/k norms, rotary on half of each head, sigmoid + bias
         return tf.MiniMaxM2Config(**COMMON, intermediate_size=64, num_key_value_heads=2, head_dim=32,
                                   num_local_experts=8, num_experts_per_tok=2, rotary_dim=16)
+    if family == "llama4_text":
+        # Llama-4: four layers (chunked rotary attention with chunks of 8 so the parity prompts and 32 decoded tokens
+        # cross several, a NoPE layer with its query temperature from position 3 on), MoE on layers 0, 2, 3 and a
+        # dense MLP on layer 1, llama3 rotary scaling
+        llama = dict(COMMON, num_hidden_layers=4)
+        return tf.Llama4TextConfig(**llama, intermediate_size=64, intermediate_size_mlp=96, num_key_value_heads=2,
+                                   head_dim=32, num_local_experts=8, num_experts_per_tok=1, moe_layers=[0, 2, 3],
+                                   no_rope_layers=[1, 1, 0, 1], attention_chunk_size=8, floor_scale=4, attn_scale=0.25,
+                                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64})
     if family == "deepseek_v4":
         # one layer of each kind, windows short enough that the parity prompts (5-13 tokens, then 32 decoded)
         # close several of them: sliding window 8, compressed sparse (ratio 4, its indexer keeps 4 entries; 16

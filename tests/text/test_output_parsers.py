@@ -27,6 +27,7 @@ MARKERS = {
                 "to=functions"],
     "deepseek": [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, EOS, "<think>", "</think>", "```json"],
     "mistral": ["[TOOL_CALLS]", "</s>"],
+    "llama4": ["<|python_start|>", "<|python_end|>", "<|eot|>", "<|eom|>"],
 }
 
 
@@ -86,6 +87,18 @@ CASES = [
     ("mistral", {},
      "Lists look like [TOOLS] or [1, 2] and [TOOL_CALL] is not it.</s>",
      ("Lists look like [TOOLS] or [1, 2] and [TOOL_CALL] is not it.", "", [])),
+    # Llama-4's template asks for {"name": ..., "parameters": ...}; several calls are separated by ";"
+    ("llama4", {},
+     json.dumps({"name": "get_weather", "parameters": WEATHER_ARGS}) + "; "
+     + json.dumps({"name": "get_time", "parameters": TIME_ARGS}) + "<|eot|>",
+     ("", "", [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])),
+    ("llama4", {},
+     "\n<|python_start|>" + json.dumps({"name": "get_weather", "parameters": WEATHER_ARGS})
+     + "<|python_end|>\nI asked for the weather.<|eom|>",
+     ("I asked for the weather.", "", [("get_weather", WEATHER_ARGS)])),
+    ("llama4", {},
+     "Text first, so {\"name\": \"x\", \"parameters\": {}} and [f(a=1)] are prose.<|eot|>",
+     ("Text first, so {\"name\": \"x\", \"parameters\": {}} and [f(a=1)] are prose.", "", [])),
     ("plain", {},
      "<tool_call>{\"name\": \"x\", \"arguments\": {}}</tool_call> <think>plain</think>",
      ("<tool_call>{\"name\": \"x\", \"arguments\": {}}</tool_call> <think>plain</think>", "", [])),
@@ -580,3 +593,41 @@ def test_glm_and_dsml_prompts_open_reasoning():
     assert prompt_opens_reasoning("dsml", "<｜User｜>hi<｜Assistant｜><think>")
     assert prompt_opens_reasoning("minimax", "]~b]user\nhi[e~[\n]~b]ai\n<think>\n")
     assert not prompt_opens_reasoning("dsml", "<｜User｜>hi<｜Assistant｜></think>")
+
+
+# Llama-4's pythonic calls (Meta's Llama-4 prompt guide, vLLM's llama4_pythonic template): output, (text, calls)
+PYTHONIC_CASES = [
+    ('[get_weather(city="San Francisco", metric="celsius")]<|eot|>',
+     ("", [("get_weather", {"city": "San Francisco", "metric": "celsius"})])),
+    ("[get_weather(city='Paris', unit=\"celsius\"), get_time(tz='Europe/Paris', nested={'list': [1, 2.5, -300.0, True, "
+     "None], 's': 'a \"quoted\" } ] <tag>'})]\nBoth asked.<|eot|>",
+     ("Both asked.", [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])),
+    ("[1, 2, 3] is a list, not a call.<|eot|>", ("[1, 2, 3] is a list, not a call.", [])),
+    ("[see the docs](https://example.com)<|eot|>", ("[see the docs](https://example.com)", [])),
+    ("[broken(a=1, b=)]<|eot|>", ("[broken(a=1, b=)]", [])),
+    ("[f(x=open('/etc/passwd'))]<|eot|>", ("[f(x=open('/etc/passwd'))]", [])),  # literals only: never evaluated
+]
+
+
+@pytest.mark.parametrize("output, expected", PYTHONIC_CASES)
+def test_llama4_pythonic_calls_in_any_split(output, expected):
+    rng = random.Random(len(output))
+    splits = [[output], list(output)] + [random_splits(output, rng) for _ in range(10)]
+    splits += [[output[:i], output[i:]] for i in range(1, len(output))]
+    for chunks in splits:
+        parser = output_parser_for("llama4", tools=True)
+        text, _, calls = summarize(run(parser, chunks), parser)
+        assert (text, calls) == expected, f"split {chunks[:6]}..."
+
+
+def test_llama4_text_that_cannot_be_a_call_streams_at_once():
+    parser = output_parser_for("llama4", tools=True)
+    assert [e.text for e in parser.feed("[see")] == [] and parser.feed(" the docs") != []
+    parser = output_parser_for("llama4", tools=True)
+    assert parser.feed("Hello") == [OutputEvent(kind="text", text="Hello")]
+
+
+def test_llama4_calls_to_tools_not_offered_are_text():
+    output = '[rm(path="/")]<|eot|>'
+    parser = output_parser_for("llama4", tools=True, tool_names=["get_weather"])
+    assert summarize(run(parser, [output]), parser) == ('[rm(path="/")]', "", [])

@@ -63,6 +63,7 @@ DS_V31 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<�
 MINIMAX = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris\nCentre</parameter>\n'
            '<parameter name="days">2</parameter>\n</invoke>\n</minimax:tool_call>')
 MIXTRAL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris\\nCentre", "days": 2}}]'
+LLAMA4 = '{"name": "get_weather", "parameters": {"city": "Paris\\nCentre", "days": 2}}'
 
 CASES = {
     "glm-4.7 / glm-5": ("glm", {}, GLM47),
@@ -81,6 +82,7 @@ CASES = {
     "deepseek V3.1": ("deepseek", {"deepseek_v31": True, "reasoning": "none"}, DS_V31),
     "mixtral": ("mistral", {}, MIXTRAL),
     "minimax": ("minimax", {"reasoning": "none"}, MINIMAX),
+    "llama4": ("llama4", {}, LLAMA4),
     "minimax after thinking": ("minimax", {"reasoning": "open"}, "The weather.\n</think>\n\n" + MINIMAX),
 }
 
@@ -111,6 +113,8 @@ def test_the_templates_call_is_accepted_and_read_back(tokenizer, case):
     ("deepseek V3.1", DS_V3),
     ("mixtral", MIXTRAL.replace('"get_weather"', '"get_time"')),
     ("mixtral", "Sure. " + MIXTRAL),
+    ("llama4", LLAMA4.replace('"parameters"', '"arguments"')),
+    ("llama4", "[get_weather(city='Paris', days=2)]"),
     ("minimax", MINIMAX.replace(">2<", ">two<")),
     ("minimax", MINIMAX.replace('<parameter name="city">Paris\nCentre</parameter>\n', "")),  # required city
 ])
@@ -118,7 +122,7 @@ def test_a_call_outside_the_schema_or_syntax_is_refused(tokenizer, case, text):
     fmt, options, _ = {"hermes": CASES["hermes"], "qwen3-coder XML": CASES["qwen3-coder XML"],
                        "dsml V4": CASES["dsml V4"], "glm": CASES["glm-4.7 / glm-5"], "deepseek V3": CASES["deepseek V3"],
                        "deepseek V3.1": CASES["deepseek V3.1"], "mixtral": CASES["mixtral"],
-                       "minimax": CASES["minimax"]}[case]
+                       "minimax": CASES["minimax"], "llama4": CASES["llama4"]}[case]
     assert not _accepts(tokenizer, tool_call_grammar(fmt, TOOLS, **options), text)
 
 
@@ -196,6 +200,8 @@ def test_one_call_when_parallel_calls_are_off_and_formats_without_a_grammar(toke
     two_mixtral = MIXTRAL[:-1] + ", " + MIXTRAL[len("[TOOL_CALLS] ["):]
     assert _accepts(tokenizer, tool_call_grammar("mistral", TOOLS), two_mixtral)
     assert not _accepts(tokenizer, tool_call_grammar("mistral", TOOLS, parallel=False), two_mixtral)
+    assert _accepts(tokenizer, tool_call_grammar("llama4", TOOLS), LLAMA4 + "; " + LLAMA4)
+    assert not _accepts(tokenizer, tool_call_grammar("llama4", TOOLS, parallel=False), LLAMA4 + "; " + LLAMA4)
     assert tool_call_grammar("plain", TOOLS) is None
 
 

@@ -24,6 +24,7 @@ from helpers.llamacpp_convert import (CONVERTER, FAMILIES, build_for_converter, 
 from helpers.reference_parity import assert_matches_reference
 from helpers.tiny_models import build_tiny_model, tiny_config
 from moed.engine.runtime import open_runtime
+from moed.layers.rotary import rope_inv_freq
 from moed.models.families import parse_model_config
 from moed.text.gguf_vocab import gguf_tokenizer_files
 from moed.weights.gguf_checkpoint import GgufCheckpoint
@@ -65,12 +66,17 @@ def test_a_file_from_llamacpps_converter_runs_like_transformers(family, tmp_path
     got = ckpt.config
     # the same model: every field that shapes the computation (raw dicts and token ids differ in form)
     for field in ("family", "vocab_size", "hidden_size", "num_layers", "attention", "moe", "moe_layers",
-                  "sliding_windows", "tie_word_embeddings", "linear_attention", "linear_layers", "norm_offset"):
+                  "sliding_windows", "tie_word_embeddings", "linear_attention", "linear_layers", "norm_offset",
+                  "attention_chunks", "nope_layers"):
         assert getattr(got, field) == getattr(expected, field), field
     if not all(expected.moe_layers):  # the dense MLP's size (meaningless, and not always written, without one)
         assert got.dense_intermediate_size == expected.dense_intermediate_size
-    assert dataclasses.replace(got.rope, params=()) == dataclasses.replace(expected.rope, params=())
-    assert got.rope.params == expected.rope.params or family == "deepseek_v3"  # see the yarn test below
+    if got.rope.rope_type == "factors":  # llama3 scaling as llama.cpp's rope_freqs divisors: the same frequencies
+        assert expected.rope.rope_type == "llama3"
+        torch.testing.assert_close(rope_inv_freq(got.rope, 1)[0], rope_inv_freq(expected.rope, 1)[0])
+    else:
+        assert dataclasses.replace(got.rope, params=()) == dataclasses.replace(expected.rope, params=())
+        assert got.rope.params == expected.rope.params or family == "deepseek_v3"  # see the yarn test below
     runtime = open_runtime(path, weights_dtype="fp32")
     try:
         assert runtime.loaded.format == "gguf" and runtime.tokenizer is not None

@@ -26,6 +26,7 @@ class FamilyNames:
     expert_up: str = "experts.{e}.up_proj.weight"
     expert_down: str = "experts.{e}.down_proj.weight"
     fused_gate_up: str = ""  # gpt-oss: [E, D, 2I] interleaved gate/up columns
+    fused_interleaved: bool = True  # False: fused_gate_up holds the gate columns, then the up ones (Llama-4)
     fused_down: str = ""  # gpt-oss: [E, I, D]
     router_bias: str = ""
     score_bias: str = ""  # DeepSeek e_score_correction_bias
