@@ -73,16 +73,15 @@ DEFAULT_CHECKPOINT_BYTES = 1 << 30  # a hybrid model's state checkpoints, at mos
 
 
 def recurrent_state_bytes(config) -> int:
-    """Bytes of one sequence's recurrent state (fp32 conv window + delta-rule matrix per linear layer)."""
+    """Bytes of one sequence's recurrent state (fp32 conv window + the delta-rule or state-space matrices of each
+    linear layer)."""
     if config.attention.kind == "compressed":  # DeepSeek-V4's open compression windows (layers/kv_compressor.py)
         return 4 * sum(open_window_floats(config.attention, r, config.has_indexer(i))
                        for i, r in enumerate(config.compress_ratios))
     d = config.linear_attention
     if d is None or not config.has_recurrent_state:
         return 0
-    conv_dim = 2 * d.num_k_heads * d.k_head_dim + d.num_v_heads * d.v_head_dim
-    per_layer = conv_dim * (d.conv_kernel - 1) + d.num_v_heads * d.k_head_dim * d.v_head_dim
-    return 4 * per_layer * sum(config.is_linear(i) for i in range(config.num_layers))
+    return 4 * d.state_floats() * sum(config.is_linear(i) for i in range(config.num_layers))
 
 
 KV_SHARE_OF_FREE_RAM = 0.5  # an automatic context's KV pool takes at most this share of the RAM the weights leave

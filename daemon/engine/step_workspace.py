@@ -48,6 +48,8 @@ def _mlp(config, tokens: int, layer: int) -> int:
     """Floats of one MoE (or dense MLP) layer's step: router logits, every routed row's gathered input,
     gate/up, activation, output and weighted output at once, the shared expert's."""
     d = config.hidden_size
+    if not config.has_mlp(layer):
+        return 0
     if not config.moe_layers[layer]:
         return tokens * (3 * config.dense_intermediate_size + d)
     moe = config.moe
@@ -57,12 +59,9 @@ def _mlp(config, tokens: int, layer: int) -> int:
 
 
 def _linear_attention(config, tokens: int) -> int:
-    """Floats of a gated DeltaNet layer's step: its projections, conv input and output, the rule's inputs
-    and outputs (the per-chunk matrices are small beside them)."""
-    c = config.linear_attention
-    key, value = c.key_dim, c.value_dim
-    projections = 2 * key + 2 * value + 2 * c.num_v_heads  # qkv, z, b, a
-    return tokens * (2 * projections + 2 * (2 * key + value) + 3 * value + config.hidden_size)
+    """Floats of a linear-attention layer's step (gated DeltaNet or Mamba-2: its config's ``step_floats``) and
+    its output."""
+    return config.linear_attention.step_floats(tokens) + tokens * config.hidden_size
 
 
 # what the counted tensors do not show: temporaries of one expression alive together, the native kernels'

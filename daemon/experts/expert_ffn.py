@@ -42,7 +42,7 @@ from moed.kernels.prefill_gemm import prefill_gemm_dtype
 from moed.kernels.native_cpu import descriptor_of, native
 
 _Matmul = Callable[[dict[str, torch.Tensor], str, int, torch.Tensor], torch.Tensor]
-_KIND_CODES = {"silu": 0, "gpt_oss": 1, "clamped_silu": 2}
+_KIND_CODES = {"silu": 0, "gpt_oss": 1, "clamped_silu": 2, "relu2": 3}
 
 
 def apply_activation(gate_up: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
@@ -51,6 +51,8 @@ def apply_activation(gate_up: torch.Tensor, act: ExpertActivation) -> torch.Tens
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
     if act.kind == "silu":
         return F.silu(gate) * up
+    if act.kind == "relu2":  # Nemotron-H: gate and up are the same matrix, so this is relu(up)^2
+        return F.relu(gate) * up
     if act.kind == "clamped_silu":  # DeepSeek-V4: SwiGLU on gate <= limit and |up| <= limit
         return F.silu(gate.clamp(max=act.limit)) * up.clamp(min=-act.limit, max=act.limit)
     # gpt_oss: clamped SwiGLU with a sigmoid gate and an up that is shifted by one.
@@ -94,6 +96,8 @@ def _activate(
                 u += gu_bias[fid, inter + j]
             if kind == 0:
                 out[t, j] = g / (one + np.exp(-g)) * u
+            elif kind == 3:
+                out[t, j] = max(g, np.float32(0.0)) * u
             elif kind == 2:
                 g = min(g, lim)
                 u = max(min(u, lim), -lim)

@@ -90,6 +90,8 @@ def _activate(gate_up: torch.Tensor, act) -> torch.Tensor:
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
     if act.kind == "silu":
         return torch.nn.functional.silu(gate) * up
+    if act.kind == "relu2":
+        return torch.relu(gate) * up
     if act.kind == "clamped_silu":
         return torch.nn.functional.silu(gate.clamp(max=act.limit)) * up.clamp(min=-act.limit, max=act.limit)
     gate = gate.clamp(max=act.limit)

@@ -50,6 +50,33 @@ class DeltaNetConfig:
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
 
+    # what the model-level code asks of a linear-attention config (mamba2.Mamba2Config answers the same)
+    def layer(self, weights: dict[str, torch.Tensor], prefix: str) -> "GatedDeltaNet":
+        return GatedDeltaNet(self, weights, prefix)
+
+    def state_floats(self) -> int:
+        """Floats of one sequence's state in one layer: the conv window and the delta-rule matrices."""
+        return self.conv_dim * (self.conv_kernel - 1) + self.num_v_heads * self.k_head_dim * self.v_head_dim
+
+    def step_floats(self, tokens: int) -> int:
+        """Floats of a step's temporaries: projections, conv input and output, the rule's inputs and outputs (the
+        per-chunk matrices are small beside them)."""
+        key, value = self.key_dim, self.value_dim
+        projections = 2 * key + 2 * value + 2 * self.num_v_heads  # qkv, z, b, a
+        return tokens * (2 * projections + 2 * (2 * key + value) + 3 * value)
+
+    def weight_shapes(self, prefix: str, hidden: int) -> dict[str, tuple[int, ...]]:
+        d, p = hidden, prefix
+        if self.split_projections:
+            proj = {f"{p}.in_proj_qkv.weight": (self.conv_dim, d), f"{p}.in_proj_z.weight": (self.value_dim, d),
+                    f"{p}.in_proj_b.weight": (self.num_v_heads, d), f"{p}.in_proj_a.weight": (self.num_v_heads, d)}
+        else:
+            proj = {f"{p}.in_proj_qkvz.weight": (2 * self.key_dim + 2 * self.value_dim, d),
+                    f"{p}.in_proj_ba.weight": (2 * self.num_v_heads, d)}
+        return {**proj, f"{p}.conv1d.weight": (self.conv_dim, 1, self.conv_kernel),
+                f"{p}.dt_bias": (self.num_v_heads,), f"{p}.A_log": (self.num_v_heads,),
+                f"{p}.norm.weight": (self.v_head_dim,), f"{p}.out_proj.weight": (d, self.value_dim)}
+
     def __post_init__(self) -> None:
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(f"linear attention: {self.num_v_heads} value heads are not a multiple of "

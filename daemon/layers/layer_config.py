@@ -43,7 +43,9 @@ class MoeConfig:
     has_router_bias: bool = False
     shared_intermediate_size: int = 0  # 0 = no shared expert
     has_shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(Linear(D, 1)) scales the shared expert
-    activation: str = "silu"  # silu | gpt_oss | clamped_silu (DeepSeek-V4: gate <= limit, |up| <= limit)
+    # silu | gpt_oss | clamped_silu (DeepSeek-V4: gate <= limit, |up| <= limit) | relu2 (Nemotron-H's non-gated
+    # relu(up)^2 experts: the bank holds their up matrix in the gate half too, and computes max(gate, 0) * up)
+    activation: str = "silu"
     has_expert_bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0

@@ -85,7 +85,8 @@ class MoeLayer:
         self.router = weights[f"{prefix}.router.weight"]
         self.router_bias = weights.get(f"{prefix}.router.bias")
         self.score_bias = weights.get(f"{prefix}.router.score_bias")
-        self.shared = DenseMlp(weights, f"{prefix}.shared") if cfg.shared_intermediate_size else None
+        shared_activation = "relu2" if cfg.activation == "relu2" else "silu"
+        self.shared = DenseMlp(weights, f"{prefix}.shared", shared_activation) if cfg.shared_intermediate_size else None
         self.shared_gate = weights.get(f"{prefix}.shared_gate.weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

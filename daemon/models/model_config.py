@@ -11,6 +11,7 @@ from typing import Any
 
 from moed.errors import ModelFormatError
 from moed.layers.gated_deltanet import DeltaNetConfig
+from moed.layers.mamba2 import Mamba2Config
 from moed.layers.hyper_connections import HyperConnectionConfig
 from moed.layers.layer_config import AttentionConfig, MoeConfig, RopeConfig
 
@@ -34,9 +35,19 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]  # per layer: None = full attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # hybrid models (Qwen3-Next): which layers mix tokens with gated DeltaNet instead of attention
-    linear_attention: DeltaNetConfig | None = None
+    # hybrid models: which layers mix tokens with a recurrent layer instead of attention (Qwen3-Next's gated
+    # DeltaNet, Nemotron-H's Mamba-2)
+    linear_attention: DeltaNetConfig | Mamba2Config | None = None
     linear_layers: tuple[bool, ...] = ()
+    # per layer, whether it has a feed-forward part (empty: every layer); Nemotron-H pairs each mixer block with
+    # the feed-forward block after it, and a mixer followed by another mixer has none
+    mlp_layers: tuple[bool, ...] = ()
+    # silu: SwiGLU MLPs; relu2: Nemotron-H's non-gated down(relu(up(x))^2) dense MLPs and shared experts (routed
+    # experts: MoeConfig.activation)
+    mlp_activation: str = "silu"
+    # (regex, replacement) pairs the config implies, applied after the family's own renames to every tensor name
+    # of a checkpoint (Nemotron-H: its blocks -> moed's layers)
+    tensor_renames: tuple[tuple[str, str], ...] = ()
     norm_offset: float = 0.0  # Qwen3-Next's RMSNorms scale by (offset + w)
     # sparse attention (attention.index_topk > 0): per layer, whether it runs its own indexer (True) or reuses
     # the top-k keys of the nearest indexer layer before it (GLM-5's "shared" layers); empty: every layer runs one
@@ -71,6 +82,9 @@ class ModelConfig:
 
     def uses_rope(self, layer: int) -> bool:
         return not (self.nope_layers and self.nope_layers[layer])
+
+    def has_mlp(self, layer: int) -> bool:
+        return not self.mlp_layers or self.mlp_layers[layer]
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.linear_layers) and self.linear_layers[layer]

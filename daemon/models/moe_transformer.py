@@ -13,7 +13,7 @@ from moed.errors import ModelFormatError
 from moed.experts.executor import ExpertExecutor
 from moed.layers.attention import MhaAttention
 from moed.layers.dense_mlp import DenseMlp
-from moed.layers.gated_deltanet import GatedDeltaNet, LinearAttentionBlock
+from moed.layers.gated_deltanet import LinearAttentionBlock
 from moed.layers.kv_compressor import cache_entries_for as compressed_cache_entries
 from moed.layers.linear import embedding, linear
 from moed.layers.mla_attention import MlaAttention
@@ -63,8 +63,7 @@ class MoeTransformer:
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}"
             if config.is_linear(i):
-                attention = LinearAttentionBlock(
-                    GatedDeltaNet(config.linear_attention, weights, f"{prefix}.linear_attn"), i)
+                attention = LinearAttentionBlock(config.linear_attention.layer(weights, f"{prefix}.linear_attn"), i)
             elif config.attention.kind == "mla":
                 attention = MlaAttention(config.attention, weights, f"{prefix}.self_attn", i, self.rotary,
                                          config.sliding_windows[i], config.rms_norm_eps,
@@ -73,12 +72,14 @@ class MoeTransformer:
                 attention = MhaAttention(config.attention, weights, f"{prefix}.self_attn", i, self.rotary,
                                          config.sliding_windows[i], config.rms_norm_eps,
                                          chunk=config.attention_chunk(i), rope=config.uses_rope(i))
-            if config.moe_layers[i]:
+            if not config.has_mlp(i):  # Nemotron-H: a mixer block followed by another mixer
+                mlp = None
+            elif config.moe_layers[i]:
                 mlp = MoeLayer(config.moe, weights, f"{prefix}.mlp", config.moe_layer_index(i), executor)
             else:
-                mlp = DenseMlp(weights, f"{prefix}.mlp")
+                mlp = DenseMlp(weights, f"{prefix}.mlp", config.mlp_activation)
             self.layers.append((weights[f"{prefix}.input_layernorm.weight"], attention,
-                                weights[f"{prefix}.post_attention_layernorm.weight"], mlp))
+                                weights.get(f"{prefix}.post_attention_layernorm.weight"), mlp))
         self._chain: DecodeChain | Unsupported | None = None  # built at the first decode step
 
     def decode_chain(self) -> DecodeChain | Unsupported:
@@ -175,8 +176,11 @@ class MoeTransformer:
         else:
             layers = self.layers
         for input_norm, attention, post_norm, mlp in layers:
-            x, h = add_rms_norm(x, attention.forward(rms_norm(x, input_norm, eps), batch, cache, cos_sin),
-                                post_norm, eps)
+            mixed = attention.forward(rms_norm(x, input_norm, eps), batch, cache, cos_sin)
+            if mlp is None:
+                x = x + mixed
+                continue
+            x, h = add_rms_norm(x, mixed, post_norm, eps)
             if isinstance(mlp, MoeLayer):
                 if all_valid:  # decode, packed steps and unpadded prefill: every place is a real token
                     x = x + mlp.forward(h.view(-1, h.shape[-1])).view(h.shape)

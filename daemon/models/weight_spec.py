@@ -17,9 +17,13 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}.input_layernorm.weight"] = (d,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (d,)
         if config.is_linear(i):
-            shapes.update(_linear_attention_shapes(config, f"{p}.linear_attn"))
+            shapes.update(config.linear_attention.weight_shapes(f"{p}.linear_attn", d))
         else:
             shapes.update(_attention_shapes(config, f"{p}.self_attn", i))
+        if not config.has_mlp(i):  # Nemotron-H: a mixer block with no feed-forward block after it
+            del shapes[f"{p}.post_attention_layernorm.weight"]
+            continue
+        gated = config.mlp_activation != "relu2"
         if config.moe_layers[i]:
             m = f"{p}.mlp"
             shapes[f"{m}.router.weight"] = (moe.num_experts, d)
@@ -28,31 +32,19 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             if moe.has_score_correction_bias:
                 shapes[f"{m}.router.score_bias"] = (moe.num_experts,)
             if moe.shared_intermediate_size:
-                shapes.update(_mlp_shapes(f"{m}.shared", d, moe.shared_intermediate_size))
+                shapes.update(_mlp_shapes(f"{m}.shared", d, moe.shared_intermediate_size, gated))
                 if moe.has_shared_expert_gate:
                     shapes[f"{m}.shared_gate.weight"] = (1, d)
         else:
-            shapes.update(_mlp_shapes(f"{p}.mlp", d, config.dense_intermediate_size))
+            shapes.update(_mlp_shapes(f"{p}.mlp", d, config.dense_intermediate_size, gated))
     return shapes
 
 
-def _linear_attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    d, la = config.hidden_size, config.linear_attention
-    if la.split_projections:
-        proj = {f"{p}.in_proj_qkv.weight": (la.conv_dim, d), f"{p}.in_proj_z.weight": (la.value_dim, d),
-                f"{p}.in_proj_b.weight": (la.num_v_heads, d), f"{p}.in_proj_a.weight": (la.num_v_heads, d)}
-    else:
-        proj = {f"{p}.in_proj_qkvz.weight": (2 * la.key_dim + 2 * la.value_dim, d),
-                f"{p}.in_proj_ba.weight": (2 * la.num_v_heads, d)}
-    return {**proj,
-            f"{p}.conv1d.weight": (la.conv_dim, 1, la.conv_kernel),
-            f"{p}.dt_bias": (la.num_v_heads,), f"{p}.A_log": (la.num_v_heads,),
-            f"{p}.norm.weight": (la.v_head_dim,), f"{p}.out_proj.weight": (d, la.value_dim)}
-
-
-def _mlp_shapes(prefix: str, d: int, inter: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}.gate_proj.weight": (inter, d), f"{prefix}.up_proj.weight": (inter, d),
-            f"{prefix}.down_proj.weight": (d, inter)}
+def _mlp_shapes(prefix: str, d: int, inter: int, gated: bool = True) -> dict[str, tuple[int, ...]]:
+    shapes = {f"{prefix}.up_proj.weight": (inter, d), f"{prefix}.down_proj.weight": (d, inter)}
+    if gated:  # SwiGLU; Nemotron-H's relu^2 MLPs have no gate
+        shapes[f"{prefix}.gate_proj.weight"] = (inter, d)
+    return shapes
 
 
 def _attention_shapes(config: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:

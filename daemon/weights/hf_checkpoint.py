@@ -92,7 +92,7 @@ class HfCheckpoint:
         self.is_mxfp4 = isinstance(quant, dict) and quant.get("quant_method") == MXFP4_METHOD
         self.micro: MicroScaled | None = micro_scaled_of(self.raw_config, self.path, where)  # NVFP4 / MXFP8
         self.source = SafetensorsFiles(self.path)
-        self.source.rename(_reader_names(self.family, set(self.source.keys())))
+        self.source.rename(_reader_names(self.family, self.config, set(self.source.keys())))
         # DeepSeek-V4's published experts: two E2M1 values a byte (int8 [rows, K/2]) and an E8M0 scale per 32
         self.fp4_experts = "fp4" in (self.raw_config.get("expert_dtype"), (quant or {}).get("expert_dtype"))
         self.weight_keys = _canonical_keys(self.config, self.family, self.source.keys(), self.micro)  # canonical -> HF
@@ -248,7 +248,8 @@ class HfCheckpoint:
                 continue
             ml = config.moe_layer_index(layer)
             prefix = names.moe_prefix.format(i=layer) + "."
-            for part, pattern, rows, k in (("gate", names.expert_gate, inter, d), ("up", names.expert_up, inter, d),
+            for part, pattern, rows, k in (("gate", names.expert_gate or names.expert_up, inter, d),
+                                           ("up", names.expert_up, inter, d),
                                            ("down", names.expert_down, d, inter)):
                 bank = torch.empty(num_experts, rows, row_bytes(ggml_type, k), dtype=torch.uint8)
                 keys = [self._data_key(prefix + pattern.format(e=e)) for e in range(num_experts)]
@@ -387,8 +388,11 @@ class HfCheckpoint:
                 gate_up = torch.empty(e1 - e0, d, 2 * inter)
                 down = torch.empty(e1 - e0, inter, d)
                 for i, e in enumerate(range(e0, e1)):
-                    gate_up[i, :, :inter] = self._shaped(prefix + names.expert_gate.format(e=e), (inter, d)).t()
-                    gate_up[i, :, inter:] = self._shaped(prefix + names.expert_up.format(e=e), (inter, d)).t()
+                    up = self._shaped(prefix + names.expert_up.format(e=e), (inter, d)).t()
+                    # a non-gated expert (Nemotron-H's relu(up)^2, no gate tensor): its up matrix in both halves
+                    gate_up[i, :, :inter] = self._shaped(prefix + names.expert_gate.format(e=e), (inter, d)).t() \
+                        if names.expert_gate else up
+                    gate_up[i, :, inter:] = up
                     down[i] = self._shaped(prefix + names.expert_down.format(e=e), (d, inter)).t()
                 yield ExpertChunk(base + e0, gate_up, down)
 
@@ -452,7 +456,8 @@ class HfCheckpoint:
                                    f"multiples of 32, got {d} and {inter}")
         for e0 in range(0, num_experts, chunk_experts):
             experts = range(e0, min(num_experts, e0 + chunk_experts))
-            gu = [[blocks(p, e, inter, d) for p in (names.expert_gate, names.expert_up)] for e in experts]
+            gu = [[blocks(p, e, inter, d) for p in (names.expert_gate or names.expert_up, names.expert_up)]
+                  for e in experts]
             dn = [blocks(names.expert_down, e, d, inter) for e in experts]
             try:
                 gu_fp4, gu_e8m0 = from_gpt_oss_blocks(torch.stack([torch.cat([g[0], u[0]]) for g, u in gu]),
@@ -494,11 +499,11 @@ def _flat_score_bias(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape
 
 
-def _reader_names(family: Family, keys: set[str]):
+def _reader_names(family: Family, config: ModelConfig, keys: set[str]):
     """The name moed reads each stored tensor by: the family's ``renames`` (a published layout -> transformers'
-    names), and DeepSeek's ``X.scale`` beside an ``X.weight`` as ``X.weight_scale_inv`` (one name for every
+    names) and those its config implies (``ModelConfig.tensor_renames``), and DeepSeek's ``X.scale`` beside an ``X.weight`` as ``X.weight_scale_inv`` (one name for every
     block-scaled FP8 / FP4 weight's scales)."""
-    renames = [(re.compile(pattern), repl) for pattern, repl in family.names.renames]
+    renames = [(re.compile(pattern), repl) for pattern, repl in (*family.names.renames, *config.tensor_renames)]
 
     def name(key: str) -> str:
         if key.endswith(".scale") and key[:-len("scale")] + "weight" in keys:

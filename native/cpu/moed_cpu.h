@@ -112,9 +112,10 @@ void moed_quantize_act_span(const float *x, int T, int64_t K, int span, int8_t *
 
 /* the expert activation of gate g and up u: 0 silu(g) * u; 1 gpt-oss's clamped SwiGLU */
 /* kind 0: SwiGLU; 1: gpt-oss's (gate <= limit, |up| <= limit, sigmoid(alpha g) gate, up + 1); 2: DeepSeek-V4's
- * (SwiGLU on gate <= limit and |up| <= limit) */
+ * (SwiGLU on gate <= limit and |up| <= limit); 3: relu2 (Nemotron-H: max(gate, 0) * up, gate = up) */
 static inline float moed_activate(int kind, float g, float u, float alpha, float limit) {
     if (kind == 0) return g / (1.0f + expf(-g)) * u;
+    if (kind == 3) return (g > 0.0f ? g : 0.0f) * u; /* relu2: gate and up hold the same matrix */
     g = g < limit ? g : limit;
     u = u < limit ? u : limit;
     u = u > -limit ? u : -limit;

@@ -116,9 +116,9 @@ def test_the_cli_prints_the_table_and_refuses_what_it_cannot_plan(glm5, tmp_path
     assert main(["fit", str(v4)]) == 2
     assert "required field 'num_hidden_layers' is missing" in capsys.readouterr().err
     other = tmp_path / "other.json"
-    other.write_text(json.dumps({"model_type": "llama4", "architectures": ["Llama4ForCausalLM"]}))
+    other.write_text(json.dumps({"model_type": "jamba", "architectures": ["JambaForCausalLM"]}))
     assert main(["fit", str(other)]) == 2
-    assert "'llama4' is not supported" in capsys.readouterr().err
+    assert "'jamba' is not supported" in capsys.readouterr().err
     assert main(["fit", str(tmp_path / "missing")]) == 2
 
 

@@ -13,7 +13,7 @@ import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next",
             "qwen3_5_moe_text", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "glm4_moe_lite",
-            "ernie4_5_moe", "minimax_m2", "llama4_text")
+            "ernie4_5_moe", "minimax_m2", "llama4_text", "nemotron_h")
 
 COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
@@ -98,6 +98,16 @@ def tiny_config(family: str):
                                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                     "original_max_position_embeddings": 64})
+    if family == "nemotron_h":
+        # Nemotron-H: blocks M E M * E M - (Mamba-2, MoE, Mamba-2 followed by attention, attention + MoE, Mamba-2 +
+        # dense relu^2 MLP): moed's layers (M+E) (M) (*+E) (M+-); chunks of 8 so the prompts cross several
+        nemotron = {k: v for k, v in COMMON.items() if k != "num_hidden_layers"}
+        return tf.NemotronHConfig(**nemotron, hybrid_override_pattern="MEM*EM-", num_key_value_heads=2, head_dim=32,
+                                  intermediate_size=96, mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+                                  ssm_state_size=16, conv_kernel=4, chunk_size=8, n_routed_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=64,
+                                  moe_shared_expert_intermediate_size=64, routed_scaling_factor=2.5,
+                                  norm_topk_prob=True)
     if family == "deepseek_v4":
         # one layer of each kind, windows short enough that the parity prompts (5-13 tokens, then 32 decoded)
         # close several of them: sliding window 8, compressed sparse (ratio 4, its indexer keeps 4 entries; 16

@@ -58,6 +58,12 @@ DSML_CALL = ("<think>Read it first.</think>Reading.\n\n<｜DSML｜function_calls
              "<｜DSML｜parameter name=\"follow\" string=\"false\">true</｜DSML｜parameter>\n"
              "</｜DSML｜invoke>\n</｜DSML｜function_calls>")
 
+# Nemotron-3-Nano: Qwen3-Coder's XML calls after its reasoning (its template opens <think>; closed here)
+NEMOTRON_CALL = "<think>Read it first.</think>Reading.\n" + CODER_CALL
+# Llama-4: its template's JSON call object, and Meta's pythonic form
+LLAMA4_CALLS = {"llama4": '{"name": "read_file", "parameters": {"path": "src/main.py", "limit": 40, "follow": true}}',
+                "llama4-py": '[read_file(path="src/main.py", limit=40, follow=True)]'}
+
 
 def answer(prompt: str) -> str:
     if "Cut short" in prompt:
@@ -84,7 +90,9 @@ def daemon(tmp_path_factory):
     d.qwen36 = ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("qwen36")), lambda prompt: CODER_CALL,
                                  family="qwen3_5_moe")
     add_scripted_model(d, "qwen36", d.qwen36)
-    for name, family, output in (("glm5", "glm_moe_dsa", GLM_CALL), ("dsv32", "deepseek_v32", DSML_CALL)):
+    for name, family, output in (("glm5", "glm_moe_dsa", GLM_CALL), ("dsv32", "deepseek_v32", DSML_CALL),
+                                 ("nemotron", "nemotron_h", NEMOTRON_CALL),
+                                 *((name, "llama4_text", out) for name, out in LLAMA4_CALLS.items())):
         add_scripted_model(d, name, ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp(name)),
                                                       lambda prompt, output=output: output, family=family))
     d.thinker = ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp("thinker"), THINKING_TEMPLATE), answer)
@@ -265,7 +273,7 @@ def test_responses_function_call_output_without_its_call_is_a_400(client):
     assert "call_x" in err.value.body["message"]
 
 
-@pytest.mark.parametrize("model", ["glm5", "dsv32"])
+@pytest.mark.parametrize("model", ["glm5", "dsv32", "nemotron"])
 def test_glm5_and_deepseek_v32_calls_reach_both_apis_whole_and_streamed(daemon, client, model):
     want = {"path": "src/main.py", "limit": 40, "follow": True}
     reply = client.chat.completions.create(model=model, messages=ASK, tools=[READ_TOOL])
@@ -283,3 +291,21 @@ def test_glm5_and_deepseek_v32_calls_reach_both_apis_whole_and_streamed(daemon, 
     [use] = [b for b in message.content if b.type == "tool_use"]
     assert message.stop_reason == "tool_use" and use.name == "read_file" and use.input == want
     assert [b.thinking for b in message.content if b.type == "thinking"] == ["Read it first."]
+
+
+@pytest.mark.parametrize("model", sorted(LLAMA4_CALLS))
+def test_llama4_json_and_pythonic_calls_reach_both_apis_whole_and_streamed(daemon, client, model):
+    want = {"path": "src/main.py", "limit": 40, "follow": True}
+    reply = client.chat.completions.create(model=model, messages=ASK, tools=[READ_TOOL])
+    choice = reply.choices[0]
+    [call] = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.function.name == "read_file" and not choice.message.content
+    assert json.loads(call.function.arguments) == want
+    chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=[READ_TOOL], stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "read_file"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == want
+    message = daemon.anthropic().messages.create(model=model, max_tokens=1000, messages=ASK, tools=[{
+        "name": "read_file", "description": "Read a file", "input_schema": READ_TOOL["function"]["parameters"]}])
+    [use] = [b for b in message.content if b.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and use.name == "read_file" and use.input == want
