@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Mamba-2 prefill: the chunked state-space form vs the token-by-token recurrence (issue #36).
 
-    python benchmarks/bench_mamba2_prefill.py [--tokens 4096] [--reference-tokens 512] [--json OUT]
+    python benchmarks/bench_mamba2_prefill.py [--tokens 4096] [--reference-tokens 512] [--fp32] [--json OUT]
 
 One Mamba-2 layer at Nemotron-3-Nano-30B-A3B's shape (hidden 2688, 64 heads of 64, 8 groups, state 128, conv
-kernel 4; random weights, float32) prefills ``--tokens`` tokens with the chunked form (``chunked_ssd``, 128-token
-chunks); the token-by-token recurrence (``recurrent_ssd``: the decode path, and the reference) runs
-``--reference-tokens`` and is scaled to the same length (its cost is linear in the tokens). Both outputs on the
-reference tokens are compared. The scan alone (without the projections, conv and norm, which are the same code
-in both) is timed the same way. No peer: llama.cpp's Mamba-2 kernels are a different program.
+kernel 4; random weights, its in/out projections bf16 as the checkpoint ships them, ``--fp32`` for float32) prefills ``--tokens`` tokens in one call, with the chunked form (``chunked_ssd``,
+128-token chunks). Against it, the same layer code token by token, two ways, each run on ``--reference-tokens``
+and scaled to the same length (both are linear in the tokens): the layer called once per token (what decoding
+the prompt would do: every projection a matrix-vector product), and one call whose scan is the token-by-token
+recurrence (``recurrent_ssd``, the decode path and the reference: the projections stay whole-prompt GEMMs). The
+outputs are compared. The scan alone (without the projections, conv and norm) is timed the same way. No peer:
+llama.cpp's Mamba-2 kernels are a different program.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from moed.layers import mamba2 as m2
 
 
-def layer(seed: int = 0) -> m2.Mamba2Mixer:
+def layer(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> m2.Mamba2Mixer:
     cfg = m2.Mamba2Config(num_heads=64, head_dim=64, num_groups=8, state_size=128, conv_kernel=4)
     g = torch.Generator().manual_seed(seed)
     d = 2688
@@ -33,6 +35,8 @@ def layer(seed: int = 0) -> m2.Mamba2Mixer:
          "m.A_log": torch.rand(cfg.num_heads, generator=g) * 2.7,  # A in [-15, -1]: Nemotron's init range
          "m.D": torch.ones(cfg.num_heads), "m.norm.weight": torch.ones(cfg.inner_dim),
          "m.out_proj.weight": torch.randn(d, cfg.inner_dim, generator=g) * cfg.inner_dim ** -0.5}
+    for name in ("m.in_proj.weight", "m.out_proj.weight"):
+        w[name] = w[name].to(dtype)
     return m2.Mamba2Mixer(cfg, w, "m")
 
 
@@ -53,16 +57,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reference-tokens", type=int, default=512)
+    ap.add_argument("--fp32", action="store_true", help="float32 projections (default: bf16, as shipped)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.manual_seed(0)
-    net = layer()
+    net = layer(dtype=torch.float32 if args.fp32 else torch.bfloat16)
     x = torch.randn(1, args.tokens, 2688) * 0.5
     run(net, x[:, :256], True)  # warm up both paths
     run(net, x[:, :16], False)
     ref_out, ref_s = run(net, x[:, : args.reference_tokens], False)
     chk_out, _ = run(net, x[:, : args.reference_tokens], True)
     diff = float((ref_out - chk_out).abs().max() / ref_out.abs().max())
+    # the layer once per token (decode steps), on the same reference tokens
+    shapes = net.state_shapes()
+    conv, state = torch.zeros(1, *shapes["conv"]), torch.zeros(1, *shapes["recurrent"])
+    start = time.perf_counter()
+    steps = [net.forward(x[:, i:i + 1], [1], conv, state) for i in range(args.reference_tokens)]
+    per_token_s = (time.perf_counter() - start) * args.tokens / args.reference_tokens
+    diff = max(diff, float((torch.cat(steps, dim=1) - chk_out).abs().max() / ref_out.abs().max()))
     _, chunked_s = run(net, x, True)
     recurrent_s = ref_s * args.tokens / args.reference_tokens
     # the scan alone, at the layer's shape
@@ -80,8 +92,10 @@ def main() -> int:
     m2.recurrent_ssd(xs[:n], dt[:n], net.a, b[:n], cc[:n], state.clone())
     scan_recurrent = (time.perf_counter() - start) * t / n
     result = {"tokens": t, "reference_tokens": n, "threads": torch.get_num_threads(),
+              "projections": "fp32" if args.fp32 else "bf16",
               "layer_chunked_s": round(chunked_s, 3), "layer_recurrent_s": round(recurrent_s, 3),
-              "layer_ratio": round(recurrent_s / chunked_s, 1), "scan_chunked_s": round(scan_chunked, 3),
+              "layer_ratio": round(recurrent_s / chunked_s, 1), "layer_per_token_s": round(per_token_s, 3),
+              "per_token_ratio": round(per_token_s / chunked_s, 1), "scan_chunked_s": round(scan_chunked, 3),
               "scan_recurrent_s": round(scan_recurrent, 3), "scan_ratio": round(scan_recurrent / scan_chunked, 1),
               "max_rel_diff": diff}
     print(json.dumps(result, indent=2))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moed.layers.causal_conv import causal_conv
 from moed.layers.linear import linear
 
 
@@ -133,7 +134,7 @@ class GatedDeltaNet:
         return {"conv": (c.conv_dim, c.conv_kernel - 1), "recurrent": (c.num_v_heads, c.k_head_dim, c.v_head_dim)}
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [T, D] -> the conv input [C, T] (q, k, v channels), z [T, Hv, Dv], b and a [T, Hv].
+        """x [T, D] -> the conv input [T, C] (q, k, v channels), z [T, Hv, Dv], b and a [T, Hv].
 
         Qwen3-Next's projections group their outputs by key head: for each of the Hk key heads, its
         q (Dk), k (Dk), then the v and z of its Hv/Hk value heads; b and a likewise. Qwen3.5's are
@@ -143,7 +144,7 @@ class GatedDeltaNet:
         t = x.shape[0]
         if c.split_projections:  # q, k, v channels in order; z, b, a by value head
             x = x.float()
-            return (linear(x, self.w_qkv).t(), linear(x, self.w_z).view(t, c.num_v_heads, c.v_head_dim),
+            return (linear(x, self.w_qkv), linear(x, self.w_z).view(t, c.num_v_heads, c.v_head_dim),
                     linear(x, self.w_b), linear(x, self.w_a))
         per = c.num_v_heads // c.num_k_heads
         qkvz = linear(x.float(), self.w_qkvz).view(t, c.num_k_heads, 2 * c.k_head_dim + 2 * per * c.v_head_dim)
@@ -151,7 +152,7 @@ class GatedDeltaNet:
         ba = linear(x.float(), self.w_ba).view(t, c.num_k_heads, 2 * per)
         b, a = ba.split([per, per], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)  # [T, C]
-        return (mixed.t(), z.reshape(t, c.num_v_heads, c.v_head_dim), b.reshape(t, c.num_v_heads),
+        return (mixed, z.reshape(t, c.num_v_heads, c.v_head_dim), b.reshape(t, c.num_v_heads),
                 a.reshape(t, c.num_v_heads))
 
     def forward_row(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -160,11 +161,8 @@ class GatedDeltaNet:
         c = self.cfg
         t = x.shape[0]
         mixed, z, b, a = self._split(x)
-        window = torch.cat([conv_state, mixed], dim=1)  # [C, K-1+T]
-        conv = F.silu(F.conv1d(window[None], self.conv_w[:, None, :], groups=c.conv_dim)[0])  # [C, T]
-        if c.conv_kernel > 1:
-            conv_state.copy_(window[:, -(c.conv_kernel - 1):])
-        q, k, v = conv.t().split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        conv = F.silu(causal_conv(mixed, conv_state, self.conv_w))  # [T, C]
+        q, k, v = conv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         rep = c.num_v_heads // c.num_k_heads
         q = _l2norm(q.reshape(t, c.num_k_heads, c.k_head_dim)).repeat_interleave(rep, dim=1) * c.k_head_dim ** -0.5
         k = _l2norm(k.reshape(t, c.num_k_heads, c.k_head_dim)).repeat_interleave(rep, dim=1)  # [T, Hv, Dk]

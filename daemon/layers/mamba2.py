@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moed.layers.causal_conv import causal_conv
 from moed.layers.gated_deltanet import _decay
 from moed.layers.linear import linear
 
@@ -114,11 +115,8 @@ class Mamba2Mixer:
         t = x.shape[0]
         zxbcdt = linear(x.float(), self.w_in, self.b_in)
         z, xbc, dt = zxbcdt.split([c.inner_dim, c.conv_dim, c.num_heads], dim=-1)
-        window = torch.cat([conv_state, xbc.t()], dim=1)  # [C, K-1+T]
-        conv = F.silu(F.conv1d(window[None], self.conv_w[:, None, :], self.conv_b, groups=c.conv_dim)[0])  # [C, T]
-        if c.conv_kernel > 1:
-            conv_state.copy_(window[:, -(c.conv_kernel - 1):])
-        xs, b, cc = conv.t().split([c.inner_dim, c.num_groups * c.state_size, c.num_groups * c.state_size], dim=-1)
+        conv = F.silu(causal_conv(xbc, conv_state, self.conv_w, self.conv_b))  # [T, C]
+        xs, b, cc = conv.split([c.inner_dim, c.num_groups * c.state_size, c.num_groups * c.state_size], dim=-1)
         xs = xs.reshape(t, c.num_heads, c.head_dim)
         b, cc = b.reshape(t, c.num_groups, c.state_size), cc.reshape(t, c.num_groups, c.state_size)
         dt = F.softplus(dt + self.dt_bias)
