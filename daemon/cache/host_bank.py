@@ -42,14 +42,15 @@ import torch
 from moed.cache.expert_dtypes import EXPERT_DTYPES, GGML_BANK, PACKED_DTYPES  # noqa: F401  (re-exported)
 from moed.kernels.int4_format import INT4_GROUP_SIZE  # noqa: F401  (re-exported: part of the bank layout)
 
-ACTIVATIONS = ("silu", "gpt_oss", "clamped_silu", "relu2")
+ACTIVATIONS = ("silu", "gpt_oss", "clamped_silu", "relu2", "gelu_tanh")
 
 
 @dataclass(frozen=True)
 class ExpertActivation:
     """How gate and up combine: ``silu`` is SwiGLU; ``gpt_oss`` its clamped variant with a sigmoid gate and a
     shifted up; ``clamped_silu`` (DeepSeek-V4) SwiGLU on gate <= limit and |up| <= limit; ``relu2`` (Nemotron-H's
-    non-gated relu(up)^2 experts, stored with their up matrix in the gate half too) max(gate, 0) * up."""
+    non-gated relu(up)^2 experts, stored with their up matrix in the gate half too) max(gate, 0) * up; ``gelu_tanh``
+    (Gemma-4) gelu(gate, tanh approximation) * up."""
 
     kind: str = "silu"
     alpha: float = 1.702  # gpt_oss only

@@ -16,11 +16,11 @@ from moed.layers import mla_attention, paged_attention, sparse_indexer
 F32 = 4
 
 
-def _attention(config, tokens: int, reference_blocks: bool) -> int:
+def _attention(config, tokens: int, reference_blocks: bool, layer: int = 0) -> int:
     """Floats of one attention layer's step beyond the hidden states: projections, rotated copies, the
     output, and one key block read from the pool (widened), plus a block's scores where the reference
     block runs (on a device)."""
-    a = config.attention
+    a = config.layer_attention(layer)
     if a.kind == "mla":
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
         per_token = (3 * a.num_heads * qk  # q, its split halves and the concatenated query
@@ -50,12 +50,16 @@ def _mlp(config, tokens: int, layer: int) -> int:
     d = config.hidden_size
     if not config.has_mlp(layer):
         return 0
+    dense = tokens * (3 * config.dense_intermediate_size + d)
     if not config.moe_layers[layer]:
-        return tokens * (3 * config.dense_intermediate_size + d)
+        return dense
+    if config.layer_recipe == "gemma4":  # the dense MLP beside the experts, and their inputs' own norms
+        dense += 3 * tokens * d
     moe = config.moe
     rows = tokens * moe.top_k
     shared = tokens * (3 * moe.shared_intermediate_size + d) if moe.shared_intermediate_size else 0
-    return tokens * 2 * moe.num_experts + rows * (3 * d + 3 * moe.intermediate_size) + shared
+    beside = dense if config.layer_recipe == "gemma4" else 0
+    return tokens * 2 * moe.num_experts + rows * (3 * d + 3 * moe.intermediate_size) + shared + beside
 
 
 def _linear_attention(config, tokens: int) -> int:
@@ -78,7 +82,7 @@ def step_workspace_bytes(config, tokens: int, *, sequences: int = 1, device_type
     if tokens <= 0:
         return 0
     reference = device_type != "cpu"  # blocks run block_reference there: a block's scores exist
-    parts = [_attention(config, tokens, reference) if not config.is_linear(i) else _linear_attention(config, tokens)
+    parts = [_attention(config, tokens, reference, i) if not config.is_linear(i) else _linear_attention(config, tokens)
              for i in range(config.num_layers)]
     parts += [_mlp(config, tokens, i) for i in range(config.num_layers)]
     parts.append(2 * min(tokens, sequences) * config.vocab_size)  # the logits of each sequence's last token

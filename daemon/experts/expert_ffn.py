@@ -42,7 +42,7 @@ from moed.kernels.prefill_gemm import prefill_gemm_dtype
 from moed.kernels.native_cpu import descriptor_of, native
 
 _Matmul = Callable[[dict[str, torch.Tensor], str, int, torch.Tensor], torch.Tensor]
-_KIND_CODES = {"silu": 0, "gpt_oss": 1, "clamped_silu": 2, "relu2": 3}
+_KIND_CODES = {"silu": 0, "gpt_oss": 1, "clamped_silu": 2, "relu2": 3, "gelu_tanh": 4}
 
 
 def apply_activation(gate_up: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
@@ -53,6 +53,8 @@ def apply_activation(gate_up: torch.Tensor, act: ExpertActivation) -> torch.Tens
         return F.silu(gate) * up
     if act.kind == "relu2":  # Nemotron-H: gate and up are the same matrix, so this is relu(up)^2
         return F.relu(gate) * up
+    if act.kind == "gelu_tanh":  # Gemma-4's GeGLU
+        return F.gelu(gate, approximate="tanh") * up
     if act.kind == "clamped_silu":  # DeepSeek-V4: SwiGLU on gate <= limit and |up| <= limit
         return F.silu(gate.clamp(max=act.limit)) * up.clamp(min=-act.limit, max=act.limit)
     # gpt_oss: clamped SwiGLU with a sigmoid gate and an up that is shifted by one.
@@ -98,6 +100,9 @@ def _activate(
                 out[t, j] = g / (one + np.exp(-g)) * u
             elif kind == 3:
                 out[t, j] = max(g, np.float32(0.0)) * u
+            elif kind == 4:
+                inner = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
+                out[t, j] = np.float32(0.5) * g * (one + np.tanh(inner)) * u
             elif kind == 2:
                 g = min(g, lim)
                 u = max(min(u, lim), -lim)

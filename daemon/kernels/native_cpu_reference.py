@@ -92,6 +92,8 @@ def _activate(gate_up: torch.Tensor, act) -> torch.Tensor:
         return torch.nn.functional.silu(gate) * up
     if act.kind == "relu2":
         return torch.relu(gate) * up
+    if act.kind == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     if act.kind == "clamped_silu":
         return torch.nn.functional.silu(gate.clamp(max=act.limit)) * up.clamp(min=-act.limit, max=act.limit)
     gate = gate.clamp(max=act.limit)

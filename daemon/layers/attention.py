@@ -38,6 +38,10 @@ class MhaAttention:
             # the rotation keeps each head's sum of squares, so normalising first is the same map
             self.q_norm = self.k_norm = torch.ones(cfg.head_dim, dtype=torch.float32,
                                                    device=self.wq.device if isinstance(self.wq, torch.Tensor) else None)
+        # Gemma-4: values RMS-normed per head without a weight (and, where k_eq_v, taken from the key projection)
+        self.v_unit = torch.ones(cfg.head_dim, dtype=torch.float32,
+                                 device=self.wq.device if isinstance(self.wq, torch.Tensor) else None) \
+            if cfg.v_norm else None
         self.sinks = get("sinks")
         self._native_f32: tuple | None = None  # q_norm, k_norm, sinks as float32 for the native kernel
 
@@ -53,7 +57,14 @@ class MhaAttention:
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         cfg = self.cfg
         bsz, steps, _ = x.shape
-        q, k, v = linear_many(x, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
+        if cfg.k_eq_v:  # Gemma-4's full layers: the values are the key projection as it comes
+            q, k = linear_many(x, (self.wq, self.wk), (self.bq, self.bk))
+            v = k
+        else:
+            q, k, v = linear_many(x, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
+        if self.v_unit is not None:
+            v = rms_norm(v.reshape(bsz, steps, cfg.num_kv_heads, cfg.head_dim), self.v_unit, self.eps).reshape(
+                bsz, steps, -1)
         gate = None
         if cfg.gated:  # Qwen3-Next: per head, its q then its gate
             q, gate = q.view(bsz, steps, cfg.num_heads, 2 * cfg.head_dim).split(cfg.head_dim, dim=-1)

@@ -14,7 +14,10 @@ from typing import Any
 class RopeConfig:
     """Rotary embedding parameters (transformers' ``rope_parameters``)."""
 
-    rope_type: str = "default"  # default | linear | llama3 | yarn | factors (a GGUF's rope_freqs divisors)
+    # default | linear | llama3 | yarn | factors (a GGUF's rope_freqs divisors) | proportional (Gemma-4's full layers:
+    # ``dim`` is the whole head, its first partial_rotary_factor * dim / 2 pairs rotate at theta^(-2j/dim), the rest
+    # not at all)
+    rope_type: str = "default"
     theta: float = 10000.0
     dim: int = 0  # rotated dims per head
     interleaved: bool = False  # DeepSeek lays rotary pairs out as (x0, x1), (x2, x3)...
@@ -52,6 +55,8 @@ class MoeConfig:
     # Llama-4: the chosen expert's router weight scales its INPUT (expert(w * x), weight 1), not its output; exact
     # for one expert per token only (the shared expert takes x unscaled)
     weight_input: bool = False
+    # Gemma-4: the router's input is multiplied by this (hidden_size^-0.5) and by a per-channel scale tensor
+    router_input_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,9 @@ class AttentionConfig:
     has_sinks: bool = False
     gated: bool = False  # Qwen3-Next: q_proj also gives a per-channel gate, sigmoid(gate) * attention output
     scaling: float = 0.0
+    # Gemma-4's full-attention layers: no v_proj, the values are the key projection (before its norm and rotary)
+    k_eq_v: bool = False
+    v_norm: bool = False  # Gemma-4: a weightless per-head RMS norm of the values
     # Llama-4's no-rotary layers scale each query by log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1:
     # (floor_scale, attn_scale), or () for none
     nope_temperature: tuple[float, float] = ()

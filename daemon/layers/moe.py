@@ -85,13 +85,24 @@ class MoeLayer:
         self.router = weights[f"{prefix}.router.weight"]
         self.router_bias = weights.get(f"{prefix}.router.bias")
         self.score_bias = weights.get(f"{prefix}.router.score_bias")
+        # Gemma-4: the router reads its input times a per-channel scale (folded into its rows here, in float32) and
+        # each chosen expert's weight is multiplied by that expert's scale
+        input_scale = weights.get(f"{prefix}.router.input_scale")
+        if input_scale is not None or cfg.router_input_scale != 1.0:
+            scale = (input_scale.float() if input_scale is not None else 1.0) * cfg.router_input_scale
+            self.router = (self.router.float() * scale).contiguous()
+        self.expert_scale = weights.get(f"{prefix}.router.expert_scale")
         shared_activation = "relu2" if cfg.activation == "relu2" else "silu"
         self.shared = DenseMlp(weights, f"{prefix}.shared", shared_activation) if cfg.shared_intermediate_size else None
         self.shared_gate = weights.get(f"{prefix}.shared_gate.weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, D] (real tokens only, no padding) -> [N, D]."""
-        ids, weights = route(self.cfg, x, self.router, self.router_bias, self.score_bias)
+    def forward(self, x: torch.Tensor, route_input: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, D] (real tokens only, no padding) -> [N, D]. ``route_input`` [N, D]: what the router reads, when it
+        is not the experts' input (Gemma-4)."""
+        ids, weights = route(self.cfg, x if route_input is None else route_input, self.router, self.router_bias,
+                             self.score_bias)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale.float()[ids]
         if self.cfg.weight_input:  # Llama-4 (one expert per token): expert(w * x) with weight 1
             out = self.executor.run(self.moe_layer, x * weights.to(x.dtype), ids, torch.ones_like(weights, dtype=x.dtype))
         else:

@@ -22,6 +22,10 @@ def rope_inv_freq(rope: RopeConfig, max_position_embeddings: int) -> tuple[torch
         return inv_freq / float(rope.param("factor", 1.0)), 1.0
     if rope.rope_type == "llama3":
         return _llama3(rope, inv_freq), 1.0
+    if rope.rope_type == "proportional":  # Gemma-4: pairs past partial * dim / 2 do not rotate (frequency 0)
+        rotated = int(float(rope.param("partial_rotary_factor", 1.0)) * dim // 2)
+        inv_freq[rotated:] = 0.0
+        return inv_freq / float(rope.param("factor", 1.0) or 1.0), 1.0
     if rope.rope_type == "factors":  # llama.cpp's rope_freqs: each frequency divided by its factor
         factors = torch.tensor(rope.param("freq_factors"), dtype=torch.float32)
         if factors.shape != inv_freq.shape:

@@ -112,6 +112,12 @@ class DecodeChain:
             return Unsupported(f"the {type(executor).__name__} does not run every expert on the CPU")
         if config.attention.kind != "mha":
             return Unsupported(f"{config.attention.kind} attention")
+        if config.layer_recipe != "pre_norm" or config.full_attention is not None or config.scale_embedding \
+                or config.final_logit_softcapping:
+            return Unsupported("Gemma-4's layers (sandwich norms, two attention shapes, scaled embedding, soft-capped "
+                               "logits)")
+        if config.mlp_activation != "silu" or config.moe.activation in ("relu2", "gelu_tanh"):
+            return Unsupported(f"{config.mlp_activation} / {config.moe.activation} MLPs (the chain's are SwiGLU)")
         if config.has_recurrent_state or config.attention.gated:
             return Unsupported("gated / linear attention (a hybrid model)")
         att = config.attention

@@ -45,6 +45,15 @@ class ModelConfig:
     # silu: SwiGLU MLPs; relu2: Nemotron-H's non-gated down(relu(up(x))^2) dense MLPs and shared experts (routed
     # experts: MoeConfig.activation)
     mlp_activation: str = "silu"
+    # Gemma-4: the attention and rotary of its full-attention layers (sliding_windows[i] None) when they differ from
+    # the sliding layers' (``attention`` / ``rope``); the embedding scaled by sqrt(hidden_size) (in the table's
+    # dtype); the final logits soft-capped (tanh(l / c) * c, 0: none); its layer recipe ("gemma4": sandwich norms,
+    # a dense MLP beside the experts, a per-layer output scale: layers/gemma_feed_forward.py)
+    full_attention: AttentionConfig | None = None
+    full_rope: RopeConfig | None = None
+    scale_embedding: bool = False
+    final_logit_softcapping: float = 0.0
+    layer_recipe: str = "pre_norm"
     # (regex, replacement) pairs the config implies, applied after the family's own renames to every tensor name
     # of a checkpoint (Nemotron-H: its blocks -> moed's layers)
     tensor_renames: tuple[tuple[str, str], ...] = ()
@@ -82,6 +91,17 @@ class ModelConfig:
 
     def uses_rope(self, layer: int) -> bool:
         return not (self.nope_layers and self.nope_layers[layer])
+
+    def layer_attention(self, layer: int) -> AttentionConfig:
+        """The attention of ``layer`` (Gemma-4's full layers have their own head size and KV heads)."""
+        if self.full_attention is not None and self.sliding_windows[layer] is None:
+            return self.full_attention
+        return self.attention
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        if self.full_rope is not None and self.sliding_windows[layer] is None:
+            return self.full_rope
+        return self.rope
 
     def has_mlp(self, layer: int) -> bool:
         return not self.mlp_layers or self.mlp_layers[layer]
@@ -142,7 +162,7 @@ def rope_from_config(cfg: dict, dim: int, *, interleaved: bool = False) -> RopeC
         params["rope_type"] = params.pop("type")
     theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.pop("rope_type", "default") or "default"
-    if rope_type not in ("default", "linear", "llama3", "yarn", "factors"):
+    if rope_type not in ("default", "linear", "llama3", "yarn", "factors", "proportional"):
         raise ModelFormatError(
             f"config.json: rope type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)"
         )
@@ -152,6 +172,8 @@ def rope_from_config(cfg: dict, dim: int, *, interleaved: bool = False) -> RopeC
             raise ModelFormatError("config.json: rope type 'factors' needs freq_factors, positive numbers")
         params["freq_factors"] = tuple(float(f) for f in factors)
     partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if rope_type == "proportional":  # the whole head takes part; the fraction chooses the rotated pairs
+        params["partial_rotary_factor"], partial = float(partial), 1.0
     return RopeConfig(
         rope_type=rope_type,
         theta=float(theta),

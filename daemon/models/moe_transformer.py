@@ -14,6 +14,7 @@ from moed.experts.executor import ExpertExecutor
 from moed.layers.attention import MhaAttention
 from moed.layers.dense_mlp import DenseMlp
 from moed.layers.gated_deltanet import LinearAttentionBlock
+from moed.layers.gemma_feed_forward import GemmaFeedForward
 from moed.layers.kv_compressor import cache_entries_for as compressed_cache_entries
 from moed.layers.linear import embedding, linear
 from moed.layers.mla_attention import MlaAttention
@@ -56,6 +57,16 @@ class MoeTransformer:
         embed = weights["model.embed_tokens.weight"]
         self.kv_dtype = kv_dtype_for(embed.dtype if isinstance(embed, torch.Tensor) else None)
         self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
+        # one rotary per distinct RopeConfig (Gemma-4's full layers have their own): each layer's index into it
+        self.rotaries = [self.rotary]
+        if config.full_rope is not None:
+            self.rotaries.append(RotaryEmbedding(config.full_rope, config.max_position_embeddings))
+        self.layer_rotary = [int(config.layer_rope(i) is config.full_rope and config.full_rope is not None)
+                             for i in range(config.num_layers)]
+        # Gemma-4 scales the embedding by sqrt(hidden_size) rounded to the table's dtype, as transformers does
+        self.embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=embed.dtype
+                                              if isinstance(embed, torch.Tensor) else torch.float32)) \
+            if config.scale_embedding else 1.0
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
         self.lm_head = weights["model.embed_tokens.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
@@ -69,9 +80,15 @@ class MoeTransformer:
                                          config.sliding_windows[i], config.rms_norm_eps,
                                          index_source=config.index_source(i) if config.attention.index_topk else None)
             else:
-                attention = MhaAttention(config.attention, weights, f"{prefix}.self_attn", i, self.rotary,
-                                         config.sliding_windows[i], config.rms_norm_eps,
-                                         chunk=config.attention_chunk(i), rope=config.uses_rope(i))
+                attention = MhaAttention(config.layer_attention(i), weights, f"{prefix}.self_attn", i,
+                                         self.rotaries[self.layer_rotary[i]], config.sliding_windows[i],
+                                         config.rms_norm_eps, chunk=config.attention_chunk(i), rope=config.uses_rope(i))
+            if config.layer_recipe == "gemma4":  # sandwich norms, dense MLP beside the experts, output scale
+                moe = MoeLayer(config.moe, weights, f"{prefix}.mlp", config.moe_layer_index(i), executor) \
+                    if config.moe_layers[i] else None
+                self.layers.append((weights[f"{prefix}.input_layernorm.weight"], attention, None,
+                                    GemmaFeedForward(weights, prefix, config.rms_norm_eps, moe, config.mlp_activation)))
+                continue
             if not config.has_mlp(i):  # Nemotron-H: a mixer block followed by another mixer
                 mlp = None
             elif config.moe_layers[i]:
@@ -152,31 +169,37 @@ class MoeTransformer:
             begin_step("prefill" if max(batch.lengths) > 1 else "decode",
                        [batch.slots[s] for s in batch.token_sequences()], batch.positions[batch.valid].tolist())
         if self.device is None:
-            return self._forward(batch, cache, self.rotary.cos_sin(batch.positions), last_only)
+            return self._forward(batch, cache, [r.cos_sin(batch.positions) for r in self.rotaries], last_only)
         dev = self.device
         with torch_paths():  # the layers' torch code, as on CUDA tensors (the emulated device's are CPU ones)
-            cos_sin = tuple(dev.to_device(t) for t in self.rotary.cos_sin(batch.positions))
-            logits = self._forward(batch.moved(dev.to_device), cache, cos_sin, last_only)
+            cos_sins = [tuple(dev.to_device(t) for t in r.cos_sin(batch.positions)) for r in self.rotaries]
+            logits = self._forward(batch.moved(dev.to_device), cache, cos_sins, last_only)
             return dev.to_host(logits)[0]  # the step's last host sync: the samplers read the logits
 
-    def _forward(self, batch: ForwardBatch, cache: KVCache, cos_sin: tuple[torch.Tensor, torch.Tensor],
+    def _forward(self, batch: ForwardBatch, cache: KVCache, cos_sins: list[tuple[torch.Tensor, torch.Tensor]],
                  last_only: bool) -> torch.Tensor:
+        """``cos_sins``: each rotary's (cos, sin) at the batch's positions (``self.rotaries``)."""
         eps = self.config.rms_norm_eps
         x = embedding(batch.input_ids, self.embed)  # [B, T, D] float32 (the table may be bf16 or packed)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         valid, all_valid = batch.valid, batch.all_valid
         chain = (self.decode_chain() if all_valid and x.shape[1] == 1 and not batch.packed and self.device is None
                  else None)
         if isinstance(chain, DecodeChain) and chain.applies(x, cache):
             # decode on the CPU executor: every layer (and the final norm and lm_head when their weights
             # suit it) in one native call, the same bits as the code below
-            x, logits = chain.run(x, batch, cache, cos_sin)
+            x, logits = chain.run(x, batch, cache, cos_sins[0])
             if logits is not None:
                 return logits if last_only else logits[:, None]
             layers = ()
         else:
             layers = self.layers
-        for input_norm, attention, post_norm, mlp in layers:
-            mixed = attention.forward(rms_norm(x, input_norm, eps), batch, cache, cos_sin)
+        for i, (input_norm, attention, post_norm, mlp) in enumerate(layers):
+            mixed = attention.forward(rms_norm(x, input_norm, eps), batch, cache, cos_sins[self.layer_rotary[i]])
+            if isinstance(mlp, GemmaFeedForward):
+                x = mlp.forward(x, mixed, valid, all_valid)
+                continue
             if mlp is None:
                 x = x + mixed
                 continue
@@ -197,6 +220,9 @@ class MoeTransformer:
                 rows, last = self.device.to_device(rows), self.device.to_device(last)
             x = x[rows, last][:, None]  # [S, 1, D]
         logits = linear(rms_norm(x, self.final_norm, eps), self.lm_head)
+        if self.config.final_logit_softcapping:  # Gemma-4: tanh(l / c) * c
+            cap = self.config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
         return logits[:, 0] if last_only else logits
 
 
@@ -220,7 +246,7 @@ def kv_cache_entries(config: ModelConfig, layer: int | None = None) -> dict[str,
         layer = 0 if layer is None else layer
         return compressed_cache_entries(config.attention, config.compress_ratios[layer], config.has_indexer(layer))
     if config.attention.kind != "mla":
-        return MhaAttention.cache_entries_for(config.attention)
+        return MhaAttention.cache_entries_for(config.layer_attention(layer if layer is not None else 0))
     if layer is None:
         layer = next((i for i in range(config.num_layers) if config.has_indexer(i)), 0)
     return MlaAttention.cache_entries_for(config.attention, indexer=config.has_indexer(layer))

@@ -20,6 +20,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update(config.linear_attention.weight_shapes(f"{p}.linear_attn", d))
         else:
             shapes.update(_attention_shapes(config, f"{p}.self_attn", i))
+        if config.layer_recipe == "gemma4":
+            shapes.update(_gemma4_feed_forward_shapes(config, p, i))
+            continue
         if not config.has_mlp(i):  # Nemotron-H: a mixer block with no feed-forward block after it
             del shapes[f"{p}.post_attention_layernorm.weight"]
             continue
@@ -40,6 +43,21 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _gemma4_feed_forward_shapes(config: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:
+    """Gemma-4's norms around the attention and the feed-forward part, its dense MLP, its router (with its input
+    and per-expert scales) and the layer's output scale (layers/gemma_feed_forward.py)."""
+    d, moe = config.hidden_size, config.moe
+    shapes = {f"{p}.{n}.weight": (d,) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
+    shapes[f"{p}.layer_scalar"] = (1,)
+    shapes.update(_mlp_shapes(f"{p}.mlp", d, config.dense_intermediate_size))
+    if config.moe_layers[layer]:
+        for n in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
+            shapes[f"{p}.{n}.weight"] = (d,)
+        shapes.update({f"{p}.mlp.router.weight": (moe.num_experts, d), f"{p}.mlp.router.input_scale": (d,),
+                       f"{p}.mlp.router.expert_scale": (moe.num_experts,)})
+    return shapes
+
+
 def _mlp_shapes(prefix: str, d: int, inter: int, gated: bool = True) -> dict[str, tuple[int, ...]]:
     shapes = {f"{prefix}.up_proj.weight": (inter, d), f"{prefix}.down_proj.weight": (d, inter)}
     if gated:  # SwiGLU; Nemotron-H's relu^2 MLPs have no gate
@@ -48,7 +66,7 @@ def _mlp_shapes(prefix: str, d: int, inter: int, gated: bool = True) -> dict[str
 
 
 def _attention_shapes(config: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:
-    d, att = config.hidden_size, config.attention
+    d, att = config.hidden_size, config.layer_attention(layer)
     if att.kind == "mla":
         qk = att.qk_nope_head_dim + att.qk_rope_head_dim
         shapes = {
@@ -80,6 +98,8 @@ def _attention_shapes(config: ModelConfig, p: str, layer: int) -> dict[str, tupl
     q_rows = 2 * q_out if att.gated else q_out  # a gated q_proj also gives the gate
     shapes = {f"{p}.q_proj.weight": (q_rows, d), f"{p}.k_proj.weight": (kv_out, d),
               f"{p}.v_proj.weight": (kv_out, d), f"{p}.o_proj.weight": (d, q_out)}
+    if att.k_eq_v:  # Gemma-4's full layers: the key projection gives the values too
+        del shapes[f"{p}.v_proj.weight"]
     if att.has_qkv_bias:
         shapes.update({f"{p}.q_proj.bias": (q_rows,), f"{p}.k_proj.bias": (kv_out,), f"{p}.v_proj.bias": (kv_out,)})
     if att.has_o_bias:

@@ -20,7 +20,8 @@ Formats: ``qwen3`` (Hermes ``<tool_call>`` + ``<think>``, and Qwen3-Coder's XML 
 ``<think>``), ``dsml`` (DeepSeek-V3.2 / V4 DSML invokes + ``<think>``), ``glm`` (GLM-4.5 .. GLM-5
 ``<tool_call>`` with ``<arg_key>`` / ``<arg_value>`` pairs + ``<think>``), ``minimax`` (MiniMax-M2's
 ``<minimax:tool_call>`` XML invokes + ``<think>``), ``mistral`` (``[TOOL_CALLS]``), ``llama4`` (Llama-4's JSON call
-object or pythonic call list opening the answer),
+object or pythonic call list opening the answer), ``gemma4`` (``<|tool_call>call:NAME{...}<tool_call|>`` with
+``<|"|>`` strings, ``<|channel>thought`` reasoning),
 ``plain`` (all text, no tools). A model whose template cannot render tools (or whose format has no tool
 syntax) gets the generic format of ``moed.text.generic_tools`` instead: every model can take tools.
 """
@@ -35,6 +36,7 @@ from moed.text.generic_tools import GenericToolParser
 from moed.text.output_parsers.base import OutputEvent, OutputParser, ToolCall
 from moed.text.output_parsers.deepseek import DeepSeekParser
 from moed.text.output_parsers.dsml import DsmlParser
+from moed.text.output_parsers.gemma4 import Gemma4Parser
 from moed.text.output_parsers.glm import GlmParser
 from moed.text.output_parsers.harmony import HarmonyParser
 from moed.text.output_parsers.hermes import HermesParser, Qwen3Parser
@@ -56,6 +58,7 @@ _PARSERS: dict[str, type[OutputParser]] = {
     "mistral": MistralParser,
     "minimax": MiniMaxParser,
     "llama4": LlamaParser,
+    "gemma4": Gemma4Parser,
 }
 TOOL_FORMATS = frozenset(_PARSERS)  # formats with a tool-call syntax
 FORMATS = TOOL_FORMATS | {"plain"}  # every format a family may name

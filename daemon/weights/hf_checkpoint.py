@@ -363,13 +363,17 @@ class HfCheckpoint:
                 yield from self._mxfp4_chunks(prefix, base, chunk_experts)
                 continue
             if names.fused_gate_up:  # gpt-oss: one tensor per layer holds every expert
-                fused = self._shaped(prefix + names.fused_gate_up, (num_experts, d, 2 * inter))
+                if names.fused_transposed:  # Gemma-4: [E, 2I, D] and [E, D, I], rows as nn.Linear keeps them
+                    fused = self._shaped(prefix + names.fused_gate_up, (num_experts, 2 * inter, d)).transpose(1, 2)
+                else:
+                    fused = self._shaped(prefix + names.fused_gate_up, (num_experts, d, 2 * inter))
                 if names.fused_interleaved:
                     gate_up = torch.cat([fused[..., 0::2], fused[..., 1::2]], dim=-1)  # interleaved -> gate | up
                 else:
                     gate_up = fused  # already gate | up
                 del fused
-                down = self._shaped(prefix + names.fused_down, (num_experts, inter, d))
+                down = self._shaped(prefix + names.fused_down, (num_experts, d, inter)).transpose(1, 2) \
+                    if names.fused_transposed else self._shaped(prefix + names.fused_down, (num_experts, inter, d))
                 gub = db = None
                 if moe.has_expert_bias:
                     bias = self._shaped(prefix + names.fused_gate_up + "_bias", (num_experts, 2 * inter))
@@ -377,7 +381,7 @@ class HfCheckpoint:
                     db = self._shaped(prefix + names.fused_down + "_bias", (num_experts, d))
                 for e0 in range(0, num_experts, chunk_experts):
                     e1 = min(num_experts, e0 + chunk_experts)
-                    yield ExpertChunk(base + e0, gate_up[e0:e1], down[e0:e1],
+                    yield ExpertChunk(base + e0, gate_up[e0:e1].contiguous(), down[e0:e1].contiguous(),
                                       None if gub is None else gub[e0:e1], None if db is None else db[e0:e1])
                 continue
             if self.fp4_experts:
@@ -524,6 +528,10 @@ def _canonical_keys(config: ModelConfig, family: Family, keys: list[str], micro:
         renames[names.router_bias] = "router.bias"
     if names.score_bias:
         renames[names.score_bias] = "router.score_bias"
+    if names.router_input_scale:
+        renames[names.router_input_scale] = "router.input_scale"
+    if names.router_expert_scale:
+        renames[names.router_expert_scale] = "router.expert_scale"
     if names.shared:
         for part, canonical in zip(names.shared_parts, ("gate_proj", "up_proj", "down_proj")):
             renames[f"{names.shared}.{part}.weight"] = f"shared.{canonical}.weight"

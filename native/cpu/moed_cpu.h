@@ -112,10 +112,12 @@ void moed_quantize_act_span(const float *x, int T, int64_t K, int span, int8_t *
 
 /* the expert activation of gate g and up u: 0 silu(g) * u; 1 gpt-oss's clamped SwiGLU */
 /* kind 0: SwiGLU; 1: gpt-oss's (gate <= limit, |up| <= limit, sigmoid(alpha g) gate, up + 1); 2: DeepSeek-V4's
- * (SwiGLU on gate <= limit and |up| <= limit); 3: relu2 (Nemotron-H: max(gate, 0) * up, gate = up) */
+ * (SwiGLU on gate <= limit and |up| <= limit); 3: relu2 (Nemotron-H: max(gate, 0) * up, gate = up); 4: Gemma-4's
+ * GeGLU (gelu with the tanh approximation) */
 static inline float moed_activate(int kind, float g, float u, float alpha, float limit) {
     if (kind == 0) return g / (1.0f + expf(-g)) * u;
     if (kind == 3) return (g > 0.0f ? g : 0.0f) * u; /* relu2: gate and up hold the same matrix */
+    if (kind == 4) return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) * u; /* GeGLU */
     g = g < limit ? g : limit;
     u = u < limit ? u : limit;
     u = u > -limit ? u : -limit;

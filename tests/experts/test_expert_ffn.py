@@ -40,7 +40,8 @@ def _bank(dtype: str, kind: str, bias: bool, seed: int = 0) -> ExpertBank:
 
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "int4", "q8", "mxfp4"])
-@pytest.mark.parametrize("kind,bias", [("silu", False), ("gpt_oss", True), ("silu", True), ("clamped_silu", True)])
+@pytest.mark.parametrize("kind,bias", [("silu", False), ("gpt_oss", True), ("silu", True), ("clamped_silu", True),
+                                       ("relu2", False), ("gelu_tanh", True)])
 def test_matches_reference(dtype: str, kind: str, bias: bool, tokens: int) -> None:
     bank = _bank(dtype, kind, bias)
     x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens))

@@ -13,7 +13,7 @@ import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next",
             "qwen3_5_moe_text", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "glm4_moe_lite",
-            "ernie4_5_moe", "minimax_m2", "llama4_text", "nemotron_h")
+            "ernie4_5_moe", "minimax_m2", "llama4_text", "nemotron_h", "gemma4_text")
 
 COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
@@ -98,6 +98,19 @@ def tiny_config(family: str):
                                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                     "original_max_position_embeddings": 64})
+    if family == "gemma4_text":
+        # Gemma-4 26B-A4B's layout in small: sliding layers (window 6) and full ones with their own head size, one KV
+        # head whose key projection gives the values, and proportional rotary; experts beside the dense MLP
+        return tf.Gemma4TextConfig(**COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=32,
+                                   global_head_dim=64, num_global_key_value_heads=1, attention_k_eq_v=True,
+                                   layer_types=["sliding_attention", "full_attention", "full_attention"],
+                                   sliding_window=6, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                   moe_intermediate_size=64, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                                   final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                    "full_attention": {"rope_type": "proportional",
+                                                                       "partial_rotary_factor": 0.25,
+                                                                       "rope_theta": 1000000.0}})
     if family == "nemotron_h":
         # Nemotron-H: blocks M E M * E M - (Mamba-2, MoE, Mamba-2 followed by attention, attention + MoE, Mamba-2 +
         # dense relu^2 MLP): moed's layers (M+E) (M) (*+E) (M+-); chunks of 8 so the prompts cross several
@@ -135,6 +148,8 @@ def build_tiny_model(family: str, dst: Path, *, seed: int = 0, scale: float = 4.
         for name, param in model.named_parameters():
             if "e_score_correction_bias" in name:  # ERNIE-4.5 keeps it as a [1, E] parameter
                 param.normal_(0, 0.05)
+            elif name.endswith("router.scale") or name.endswith("per_expert_scale"):  # Gemma-4's router scales
+                param.uniform_(0.5, 1.5)
             elif param.dim() >= 2:
                 param.mul_(scale)
             elif "bias" in name or "sinks" in name:
@@ -145,6 +160,8 @@ def build_tiny_model(family: str, dst: Path, *, seed: int = 0, scale: float = 4.
         for name, buf in model.named_buffers():
             if "e_score_correction_bias" in name:
                 buf.normal_(0, 0.05)
+            elif name.endswith("layer_scalar"):  # Gemma-4's per-layer output scale
+                buf.uniform_(0.5, 1.5)
             elif name.endswith("tid2eid"):  # DeepSeek-V4's hash layers: distinct experts per token
                 experts = int(buf.max()) + 1 if int(buf.max()) > 0 else config.n_routed_experts
                 buf.copy_(torch.stack([torch.randperm(experts, generator=gen)[: buf.shape[1]]

@@ -318,7 +318,8 @@ def _bank(dtype: str, kind: str, bias: bool, d: int = 96, inter: int = 160, laye
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind,bias", [("silu", False), ("gpt_oss", True), ("clamped_silu", False)])
+@pytest.mark.parametrize("kind,bias", [("silu", False), ("gpt_oss", True), ("clamped_silu", False), ("relu2", False),
+                                       ("gelu_tanh", True)])
 def test_moe_call_matches_the_twin_and_its_own_per_slot_outputs(dtype, kind, bias, isa):
     from moed.experts.executor import merge_expert_outputs
     from moed.experts.expert_ffn import run_expert

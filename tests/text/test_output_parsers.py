@@ -365,7 +365,7 @@ def test_prompt_opens_reasoning():
 
 
 def test_every_tool_format_has_a_case():
-    assert TOOL_FORMATS == {c[0] for c in CASES if c[3][2]} | {"hermes"} | {c[0] for c in XML_CASES}
+    assert TOOL_FORMATS == {c[0] for c in CASES if c[3][2]} | {"hermes"} | {c[0] for c in XML_CASES} | {"gemma4"}
 
 
 def test_finish_is_final():
@@ -631,3 +631,40 @@ def test_llama4_calls_to_tools_not_offered_are_text():
     output = '[rm(path="/")]<|eot|>'
     parser = output_parser_for("llama4", tools=True, tool_names=["get_weather"])
     assert summarize(run(parser, [output]), parser) == ('[rm(path="/")]', "", [])
+
+
+# Gemma-4 (Google's prompt-formatting guide; transformers' Gemma-4 response parser): output, options, (text, reasoning,
+# calls). Its calls go out whole when they close.
+GEMMA4_CASES = [
+    ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|><|tool_response>', {},
+     ("", "", [("get_weather", WEATHER_ARGS)])),
+    ('<|channel>thought\nThe user wants two things.<channel|>Checking both.<|tool_call>call:get_weather{city:<|"|>Paris'
+     '<|"|>,unit:<|"|>celsius<|"|>}<tool_call|><|tool_call>call:get_time{tz:<|"|>Europe/Paris<|"|>,nested:{list:[1,2.5,'
+     '-3e2,true,null],s:<|"|>a "quoted" } ] <tag><|"|>}}<tool_call|><|tool_response>', {},
+     ("Checking both.", "The user wants two things.", [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])),
+    ('<|channel>thought\n<channel|>The answer is 4; a <|tool_call> needs call:NAME{..} to be a call.<turn|>', {},
+     ('The answer is 4; a <|tool_call> needs call:NAME{..} to be a call.', "", [])),
+    ('<|tool_call>call:get_weather{city:Paris}<tool_call|><turn|>', {},  # a bare string value: not Gemma's syntax
+     ('<|tool_call>call:get_weather{city:Paris}<tool_call|>', "", [])),
+    ('<|tool_call>call:get_weather{"city": "Paris", "unit": "celsius"}<tool_call|>', {},  # quoted JSON is read too
+     ("", "", [("get_weather", WEATHER_ARGS)])),
+]
+
+
+@pytest.mark.parametrize("output, options, expected", GEMMA4_CASES)
+def test_gemma4_calls_and_reasoning_in_any_split(output, options, expected):
+    rng = random.Random(len(output))
+    splits = [[output], list(output)] + [random_splits(output, rng) for _ in range(10)]
+    splits += [[output[:i], output[i:]] for i in range(1, len(output))]
+    for chunks in splits:
+        parser = output_parser_for("gemma4", tools=True, **options)
+        assert summarize(run(parser, chunks), parser) == expected, f"split {chunks[:6]}..."
+
+
+def test_gemma4_calls_to_tools_not_offered_and_unfinished_calls_are_text():
+    output = '<|tool_call>call:rm{path:<|"|>/<|"|>}<tool_call|>'
+    parser = output_parser_for("gemma4", tools=True, tool_names=["get_weather"])
+    assert summarize(run(parser, [output]), parser) == (output, "", [])
+    cut = '<|tool_call>call:get_weather{city:<|"|>Par'
+    parser = output_parser_for("gemma4", tools=True)
+    assert summarize(run(parser, [cut]), parser) == (cut, "", []) and parser.tool_calls == []

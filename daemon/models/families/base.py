@@ -27,6 +27,9 @@ class FamilyNames:
     expert_down: str = "experts.{e}.down_proj.weight"
     fused_gate_up: str = ""  # gpt-oss: [E, D, 2I] interleaved gate/up columns
     fused_interleaved: bool = True  # False: fused_gate_up holds the gate columns, then the up ones (Llama-4)
+    fused_transposed: bool = False  # True: fused_gate_up is [E, 2I, D] and fused_down [E, D, I] (Gemma-4: nn.Linear rows)
+    router_input_scale: str = ""  # Gemma-4: the router's per-channel input scale (relative to moe_prefix)
+    router_expert_scale: str = ""  # Gemma-4: each expert's weight scale
     fused_down: str = ""  # gpt-oss: [E, I, D]
     router_bias: str = ""
     score_bias: str = ""  # DeepSeek e_score_correction_bias

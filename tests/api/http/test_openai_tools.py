@@ -60,6 +60,9 @@ DSML_CALL = ("<think>Read it first.</think>Reading.\n\n<｜DSML｜function_calls
 
 # Nemotron-3-Nano: Qwen3-Coder's XML calls after its reasoning (its template opens <think>; closed here)
 NEMOTRON_CALL = "<think>Read it first.</think>Reading.\n" + CODER_CALL
+# Gemma-4: its thought channel and its call syntax (unquoted keys, <|"|> strings), then the token it writes after calls
+GEMMA4_CALL = ('<|channel>thought\nRead it first.<channel|>Reading.<|tool_call>call:read_file{path:<|"|>src/main.py<|"|>,'
+               'limit:40,follow:true}<tool_call|><|tool_response>')
 # Llama-4: its template's JSON call object, and Meta's pythonic form
 LLAMA4_CALLS = {"llama4": '{"name": "read_file", "parameters": {"path": "src/main.py", "limit": 40, "follow": true}}',
                 "llama4-py": '[read_file(path="src/main.py", limit=40, follow=True)]'}
@@ -91,7 +94,7 @@ def daemon(tmp_path_factory):
                                  family="qwen3_5_moe")
     add_scripted_model(d, "qwen36", d.qwen36)
     for name, family, output in (("glm5", "glm_moe_dsa", GLM_CALL), ("dsv32", "deepseek_v32", DSML_CALL),
-                                 ("nemotron", "nemotron_h", NEMOTRON_CALL),
+                                 ("nemotron", "nemotron_h", NEMOTRON_CALL), ("gemma4", "gemma4_text", GEMMA4_CALL),
                                  *((name, "llama4_text", out) for name, out in LLAMA4_CALLS.items())):
         add_scripted_model(d, name, ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp(name)),
                                                       lambda prompt, output=output: output, family=family))
@@ -273,7 +276,7 @@ def test_responses_function_call_output_without_its_call_is_a_400(client):
     assert "call_x" in err.value.body["message"]
 
 
-@pytest.mark.parametrize("model", ["glm5", "dsv32", "nemotron"])
+@pytest.mark.parametrize("model", ["glm5", "dsv32", "nemotron", "gemma4"])
 def test_glm5_and_deepseek_v32_calls_reach_both_apis_whole_and_streamed(daemon, client, model):
     want = {"path": "src/main.py", "limit": 40, "follow": True}
     reply = client.chat.completions.create(model=model, messages=ASK, tools=[READ_TOOL])
