@@ -95,6 +95,8 @@ class GgufCheckpoint:
         self.family: Family = family_of(self.raw_config, where=where)
         self.config: ModelConfig = parse_model_config(self.raw_config, where=where)
         self._shapes = expected_weight_shapes(self.config)
+        # each moed layer's blocks when they are not one block a layer (Nemotron-H: mixer, feed-forward)
+        self._blocks = self.spec.layer_blocks(self.raw_config) if self.spec.layer_blocks is not None else None
         # weights stored as two tensors (deepseek2's kv_b_proj, qwen3next's in_proj_qkvz): their GGUF names
         self._parts: dict[str, tuple[str, str]] = {}
         self.weight_keys = {name: self._gguf_name(name) for name in self._shapes}  # canonical -> GGUF
@@ -349,6 +351,8 @@ class GgufCheckpoint:
     def _as_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Undo what llama.cpp changed in a stored value: Qwen3-Next's and Qwen3.5's 1 + w norms and
         -exp(A_log), and Qwen3.5's tiled value heads (gguf_names.py)."""
+        if self.arch == "nemotron_h_moe":  # Mamba-2's A_log stored as -exp(A_log)
+            return torch.log(-tensor.float()) if name.endswith(".linear_attn.A_log") else tensor
         if self.arch not in ("qwen3next", "qwen35moe"):
             return tensor
         rel = layer_of(name)[1] if layer_of(name) else name
@@ -390,11 +394,11 @@ class GgufCheckpoint:
             return GLOBAL_TENSORS[name]
         where = layer_of(name)
         if where is not None and where[1] == "post_attention_layernorm.weight":
-            return f"blk.{where[0]}.{self.spec.post_attention_norm}.weight"
+            return f"blk.{self._block(*where)}.{self.spec.post_attention_norm}.weight"
         if where is None or where[1] not in LAYER_TENSORS:
             raise ModelFormatError(f"{self.path}: moed has no GGUF name for weight {quoted(name)} of a {self.arch} "
                                    "model (this architecture's mapping is incomplete)")
-        layer, rel = where
+        layer, rel = where[0] if self._blocks is None else self._block(*where), where[1]
         gguf_name = f"blk.{layer}.{LAYER_TENSORS[rel]}"
         split = {"self_attn.kv_b_proj.weight": KV_B_PARTS, "linear_attn.in_proj_qkvz.weight": QKVZ_PARTS}.get(rel)
         if split is not None and (split == QKVZ_PARTS or gguf_name not in self.file):
@@ -404,12 +408,24 @@ class GgufCheckpoint:
                 return parts[0]
         return gguf_name
 
+    def _block(self, layer: int, rel: str) -> int:
+        """The GGUF block that holds ``rel`` of moed's ``layer``: the layer itself, or (Nemotron-H) its mixer
+        block for the input norm and the mixer, its feed-forward block for the rest."""
+        if self._blocks is None:
+            return layer
+        mixer, ffn = self._blocks[layer]
+        if rel == "input_layernorm.weight" or rel.startswith(("self_attn.", "linear_attn.")) or ffn is None:
+            return mixer
+        return ffn
+
     def _expert_tensors(self, layer: int) -> tuple[str, ...] | None:
-        """GGUF names of one MoE layer's routed experts: gate, up, down (+ their biases), or None."""
+        """GGUF names of one MoE layer's routed experts: gate, up, down (+ their biases), or None. Non-gated
+        experts (Nemotron-H's relu^2) have no gate: their up matrix is read in its place (the relu2 activation)."""
         if not self.config.moe_layers[layer]:
             return None
-        b = f"blk.{layer}."
-        names = (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight", b + "ffn_down_exps.weight")
+        b = f"blk.{self._block(layer, 'mlp.experts')}."
+        gate = "ffn_up_exps.weight" if self.config.moe.activation == "relu2" else "ffn_gate_exps.weight"
+        names = (b + gate, b + "ffn_up_exps.weight", b + "ffn_down_exps.weight")
         biases = (b + "ffn_gate_exps.bias", b + "ffn_up_exps.bias", b + "ffn_down_exps.bias")
         return names + (biases if self.config.moe.has_expert_bias else (None, None, None))
 

@@ -40,6 +40,12 @@ rope.scaling.*, expert_count, expert_used_count.
   experts (Maverick); MoE layers every interleave_moe_layer_step (dense ones of feed_forward_length between);
   llama3 rotary scaling as the ``rope_freqs`` tensor of per-frequency divisors (rope type "factors"); Q/K
   not permuted (llama.cpp rotates Llama-4's adjacent pairs, as transformers does).
+- nemotron_h_moe -> nemotron_h (Nemotron-3-Nano): no pattern key: a block attends where its
+  attention.head_count_kv entry is positive, is an MoE where its feed_forward_length entry is, a Mamba-2
+  block where it holds ssm_in, a dense MLP where it holds ffn_up; the Mamba-2 sizes from ssm.* (time_step_rank =
+  heads, inner_size = heads x head size, group_count, state_size, conv_kernel); sigmoid routing (llama.cpp's
+  graph for this architecture) with expert_weights_norm / _scale and the group counts. Blocks are paired into
+  moed's layers as from Hugging Face (``layer_blocks``); every block's norm is its attn_norm.
 - qwen3next -> qwen3_next: the DeltaNet's sizes from the ssm.* keys (group_count = key heads,
   time_step_rank = value heads, state_size = key head size, inner_size = all value heads), the
   layer pattern from attention.recurrent_layers; MTP layers left out as for GLM.
@@ -291,6 +297,69 @@ def _llama4(m: GgufMetadata) -> dict[str, Any]:
                 use_qk_norm=num_experts != 128, attention_bias="blk.0.attn_q.bias" in m.file)
 
 
+def _per_block(m: GgufMetadata, key: str, blocks: int) -> list[int]:
+    value = m.meta.get(f"{m.arch}.{key}", 0)
+    values = value if isinstance(value, list) else [value] * blocks
+    if len(values) != blocks or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ModelFormatError(f"{m.file.path}: metadata {m.arch}.{key} should hold a count for each of the {blocks} "
+                               f"blocks, got {quoted(value, 200)}; {RECONVERT}")
+    return values
+
+
+def _nemotron_h_moe(m: GgufMetadata) -> dict[str, Any]:
+    blocks = m.int("block_count", minimum=1)
+    kv, ffn = _per_block(m, "attention.head_count_kv", blocks), _per_block(m, "feed_forward_length", blocks)
+    pattern = ""
+    for b in range(blocks):
+        if kv[b]:
+            pattern += "*"
+        elif ffn[b]:
+            pattern += "E"
+        elif f"blk.{b}.ssm_in.weight" in m.file:
+            pattern += "M"
+        elif f"blk.{b}.ffn_up.weight" in m.file:
+            pattern += "-"
+        else:
+            raise ModelFormatError(f"{m.file.path}: block {b} is no attention, MoE, Mamba-2 or MLP block; {RECONVERT}")
+    heads, inner = m.int("ssm.time_step_rank", minimum=1), m.int("ssm.inner_size", minimum=1)
+    if inner % heads:
+        raise ModelFormatError(f"{m.file.path}: ssm.inner_size {inner} is not a multiple of ssm.time_step_rank "
+                               f"{heads}; the file is corrupt")
+    hidden, attn_heads = m.int("embedding_length", minimum=1), m.int("attention.head_count", minimum=1)
+    dense = next((b for b in range(blocks) if pattern[b] == "-"), None)
+    cfg: dict[str, Any] = {
+        "vocab_size": m.rows("token_embd.weight"), "hidden_size": hidden, "hybrid_override_pattern": pattern,
+        "num_attention_heads": attn_heads, "num_key_value_heads": max(kv) or attn_heads,
+        "head_dim": m.int("attention.key_length", default=hidden // attn_heads, minimum=1),
+        "max_position_embeddings": m.int("context_length", minimum=1),
+        "layer_norm_epsilon": m.float("attention.layer_norm_epsilon", default=1e-5),
+        "tie_word_embeddings": "output.weight" not in m.file, "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu",
+        "bos_token_id": m.meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": m.meta.get("tokenizer.ggml.eos_token_id"),
+        "mamba_num_heads": heads, "mamba_head_dim": inner // heads, "n_groups": m.int("ssm.group_count", minimum=1),
+        "ssm_state_size": m.int("ssm.state_size", minimum=1), "conv_kernel": m.int("ssm.conv_kernel", minimum=1),
+        "use_conv_bias": any(f"blk.{b}.ssm_conv1d.bias" in m.file for b in range(blocks)),
+        "use_bias": any(f"blk.{b}.ssm_in.bias" in m.file for b in range(blocks)),
+        "intermediate_size": m.rows(f"blk.{dense}.ffn_up.weight") if dense is not None else 1,
+    }
+    if "E" in pattern:
+        num_experts, top_k = m.experts()
+        cfg.update(n_routed_experts=num_experts, num_experts_per_tok=top_k,
+                   moe_intermediate_size=m.int("expert_feed_forward_length", minimum=1),
+                   n_shared_experts=m.int("expert_shared_count", default=0),
+                   moe_shared_expert_intermediate_size=m.int("expert_shared_feed_forward_length", default=0),
+                   norm_topk_prob=m.bool("expert_weights_norm", default=True),
+                   routed_scaling_factor=m.float("expert_weights_scale", default=1.0),
+                   n_group=m.int("expert_group_count", default=1, minimum=1),
+                   topk_group=m.int("expert_group_used_count", default=1, minimum=1))
+    return cfg
+
+
+def _nemotron_blocks(raw: dict[str, Any]) -> list[tuple[int, int | None]]:
+    from moed.models.families.nemotron_h import block_kinds, pair_blocks
+
+    return pair_blocks(block_kinds(raw))
+
+
 def _mixtral(m: GgufMetadata) -> dict[str, Any]:
     if not m.has("expert_count") or "blk.0.ffn_gate_exps.weight" not in m.file:
         raise UnsupportedModelError(f"{m.file.path}: a dense Llama model (no experts); moed runs Mixture-of-Experts "
@@ -444,6 +513,9 @@ class GgufArchitecture:
     build: Callable[[GgufMetadata], dict[str, Any]]
     post_attention_norm: str = "ffn_norm"  # llama.cpp's name for the norm before the MLP
     permuted_qk: bool = False  # the converter permuted Q/K rows (its "llama" architecture only)
+    # the GGUF blocks of each moed layer, (mixer block, feed-forward block or None), from the config dict; None:
+    # block i is layer i (Nemotron-H pairs a mixer block with the feed-forward block after it)
+    layer_blocks: Callable[[dict[str, Any]], list[tuple[int, int | None]]] | None = None
 
 
 ARCHITECTURES: dict[str, GgufArchitecture] = {
@@ -459,6 +531,8 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     "ernie4_5-moe": GgufArchitecture("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", "ERNIE-4.5-MoE", _ernie4_5_moe),
     "minimax-m2": GgufArchitecture("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMax-M2", _minimax_m2),
     "llama4": GgufArchitecture("llama4_text", "Llama4ForCausalLM", "Llama-4", _llama4),
+    "nemotron_h_moe": GgufArchitecture("nemotron_h", "NemotronHForCausalLM", "Nemotron-3-Nano", _nemotron_h_moe,
+                                       "attn_norm", layer_blocks=_nemotron_blocks),
     "qwen3next": GgufArchitecture("qwen3_next", "Qwen3NextForCausalLM", "Qwen3-Next", _qwen3next,
                                   "post_attention_norm"),
     "qwen35moe": GgufArchitecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5/3.6-MoE", _qwen3next,

@@ -53,6 +53,9 @@ LAYER_TENSORS = {
     "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.dt_bias": "ssm_dt.bias",
     "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
     "linear_attn.out_proj.weight": "ssm_out.weight",
+    # Mamba-2 (nemotron_h_moe; conv1d, dt_bias, A_log, norm and out_proj as the DeltaNet's)
+    "linear_attn.in_proj.weight": "ssm_in.weight", "linear_attn.in_proj.bias": "ssm_in.bias",
+    "linear_attn.conv1d.bias": "ssm_conv1d.bias", "linear_attn.D": "ssm_d", "linear_attn.out_proj.bias": "ssm_out.bias",
     # gated DeltaNet with split projections (qwen35moe)
     "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
     "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",

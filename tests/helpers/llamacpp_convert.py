@@ -25,7 +25,7 @@ CONVERTER = REPO / ".cache/llamacpp-convert"
 VOCAB = 49152
 GLM_SPECIAL = ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]  # the converter's GLM vocab needs them
 FAMILIES = ["qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_next",
-            "qwen3_5_moe_text", "glm_moe_dsa", "glm4_moe_lite", "minimax_m2", "llama4_text"]
+            "qwen3_5_moe_text", "glm_moe_dsa", "glm4_moe_lite", "minimax_m2", "llama4_text", "nemotron_h"]
 GLM = ("glm4_moe", "glm_moe_dsa", "glm4_moe_lite")
 # GLM-4.7-Flash's chat template opens with [gMASK] (how moed tells it from other deepseek2 files), reduced
 GLM_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"

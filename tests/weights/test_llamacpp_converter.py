@@ -67,7 +67,7 @@ def test_a_file_from_llamacpps_converter_runs_like_transformers(family, tmp_path
     # the same model: every field that shapes the computation (raw dicts and token ids differ in form)
     for field in ("family", "vocab_size", "hidden_size", "num_layers", "attention", "moe", "moe_layers",
                   "sliding_windows", "tie_word_embeddings", "linear_attention", "linear_layers", "norm_offset",
-                  "attention_chunks", "nope_layers"):
+                  "attention_chunks", "nope_layers", "mlp_layers", "mlp_activation"):
         assert getattr(got, field) == getattr(expected, field), field
     if not all(expected.moe_layers):  # the dense MLP's size (meaningless, and not always written, without one)
         assert got.dense_intermediate_size == expected.dense_intermediate_size
