@@ -181,13 +181,20 @@ class GatedDeltaNet:
         (default: row i from place 0, right-padded) -> ``[R, T, D]`` (zeros where no sequence is); sequence i's
         states are ``conv_states[i]`` / ``states[i]`` (tensors updated in place: rows of a ``[B, ...]`` tensor,
         or views into a state store)."""
-        out = torch.zeros(x.shape[0], x.shape[1], self.w_out.shape[0], dtype=torch.float32, device=x.device)
-        rows = list(range(len(lengths))) if rows is None else rows
-        offsets = [0] * len(lengths) if offsets is None else offsets
-        for seq, (row, off, n) in enumerate(zip(rows, offsets, lengths)):
-            if n:
-                out[row, off:off + n] = self.forward_row(x[row, off:off + n], conv_states[seq], states[seq])
-        return out
+        return run_rows(self.forward_row, self.w_out.shape[0], x, lengths, conv_states, states, rows, offsets)
+
+
+def run_rows(forward_row, width: int, x: torch.Tensor, lengths: list[int], conv_states, states,
+             rows: list[int] | None, offsets: list[int] | None) -> torch.Tensor:
+    """A recurrent layer over a step: ``forward_row(x [n, D], conv_state, state)`` for each sequence's segment,
+    into a float32 ``[R, T, width]`` with zeros where no sequence is (the ``forward`` of every recurrent layer)."""
+    out = torch.zeros(x.shape[0], x.shape[1], width, dtype=torch.float32, device=x.device)
+    rows = list(range(len(lengths))) if rows is None else rows
+    offsets = [0] * len(lengths) if offsets is None else offsets
+    for seq, (row, off, n) in enumerate(zip(rows, offsets, lengths)):
+        if n:
+            out[row, off:off + n] = forward_row(x[row, off:off + n], conv_states[seq], states[seq])
+    return out
 
 
 CHUNKED_FROM = 16  # tokens of one row from which the chunk-parallel rule is the faster one

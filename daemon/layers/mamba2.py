@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from moed.layers.causal_conv import causal_conv
-from moed.layers.gated_deltanet import _decay
+from moed.layers.gated_deltanet import _decay, run_rows
 from moed.layers.linear import linear
 
 
@@ -134,13 +134,7 @@ class Mamba2Mixer:
         """``x [R, T, D]`` with sequence i's ``lengths[i]`` tokens at places ``offsets[i]..`` of row ``rows[i]``
         (default: row i from place 0) -> ``[R, T, D]`` (zeros where no sequence is); sequence i's states are
         ``conv_states[i]`` / ``states[i]``, updated in place."""
-        out = torch.zeros(x.shape[0], x.shape[1], self.w_out.shape[0], dtype=torch.float32, device=x.device)
-        rows = list(range(len(lengths))) if rows is None else rows
-        offsets = [0] * len(lengths) if offsets is None else offsets
-        for seq, (row, off, n) in enumerate(zip(rows, offsets, lengths)):
-            if n:
-                out[row, off:off + n] = self.forward_row(x[row, off:off + n], conv_states[seq], states[seq])
-        return out
+        return run_rows(self.forward_row, self.w_out.shape[0], x, lengths, conv_states, states, rows, offsets)
 
 
 CHUNKED_FROM = 8  # tokens of one row from which the chunked form is the faster one

@@ -7,15 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.reference_parity import assert_emulated_device_matches, assert_multimodal_language_model
 from helpers.tiny_models import build_tiny_model, tiny_config
-from moed.config import EngineConfig
-from moed.engine.offline_run import run_offline
 from moed.engine.runtime import open_runtime
-from moed.engine.sampling import SamplingParams
 from moed.errors import ModelFormatError, UnsupportedModelError
 from moed.layers.rotary import rope_inv_freq
 from moed.models.families import parse_model_config
-from moed.runner.forward_batch import ForwardBatch
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +20,6 @@ def gemma(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma4")
     return path, build_tiny_model("gemma4_text", path)
 
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_the_config_gives_each_layer_kind_its_own_attention_and_rotary(gemma):
@@ -71,36 +65,12 @@ def test_the_multimodal_checkpoint_loads_its_language_model(tmp_path):
     text = tiny_config("gemma4_text").to_dict()
     config = tf.Gemma4Config(text_config=text, vision_config=None, audio_config=None)
     torch.manual_seed(0)
-    reference = tf.Gemma4ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if param.dim() >= 2:
-                param.mul_(4.0)
-            elif "norm" in name or "scale" in name:
-                param.uniform_(0.8, 1.2)
-    reference.save_pretrained(tmp_path)
-    prompt = _prompt(4, 19)
-    with torch.no_grad():
-        want = reference(input_ids=torch.tensor([prompt])).logits[0]
-    runtime = open_runtime(tmp_path)
-    assert runtime.model.config.family == "gemma4"
-    got = runtime.model.forward(ForwardBatch.from_token_lists([prompt], [0], [0]), runtime.model.new_cache(1, 64),
-                                last_only=False)[0]
-    assert (got - want).abs().max().item() < 1e-4
+    assert_multimodal_language_model(tf.Gemma4ForConditionalGeneration(config).eval(), tmp_path, "gemma4")
 
 
 def test_the_emulated_device_runs_transformers_tokens(gemma):
     path, reference = gemma
-    runtime = open_runtime(path, engine=EngineConfig(device="emulated"))
-    try:
-        prompt = _prompt(6, 11)
-        got = run_offline(runtime, [prompt], [SamplingParams(max_tokens=24, ignore_eos=True)], context_length=64)
-        with torch.no_grad():
-            out = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                                     pad_token_id=0)
-        assert got[0].token_ids == out[0, len(prompt):].tolist()
-    finally:
-        runtime.close()
+    assert_emulated_device_matches(path, reference)
 
 
 def test_the_decode_chain_says_why_gemma4_keeps_the_python_path(gemma):

@@ -8,11 +8,9 @@ import pytest
 import torch
 
 import moed.layers.paged_attention as paged
+from helpers.reference_parity import assert_emulated_device_matches, assert_multimodal_language_model, random_prompt
 from helpers.tiny_models import build_tiny_model, tiny_config
-from moed.config import EngineConfig
-from moed.engine.offline_run import run_offline
 from moed.engine.runtime import open_runtime
-from moed.engine.sampling import SamplingParams
 from moed.errors import ModelFormatError, UnsupportedModelError
 from moed.kernels.native_cpu import native
 from moed.models.families import parse_model_config
@@ -25,15 +23,6 @@ def llama4(tmp_path_factory):
     return path, build_tiny_model("llama4_text", path)
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _reference_greedy(reference, prompt: list[int], steps: int) -> list[int]:
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_the_config_maps_to_chunks_nope_layers_and_input_weighted_experts(llama4):
@@ -96,7 +85,7 @@ def test_a_prefix_resumed_from_cached_blocks_inside_a_later_chunk_computes_a_fre
     path, _ = llama4
     model = open_runtime(path).model
     pool = model.new_pool(num_blocks=16, block_size=4)
-    prompt = _prompt(3, 29)
+    prompt = random_prompt(3, 29)
     model.forward(ForwardBatch.from_token_lists([prompt[:13]], [0], [0], [[0, 1, 2, 3]]), pool)
     resumed = model.forward(ForwardBatch.from_token_lists([prompt[13:]], [13], [1], [[0, 1, 2, 3, 4, 5, 6, 7]]),
                             pool, last_only=False)
@@ -107,13 +96,7 @@ def test_a_prefix_resumed_from_cached_blocks_inside_a_later_chunk_computes_a_fre
 
 def test_the_emulated_device_runs_transformers_tokens(llama4):
     path, reference = llama4
-    runtime = open_runtime(path, engine=EngineConfig(device="emulated"))
-    try:
-        prompt = _prompt(6, 11)
-        got = run_offline(runtime, [prompt], [SamplingParams(max_tokens=24, ignore_eos=True)], context_length=64)
-        assert got[0].token_ids == _reference_greedy(reference, prompt, 24)
-    finally:
-        runtime.close()
+    assert_emulated_device_matches(path, reference)
 
 
 def test_the_decode_chain_says_why_llama4_keeps_the_python_path(llama4):
@@ -134,22 +117,7 @@ def test_the_multimodal_checkpoint_loads_its_language_model(tmp_path):
                   pixel_shuffle_ratio=0.5)
     config = tf.Llama4Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
     torch.manual_seed(0)
-    reference = tf.Llama4ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if param.dim() >= 2:
-                param.mul_(4.0)
-            elif "norm" in name:
-                param.uniform_(0.8, 1.2)
-    reference.save_pretrained(tmp_path)
-    prompt = _prompt(4, 19)
-    with torch.no_grad():
-        want = reference(input_ids=torch.tensor([prompt])).logits[0]
-    runtime = open_runtime(tmp_path)
-    assert runtime.model.config.family == "llama4"
-    batch = ForwardBatch.from_token_lists([prompt], [0], [0])
-    got = runtime.model.forward(batch, runtime.model.new_cache(1, 64), last_only=False)[0]
-    assert (got - want).abs().max().item() < 1e-4
+    assert_multimodal_language_model(tf.Llama4ForConditionalGeneration(config).eval(), tmp_path, "llama4")
 
 
 @pytest.mark.parametrize("change,error,words", [

@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.reference_parity import assert_emulated_device_matches, random_prompt
 from helpers.tiny_models import build_tiny_model, tiny_config
-from moed.config import EngineConfig
-from moed.engine.offline_run import run_offline
 from moed.engine.runtime import open_runtime
-from moed.engine.sampling import SamplingParams
 from moed.errors import ModelFormatError, UnsupportedModelError
 from moed.models.families import parse_model_config
 from moed.runner.forward_batch import ForwardBatch
@@ -22,15 +20,6 @@ def nemotron(tmp_path_factory):
     return path, build_tiny_model("nemotron_h", path)
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _reference_greedy(reference, prompt: list[int], steps: int) -> list[int]:
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_blocks_pair_into_layers_with_and_without_a_feed_forward_part(nemotron):
@@ -50,7 +39,7 @@ def test_a_prefill_longer_than_several_chunks_matches_transformers(nemotron):
     """A 200-token prompt: the chunked Mamba-2 form (128-token chunks) and attention over all of it."""
     path, reference = nemotron
     runtime = open_runtime(path)
-    prompt = _prompt(11, 200)
+    prompt = random_prompt(11, 200)
     got = runtime.model.forward(ForwardBatch.from_token_lists([prompt], [0], [0]), runtime.model.new_cache(1, 256),
                                 last_only=False)[0]
     with torch.no_grad():
@@ -60,13 +49,7 @@ def test_a_prefill_longer_than_several_chunks_matches_transformers(nemotron):
 
 def test_the_emulated_device_runs_transformers_tokens(nemotron):
     path, reference = nemotron
-    runtime = open_runtime(path, engine=EngineConfig(device="emulated"))
-    try:
-        prompt = _prompt(6, 11)
-        got = run_offline(runtime, [prompt], [SamplingParams(max_tokens=24, ignore_eos=True)], context_length=64)
-        assert got[0].token_ids == _reference_greedy(reference, prompt, 24)
-    finally:
-        runtime.close()
+    assert_emulated_device_matches(path, reference)
 
 
 @pytest.mark.parametrize("change,error,words", [

@@ -57,6 +57,20 @@ class Family:
     chat_template: str | None = None  # moed's template for checkpoints that ship none (moed.text.builtin_templates)
 
 
+def language_config(cfg: dict, family: str, *, outer_tie: bool = False) -> dict:
+    """A multimodal checkpoint's language model config: its ``text_config`` with the outer ``model_type`` and, where
+    the text config lacks them, the outer end / start token ids and tie flag (``outer_tie``: the outer tie flag
+    wins, as transformers ties by it)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelFormatError(f"config.json: a {family} checkpoint needs its language model's text_config")
+    merged = dict(text, model_type=cfg["model_type"])
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        if key in cfg and (key not in merged or (outer_tie and key == "tie_word_embeddings")):
+            merged[key] = cfg[key]
+    return merged
+
+
 def base_config(cfg: dict, attention: AttentionConfig, moe: MoeConfig, moe_layers: tuple[bool, ...],
                 windows: tuple[int | None, ...], rope_dim: int, *, interleaved: bool = False,
                 dense_intermediate: int | None = None) -> ModelConfig:

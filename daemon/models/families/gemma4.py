@@ -21,7 +21,7 @@ import dataclasses
 
 from moed.errors import ModelFormatError, UnsupportedModelError
 from moed.layers.layer_config import MoeConfig
-from moed.models.families.base import Family, FamilyNames, base_config, mha
+from moed.models.families.base import Family, FamilyNames, base_config, language_config, mha
 from moed.models.model_config import ModelConfig, require, rope_from_config
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -102,16 +102,7 @@ def _parse_gemma4_text(cfg: dict) -> ModelConfig:
 
 def _parse_gemma4(cfg: dict) -> ModelConfig:
     """Gemma4ForConditionalGeneration: its language model, from ``text_config``."""
-    text = cfg.get("text_config")
-    if not isinstance(text, dict):
-        raise ModelFormatError("config.json: a gemma4 checkpoint needs its language model's text_config")
-    merged = dict(text, model_type=cfg["model_type"])
-    for key in ("eos_token_id", "bos_token_id"):
-        if key not in merged and key in cfg:
-            merged[key] = cfg[key]
-    if "tie_word_embeddings" in cfg:  # the whole model's choice (transformers ties by the outer config)
-        merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-    return _parse_gemma4_text(merged)
+    return _parse_gemma4_text(language_config(cfg, "gemma4", outer_tie=True))
 
 
 def _names(prefix: str, **kw) -> FamilyNames:

@@ -11,7 +11,7 @@ import dataclasses
 
 from moed.errors import ModelFormatError, UnsupportedModelError
 from moed.layers.layer_config import MoeConfig
-from moed.models.families.base import Family, FamilyNames, base_config, check_act, expert_count, mha
+from moed.models.families.base import Family, FamilyNames, base_config, check_act, expert_count, language_config, mha
 from moed.models.model_config import ModelConfig, require
 
 
@@ -66,14 +66,7 @@ def _parse_llama4_text(cfg: dict) -> ModelConfig:
 
 def _parse_llama4(cfg: dict) -> ModelConfig:
     """Llama4ForConditionalGeneration: its language model, from ``text_config``."""
-    text = cfg.get("text_config")
-    if not isinstance(text, dict):
-        raise ModelFormatError("config.json: a llama4 checkpoint needs its language model's text_config")
-    merged = dict(text, model_type=cfg["model_type"])
-    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
-        if key not in merged and key in cfg:
-            merged[key] = cfg[key]
-    return _parse_llama4_text(merged)
+    return _parse_llama4_text(language_config(cfg, "llama4"))
 
 
 # transformers names the MLP part "feed_forward": read as moed's "mlp"

@@ -7,7 +7,8 @@ import dataclasses
 from moed.errors import ModelFormatError
 from moed.layers.gated_deltanet import DeltaNetConfig
 from moed.layers.layer_config import MoeConfig
-from moed.models.families.base import Family, FamilyNames, base_config, check_act, expert_count, mha, qwen_moe_layers
+from moed.models.families.base import (Family, FamilyNames, base_config, check_act, expert_count, language_config, mha,
+                                       qwen_moe_layers)
 from moed.models.model_config import ModelConfig, require
 
 
@@ -55,14 +56,7 @@ def _parse_qwen3_5_moe(cfg: dict) -> ModelConfig:
     """The multimodal Qwen3.5-MoE checkpoint (Qwen3_5MoeForConditionalGeneration, e.g. Qwen3.6-35B-A3B as
     shipped): its language model only, from ``text_config``; the vision tower is not loaded (text in,
     text out)."""
-    text = cfg.get("text_config")
-    if not isinstance(text, dict):
-        raise ModelFormatError("config.json: a qwen3_5_moe checkpoint needs its language model's text_config")
-    merged = dict(text, model_type=cfg["model_type"])
-    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
-        if key not in merged and key in cfg:
-            merged[key] = cfg[key]
-    return _parse_qwen3_5_moe_text(merged)
+    return _parse_qwen3_5_moe_text(language_config(cfg, "qwen3_5_moe"))
 
 
 QWEN_NEXT_NAMES = FamilyNames(moe_prefix="model.layers.{i}.mlp", router="gate", shared="shared_expert",
