@@ -88,6 +88,7 @@ class AttentionConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    latent_norm_eps: float = 0.0  # kv_a_layernorm's eps when it is not the model's (Kimi-Linear: 1e-6)
     # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer picks each query's top
     # ``index_topk`` keys (0: every key, no indexer)
     index_topk: int = 0

@@ -20,10 +20,12 @@ from moed.runner.forward_batch import ForwardBatch
 
 class MlaAttention:
     def __init__(self, cfg: AttentionConfig, weights: dict[str, torch.Tensor], prefix: str, layer: int,
-                 rotary: RotaryEmbedding, window: int | None, eps: float, *, index_source: int | None = None) -> None:
+                 rotary: RotaryEmbedding, window: int | None, eps: float, *, index_source: int | None = None,
+                 rope: bool = True) -> None:
         """``index_source`` (sparse attention): the layer whose lightning indexer picks this layer's keys (this
         one's own ``{prefix}.indexer``, or an earlier layer's in the same step)."""
         self.cfg, self.layer, self.rotary, self.eps = cfg, layer, rotary, eps
+        self.rope = rope  # False: Kimi-Linear's MLA (its "rotary" dims used as they are)
         self.index_source = index_source
         self.indexer = (LightningIndexer(cfg, weights, f"{prefix}.indexer") if index_source == layer else None)
         get = lambda name: weights.get(f"{prefix}.{name}")  # noqa: E731
@@ -60,9 +62,10 @@ class MlaAttention:
         q_pass, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)  # [B, H, T, *]
         compressed = linear(x, self.kv_a, self.kv_a_bias)
         latent, k_rot = compressed.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        latent = rms_norm(latent, self.kv_a_norm, self.eps)  # [B, T, C]
-        q_rot = self.rotary.apply(q_rot, *cos_sin)
-        k_rot = self.rotary.apply(k_rot[:, None], *cos_sin)[:, 0]  # [B, T, Rr], shared by all heads
+        latent = rms_norm(latent, self.kv_a_norm, self.cfg.latent_norm_eps or self.eps)  # [B, T, C]
+        if self.rope:
+            q_rot = self.rotary.apply(q_rot, *cos_sin)
+            k_rot = self.rotary.apply(k_rot[:, None], *cos_sin)[:, 0]  # [B, T, Rr], shared by all heads
         cache.write(self.layer, "latent", latent, batch)
         cache.write(self.layer, "k_rot", k_rot, batch)
         chosen = None if self.index_source is None else self._choose(x, q_resid, batch, cache, cos_sin)

@@ -78,7 +78,8 @@ class MoeTransformer:
             elif config.attention.kind == "mla":
                 attention = MlaAttention(config.attention, weights, f"{prefix}.self_attn", i, self.rotary,
                                          config.sliding_windows[i], config.rms_norm_eps,
-                                         index_source=config.index_source(i) if config.attention.index_topk else None)
+                                         index_source=config.index_source(i) if config.attention.index_topk else None,
+                                         rope=config.uses_rope(i))
             else:
                 attention = MhaAttention(config.layer_attention(i), weights, f"{prefix}.self_attn", i,
                                          self.rotaries[self.layer_rotary[i]], config.sliding_windows[i],

@@ -181,9 +181,9 @@ def test_sequences_that_outgrow_a_small_pool_are_preempted_and_finish_as_if_alon
         assert tokens == alone and usage.prompt_tokens == 10 and usage.cached_tokens == 0
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "deepseek_v4", "nemotron_h"])
+@pytest.fixture(scope="module", params=["qwen3_next", "deepseek_v4", "nemotron_h", "kimi_linear"])
 def hybrid(request, tmp_path_factory):
-    """Models whose layers carry a per-sequence state: Qwen3-Next's DeltaNet, Nemotron-H's Mamba-2, DeepSeek-V4's
+    """Models whose layers carry a per-sequence state: Qwen3-Next's DeltaNet, Nemotron-H's Mamba-2, Kimi-Linear's KDA, DeepSeek-V4's
     open compression windows (its checkpoints at multiples of 16 here: the block size, a multiple of its ratios 4 and 8)."""
     yield from _tiny_runtime(tmp_path_factory, request.param)
 

@@ -13,7 +13,7 @@ import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next",
             "qwen3_5_moe_text", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "glm4_moe_lite",
-            "ernie4_5_moe", "minimax_m2", "llama4_text", "nemotron_h", "gemma4_text")
+            "ernie4_5_moe", "minimax_m2", "llama4_text", "nemotron_h", "gemma4_text", "kimi_linear")
 
 COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
@@ -111,6 +111,18 @@ def tiny_config(family: str):
                                                     "full_attention": {"rope_type": "proportional",
                                                                        "partial_rotary_factor": 0.25,
                                                                        "rope_theta": 1000000.0}})
+    if family == "kimi_linear":
+        # Kimi-Linear: layers KDA, KDA, MLA (no rotary), KDA; the first layer dense, DeepSeek-V3's experts after it
+        kimi = {k: v for k, v in COMMON.items() if k not in ("num_hidden_layers", "max_position_embeddings")}
+        return tf.KimiLinearConfig(**kimi, num_hidden_layers=4, model_max_length=256, intermediate_size=96,
+                                   moe_intermediate_size=32, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                                   qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, mla_use_nope=True,
+                                   linear_attn_config={"num_heads": 2, "head_dim": 32, "short_conv_kernel_size": 4,
+                                                       "kda_layers": [1, 2, 4], "full_attn_layers": [3]},
+                                   num_experts=8, num_experts_per_token=2, num_shared_experts=1,
+                                   moe_router_activation_func="sigmoid", moe_renormalize=True,
+                                   routed_scaling_factor=2.446, use_grouped_topk=True, num_expert_group=1,
+                                   topk_group=1, first_k_dense_replace=1, moe_layer_freq=1)
     if family == "nemotron_h":
         # Nemotron-H: blocks M E M * E M - (Mamba-2, MoE, Mamba-2 followed by attention, attention + MoE, Mamba-2 +
         # dense relu^2 MLP): moed's layers (M+E) (M) (*+E) (M+-); chunks of 8 so the prompts cross several

@@ -8,7 +8,8 @@ import pytest
 from helpers.reference_parity import expected_greedy
 from helpers.tiny_models import build_tiny_model_dir
 
-FAMILIES = ("glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "llama4_text", "nemotron_h", "gemma4_text")
+FAMILIES = ("glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "llama4_text", "nemotron_h", "gemma4_text",
+            "kimi_linear")
 PROMPT = "The router reads the weights again and again, then the scheduler finds a long answer"
 
 

@@ -11,14 +11,14 @@ a family").
 from __future__ import annotations
 
 from moed.errors import ModelFormatError, UnsupportedModelError
-from moed.models.families import (deepseek, deepseek_v4, ernie, gemma4, glm, gpt_oss, llama4, minimax, mixtral,
-                                  nemotron_h, olmoe, qwen_moe, qwen_next)
+from moed.models.families import (deepseek, deepseek_v4, ernie, gemma4, glm, gpt_oss, kimi_linear, llama4, minimax,
+                                  mixtral, nemotron_h, olmoe, qwen_moe, qwen_next)
 from moed.models.families.base import Family, FamilyNames
 from moed.models.model_config import ModelConfig
 
 
 MODULES = (mixtral, qwen_moe, olmoe, deepseek, deepseek_v4, gpt_oss, glm, qwen_next, ernie, minimax, llama4,
-           nemotron_h, gemma4)
+           nemotron_h, gemma4, kimi_linear)
 
 
 FAMILIES: dict[str, Family] = {family.name: family for module in MODULES for family in module.FAMILIES}
