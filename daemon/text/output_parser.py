@@ -21,7 +21,8 @@ Formats: ``qwen3`` (Hermes ``<tool_call>`` + ``<think>``, and Qwen3-Coder's XML 
 ``<tool_call>`` with ``<arg_key>`` / ``<arg_value>`` pairs + ``<think>``), ``minimax`` (MiniMax-M2's
 ``<minimax:tool_call>`` XML invokes + ``<think>``), ``mistral`` (``[TOOL_CALLS]``), ``llama4`` (Llama-4's JSON call
 object or pythonic call list opening the answer), ``gemma4`` (``<|tool_call>call:NAME{...}<tool_call|>`` with
-``<|"|>`` strings, ``<|channel>thought`` reasoning),
+``<|"|>`` strings, ``<|channel>thought`` reasoning), ``kimi`` (Kimi-K2 / Kimi-Linear's ``<|tool_calls_section_begin|>``
+section of ``functions.NAME:i`` calls, ``<think>``),
 ``plain`` (all text, no tools). A model whose template cannot render tools (or whose format has no tool
 syntax) gets the generic format of ``moed.text.generic_tools`` instead: every model can take tools.
 """
@@ -40,6 +41,7 @@ from moed.text.output_parsers.gemma4 import Gemma4Parser
 from moed.text.output_parsers.glm import GlmParser
 from moed.text.output_parsers.harmony import HarmonyParser
 from moed.text.output_parsers.hermes import HermesParser, Qwen3Parser
+from moed.text.output_parsers.kimi import KimiParser
 from moed.text.output_parsers.llama import LlamaParser
 from moed.text.output_parsers.minimax import MiniMaxParser
 from moed.text.output_parsers.mistral import MistralParser
@@ -59,6 +61,7 @@ _PARSERS: dict[str, type[OutputParser]] = {
     "minimax": MiniMaxParser,
     "llama4": LlamaParser,
     "gemma4": Gemma4Parser,
+    "kimi": KimiParser,
 }
 TOOL_FORMATS = frozenset(_PARSERS)  # formats with a tool-call syntax
 FORMATS = TOOL_FORMATS | {"plain"}  # every format a family may name

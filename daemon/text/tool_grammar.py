@@ -36,6 +36,10 @@ Each call names one of the offered tools and its arguments follow that tool's pa
 
       <minimax:tool_call>\n<invoke name="N">\n<parameter name="K">value</parameter>\n</invoke>\n</minimax:tool_call>
 
+* ``kimi`` (Kimi-K2, Kimi-Linear)::
+
+      <|tool_calls_section_begin|><|tool_call_begin|>functions.N:0<|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>
+
 * ``llama4`` (Llama-4's template asks for JSON calls; several are separated by ``; ``)::
 
       {"name": "N", "parameters": {...}}
@@ -56,9 +60,9 @@ from typing import Any
 from moed.text.grammar import JSON_LAYOUT, Grammar
 
 JSON_WRAPPED = ("generic", "hermes", "qwen3")
-GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm", "harmony", "deepseek", "mistral", "minimax", "llama4")
+GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm", "harmony", "deepseek", "mistral", "minimax", "llama4", "kimi")
 REASONING = {"qwen3": ("<think>", "</think>"), "glm": ("<think>", "</think>"), "deepseek": ("<think>", "</think>"),
-             "minimax": ("<think>", "</think>")}
+             "minimax": ("<think>", "</think>"), "kimi": ("<think>", "</think>")}
 DSML = "｜DSML｜"  # the fullwidth bars are part of DeepSeek's markup tokens
 
 
@@ -165,7 +169,9 @@ HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|cons
 DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
                     "<｜tool▁calls▁end｜>")
 MISTRAL_MARKERS = ("[TOOL_CALLS]",)
-MARKERS = HARMONY_MARKERS + DEEPSEEK_MARKERS + MISTRAL_MARKERS
+KIMI_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+                "<|tool_call_end|>", "<|tool_calls_section_end|>")
+MARKERS = HARMONY_MARKERS + DEEPSEEK_MARKERS + MISTRAL_MARKERS + KIMI_MARKERS
 
 
 def _marker(special: Mapping[str, int], marker: str) -> str:
@@ -188,6 +194,20 @@ def _deepseek_calls(tools: Sequence[dict[str, Any]], special: Mapping[str, int],
         else:
             rules.append(f'f{t}: {begin} "function" {sep} {json.dumps(function["name"] + chr(10) + "```json" + chr(10))} '
                          f'{args} {json.dumps(chr(10) + "```")} {end}')
+        options.append(f"f{t}")
+    return [*rules, f"call: {' | '.join(options)}", f"section_open: {begins}", f"section_close: {ends}"]
+
+
+def _kimi_calls(tools: Sequence[dict[str, Any]], special: Mapping[str, int]) -> list[str]:
+    """Kimi's call section: each call ``functions.NAME:INDEX`` and its arguments, calls separated by an optional
+    newline."""
+    begins, begin, args_begin, end, ends = (_marker(special, m) for m in KIMI_MARKERS)
+    rules, options = ["INDEX: /[0-9]+/"], []
+    for t, tool in enumerate(tools):
+        function = tool.get("function", tool)
+        parameters = function.get("parameters") or function.get("input_schema") or {"type": "object"}
+        rules.append(f"f{t}: {begin} {json.dumps('functions.' + function['name'] + ':')} INDEX {args_begin} "
+                     f"%json {json.dumps({**parameters, 'x-guidance': JSON_LAYOUT})} {end}")
         options.append(f"f{t}")
     return [*rules, f"call: {' | '.join(options)}", f"section_open: {begins}", f"section_close: {ends}"]
 
@@ -243,10 +263,10 @@ def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, para
         lines.append("call: %json " + json.dumps(_call_schema(tools, "parameters")))
         lines.append("calls: " + ("call" if not parallel else 'call ("; " call)*'))
         tags, gap = None, "GAP: /[ \\n]*/"
-    elif tool_format == "deepseek":
-        lines += _deepseek_calls(tools, special, deepseek_v31)
+    elif tool_format in ("deepseek", "kimi"):  # a section of calls between two markers
+        lines += _kimi_calls(tools, special) if tool_format == "kimi" else _deepseek_calls(tools, special, deepseek_v31)
         lines.append("calls: section_open " + ("call" if not parallel else 'call ("\\n"? call)*') + " section_close")
-        tags, gap = REASONING["deepseek"], "GAP: /[ \\n]*/"
+        tags, gap = REASONING[tool_format], "GAP: /[ \\n]*/"
     elif tool_format in ("dsml", "minimax"):
         rules, invoke = _dsml_calls(tools, DSML if tool_format == "dsml" else "")
         lines += rules

@@ -45,3 +45,13 @@ def test_configs_moed_cannot_run_are_refused_with_the_field(change, error, words
     cfg = dict(tiny_config("kimi_linear").to_dict(), **change)
     with pytest.raises(error, match=words):
         parse_model_config(cfg)
+
+
+def test_kimi_k2_is_deepseek_v3s_model_with_moonshots_tool_calls():
+    """Kimi-K2's config.json says model_type kimi_k2 and DeepseekV3ForCausalLM: DeepSeek-V3's model, read by Kimi's
+    tool-call parser (its answers are not written in DeepSeek's tokens)."""
+    from moed.models.families import FAMILIES, family_of
+
+    cfg = dict(tiny_config("deepseek_v3").to_dict(), model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
+    assert family_of(cfg).name == "kimi_k2" and FAMILIES["kimi_k2"].tool_format == "kimi"
+    assert parse_model_config(cfg).attention == parse_model_config(tiny_config("deepseek_v3").to_dict()).attention

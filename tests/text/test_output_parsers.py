@@ -28,6 +28,8 @@ MARKERS = {
     "deepseek": [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, EOS, "<think>", "</think>", "```json"],
     "mistral": ["[TOOL_CALLS]", "</s>"],
     "llama4": ["<|python_start|>", "<|python_end|>", "<|eot|>", "<|eom|>"],
+    "kimi": ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+             "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|im_end|>", "<think>", "</think>"],
 }
 
 
@@ -87,6 +89,17 @@ CASES = [
     ("mistral", {},
      "Lists look like [TOOLS] or [1, 2] and [TOOL_CALL] is not it.</s>",
      ("Lists look like [TOOLS] or [1, 2] and [TOOL_CALL] is not it.", "", [])),
+    # Kimi-K2 / Kimi-Linear (Moonshot's tool-call guide): a section of calls named functions.NAME:INDEX
+    ("kimi", {},
+     "<think>Two lookups.</think>Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     "<|tool_call_argument_begin|>" + json.dumps(WEATHER_ARGS) + "<|tool_call_end|>\n<|tool_call_begin|>"
+     "functions.get_time:1<|tool_call_argument_begin|>" + json.dumps(TIME_ARGS) + "<|tool_call_end|>"
+     "<|tool_calls_section_end|><|im_end|>",
+     ("Let me check.", "Two lookups.", [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])),
+    ("kimi", {},
+     "A <|tool_call_begin|>functions.broken:0<|tool_call_argument_begin|>not json<|tool_call_end|> stays.<|im_end|>",
+     ("A <|tool_call_begin|>functions.broken:0<|tool_call_argument_begin|>not json<|tool_call_end|> stays.", "",
+      [])),
     # Llama-4's template asks for {"name": ..., "parameters": ...}; several calls are separated by ";"
     ("llama4", {},
      json.dumps({"name": "get_weather", "parameters": WEATHER_ARGS}) + "; "
@@ -668,3 +681,11 @@ def test_gemma4_calls_to_tools_not_offered_and_unfinished_calls_are_text():
     cut = '<|tool_call>call:get_weather{city:<|"|>Par'
     parser = output_parser_for("gemma4", tools=True)
     assert summarize(run(parser, [cut]), parser) == (cut, "", []) and parser.tool_calls == []
+
+
+def test_kimi_call_ids_are_the_models_own():
+    output = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:3<|tool_call_argument_begin|>"
+              + json.dumps(WEATHER_ARGS) + "<|tool_call_end|><|tool_calls_section_end|>")
+    parser = output_parser_for("kimi", tools=True)
+    run(parser, list(output))
+    assert [(c.id, c.name) for c in parser.tool_calls] == [("functions.get_weather:3", "get_weather")]

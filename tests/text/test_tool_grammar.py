@@ -64,6 +64,8 @@ MINIMAX = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="c
            '<parameter name="days">2</parameter>\n</invoke>\n</minimax:tool_call>')
 MIXTRAL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris\\nCentre", "days": 2}}]'
 LLAMA4 = '{"name": "get_weather", "parameters": {"city": "Paris\\nCentre", "days": 2}}'
+KIMI = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+        '{"city": "Paris\\nCentre", "days": 2}<|tool_call_end|><|tool_calls_section_end|>')
 
 CASES = {
     "glm-4.7 / glm-5": ("glm", {}, GLM47),
@@ -83,6 +85,8 @@ CASES = {
     "mixtral": ("mistral", {}, MIXTRAL),
     "minimax": ("minimax", {"reasoning": "none"}, MINIMAX),
     "llama4": ("llama4", {}, LLAMA4),
+    "kimi": ("kimi", {"reasoning": "none"}, KIMI),
+    "kimi after thinking": ("kimi", {"reasoning": "open"}, "Weather.</think>" + KIMI),
     "minimax after thinking": ("minimax", {"reasoning": "open"}, "The weather.\n</think>\n\n" + MINIMAX),
 }
 
@@ -115,6 +119,8 @@ def test_the_templates_call_is_accepted_and_read_back(tokenizer, case):
     ("mixtral", "Sure. " + MIXTRAL),
     ("llama4", LLAMA4.replace('"parameters"', '"arguments"')),
     ("llama4", "[get_weather(city='Paris', days=2)]"),
+    ("kimi", KIMI.replace("functions.get_weather", "functions.get_time")),
+    ("kimi", KIMI.replace('"days": 2', '"days": "2"')),
     ("minimax", MINIMAX.replace(">2<", ">two<")),
     ("minimax", MINIMAX.replace('<parameter name="city">Paris\nCentre</parameter>\n', "")),  # required city
 ])
@@ -122,7 +128,7 @@ def test_a_call_outside_the_schema_or_syntax_is_refused(tokenizer, case, text):
     fmt, options, _ = {"hermes": CASES["hermes"], "qwen3-coder XML": CASES["qwen3-coder XML"],
                        "dsml V4": CASES["dsml V4"], "glm": CASES["glm-4.7 / glm-5"], "deepseek V3": CASES["deepseek V3"],
                        "deepseek V3.1": CASES["deepseek V3.1"], "mixtral": CASES["mixtral"],
-                       "minimax": CASES["minimax"], "llama4": CASES["llama4"]}[case]
+                       "minimax": CASES["minimax"], "llama4": CASES["llama4"], "kimi": CASES["kimi"]}[case]
     assert not _accepts(tokenizer, tool_call_grammar(fmt, TOOLS, **options), text)
 
 

@@ -78,6 +78,8 @@ DEEPSEEK_NAMES = FamilyNames(moe_prefix="model.layers.{i}.mlp", router="gate",
 FAMILIES = (
     Family("deepseek_v3", deepseek_v3_config, DEEPSEEK_NAMES, architectures=("DeepseekV3ForCausalLM",),
            tool_format="deepseek"),
+    # Kimi-K2 (model_type kimi_k2, DeepseekV3ForCausalLM): DeepSeek-V3's model, Moonshot's tool-call tokens
+    Family("kimi_k2", deepseek_v3_config, DEEPSEEK_NAMES, tool_format="kimi"),
     Family("deepseek_v32", _parse_deepseek_v32, DEEPSEEK_NAMES, architectures=("DeepseekV32ForCausalLM",),
            tool_format="dsml", chat_template="deepseek_v32"),
 )

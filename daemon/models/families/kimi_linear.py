@@ -10,6 +10,7 @@ a shared expert; the first layer dense).
   (``ModelConfig.tensor_renames``, from the pattern). transformers' save_pretrained writes the dense first layer's
   MLP under ``block_sparse_moe``; Moonshot's checkpoints under ``mlp``: both are read.
 - The MLA's latent norm has its own epsilon (1e-6) beside the model's (1e-5).
+- Tool calls: Moonshot's section tokens (text/output_parsers/kimi.py), as Kimi-K2's.
 - Kimi-K3's fields (``gate_lower_bound``, ``use_full_rank_gate``, ``mla_use_output_gate``...) and
   ``mla_use_nope: false`` are refused: transformers would run them wrong, and so would moed.
 """
@@ -83,5 +84,5 @@ FAMILIES = (
         expert_down="experts.{e}.w2.weight",
         # transformers saves the dense first layer's MLP under block_sparse_moe
         renames=((r"\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r".mlp.\1."),)),
-        architectures=("KimiLinearForCausalLM",), tool_format="plain"),
+        architectures=("KimiLinearForCausalLM",), tool_format="kimi"),
 )

@@ -3,7 +3,7 @@
 itself, answer with calls whose arguments parse as JSON of the tool's schema, 20 times of 20, sampled at
 temperature 1: in moed's generic format (a template without tool syntax) and in each family's own syntax (Qwen's
 Hermes JSON, Qwen3-Coder's XML, DeepSeek's DSML and V3 call tokens, Mixtral's [TOOL_CALLS], GLM's, MiniMax-M2's
-XML invokes, Llama-4's JSON calls), read back by
+XML invokes, Llama-4's JSON calls, Kimi's call sections), read back by
 the usual parsers.
 """
 
@@ -65,7 +65,12 @@ LLAMA4_TEMPLATE = (
     "{\"name\": function name, \"parameters\": arguments}.\n{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}<|eot|>"
     "{%- endif %}{%- for m in messages %}<|header_start|>{{ m.role }}<|header_end|>\n\n{{ m.content }}<|eot|>"
     "{%- endfor %}{%- if add_generation_prompt %}<|header_start|>assistant<|header_end|>\n\n{%- endif %}")
-NATIVE = ["qwen", "coder", "dsv32", "dsv3", "mixtral", "glm", "minimax", "llama4"]
+# Kimi's role tokens, reduced; thinking closed (Kimi-K2-Thinking's <think>), or a random model would think forever
+KIMI_TEMPLATE = (
+    "{%- if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif %}"
+    "{%- for m in messages %}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|><think></think>{%- endif %}")
+NATIVE = ["qwen", "coder", "dsv32", "dsv3", "mixtral", "glm", "minimax", "llama4", "kimi"]
 
 
 def _valid(name: str, arguments: dict) -> bool:
@@ -81,7 +86,7 @@ def daemon(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     for name, family in (("tiny", "mixtral"), ("qwen", "qwen3_moe"), ("coder", "qwen3_moe"), ("dsv32", "deepseek_v32"),
                          ("dsv3", "deepseek_v3"), ("mixtral", "mixtral"), ("glm", "glm4_moe"),
-                         ("minimax", "minimax_m2"), ("llama4", "llama4_text")):
+                         ("minimax", "minimax_m2"), ("llama4", "llama4_text"), ("kimi", "kimi_linear")):
         # "tiny": no tool syntax -> generic format
         config = tiny_config(family)
         config.max_position_embeddings = 2048  # the tools' system prompt alone is ~800 tokens of the tiny vocab
@@ -94,6 +99,7 @@ def daemon(tmp_path_factory):
     install_tool_template(root / "mixtral", MIXTRAL_TEMPLATE)
     install_tool_template(root / "minimax", MINIMAX_TEMPLATE)
     install_tool_template(root / "llama4", LLAMA4_TEMPLATE)
+    install_tool_template(root / "kimi", KIMI_TEMPLATE)
     config_path = root / "dsv32" / "tokenizer_config.json"  # no template of its own: moed's DeepSeek-V3.2 one
     config_path.write_text(json.dumps({k: v for k, v in json.loads(config_path.read_text()).items()
                                        if k != "chat_template"}))

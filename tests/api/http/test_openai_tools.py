@@ -63,6 +63,10 @@ NEMOTRON_CALL = "<think>Read it first.</think>Reading.\n" + CODER_CALL
 # Gemma-4: its thought channel and its call syntax (unquoted keys, <|"|> strings), then the token it writes after calls
 GEMMA4_CALL = ('<|channel>thought\nRead it first.<channel|>Reading.<|tool_call>call:read_file{path:<|"|>src/main.py<|"|>,'
                'limit:40,follow:true}<tool_call|><|tool_response>')
+# Kimi-Linear / Kimi-K2: Moonshot's call section after the reasoning
+KIMI_CALL = ("<think>Read it first.</think>Reading.<|tool_calls_section_begin|><|tool_call_begin|>functions.read_file:0"
+             '<|tool_call_argument_begin|>{"path": "src/main.py", "limit": 40, "follow": true}<|tool_call_end|>'
+             "<|tool_calls_section_end|>")
 # Llama-4: its template's JSON call object, and Meta's pythonic form
 LLAMA4_CALLS = {"llama4": '{"name": "read_file", "parameters": {"path": "src/main.py", "limit": 40, "follow": true}}',
                 "llama4-py": '[read_file(path="src/main.py", limit=40, follow=True)]'}
@@ -95,6 +99,7 @@ def daemon(tmp_path_factory):
     add_scripted_model(d, "qwen36", d.qwen36)
     for name, family, output in (("glm5", "glm_moe_dsa", GLM_CALL), ("dsv32", "deepseek_v32", DSML_CALL),
                                  ("nemotron", "nemotron_h", NEMOTRON_CALL), ("gemma4", "gemma4_text", GEMMA4_CALL),
+                                 ("kimi", "kimi_linear", KIMI_CALL),
                                  *((name, "llama4_text", out) for name, out in LLAMA4_CALLS.items())):
         add_scripted_model(d, name, ChatScriptedModel(tools_tokenizer(tmp_path_factory.mktemp(name)),
                                                       lambda prompt, output=output: output, family=family))
@@ -276,10 +281,10 @@ def test_responses_function_call_output_without_its_call_is_a_400(client):
     assert "call_x" in err.value.body["message"]
 
 
-@pytest.mark.parametrize("model", ["glm5", "dsv32", "nemotron", "gemma4", *sorted(LLAMA4_CALLS)])
+@pytest.mark.parametrize("model", ["glm5", "dsv32", "nemotron", "gemma4", "kimi", *sorted(LLAMA4_CALLS)])
 def test_each_familys_own_calls_reach_both_apis_whole_and_streamed(daemon, client, model):
-    """GLM-5's, DeepSeek-V3.2's, Nemotron-3's, Gemma-4's (reasoning first) and Llama-4's (JSON and pythonic, no
-    reasoning) calls as their models write them."""
+    """GLM-5's, DeepSeek-V3.2's, Nemotron-3's, Gemma-4's, Kimi's (reasoning first) and Llama-4's (JSON and pythonic,
+    no reasoning) calls as their models write them."""
     thinks = not model.startswith("llama4")
     want = {"path": "src/main.py", "limit": 40, "follow": True}
     reply = client.chat.completions.create(model=model, messages=ASK, tools=[READ_TOOL])
