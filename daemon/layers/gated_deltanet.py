@@ -255,9 +255,11 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
         m = end - start  # the last chunk may be shorter: the same algebra on fewer tokens
         qc, kc, vc = (x[start:end].transpose(0, 1).float().contiguous() for x in (q, k, v))  # [H, C, D]
         bc = beta[start:end].t().float()  # [H, C]
-        gc = log_decay[start:end].t().float().cumsum(-1)  # G: cumulative log decay within the chunk
-        decay_ij = _decay(gc[:, :, None] - gc[:, None, :], ~causal[:m, :m])
-        decay_g = _decay(gc)
+        # G: cumulative log decay within the chunk, summed in float64 (a head that spikes to -300 leaves float32 ~2e-5
+        # of absolute error in the small differences of two G's); the differences rounded to float32 before the exp
+        gc = log_decay[start:end].t().double().cumsum(-1)
+        decay_ij = _decay((gc[:, :, None] - gc[:, None, :]).float(), ~causal[:m, :m])
+        decay_g = _decay(gc.float())
         kk = kc @ kc.transpose(-1, -2)
         lower = (kk.mul_(decay_ij).mul_(bc[:, :, None])).tril_(-1).add_(eye[:m, :m])
         rhs = torch.cat([bc[..., None] * vc, (bc * decay_g)[..., None] * kc], dim=-1)  # [H, C, Dv + Dk]
@@ -269,7 +271,7 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
         attn = (qc @ kc.transpose(-1, -2)).mul_(decay_ij)  # zero above the diagonal
         out[start:end] = ((qc * decay_g[..., None]) @ s + attn @ u).transpose(0, 1)
         last = gc[:, -1:]  # [H, 1]
-        s = s * _decay(last)[..., None] + (kc * _decay(last - gc)[..., None]).transpose(-1, -2) @ u
+        s = s * _decay(last.float())[..., None] + (kc * _decay((last - gc).float())[..., None]).transpose(-1, -2) @ u
     state.copy_(s)
     return out
 

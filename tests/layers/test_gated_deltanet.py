@@ -120,3 +120,21 @@ def test_rows_of_a_batch_keep_their_own_state_and_padding_changes_nothing():
 def test_bad_head_counts_are_refused():
     with pytest.raises(ValueError, match="not a multiple"):
         DeltaNetConfig(num_k_heads=3, num_v_heads=4, k_head_dim=8, v_head_dim=8, conv_kernel=4)
+
+
+def test_heads_that_wipe_their_memory_now_and_then_keep_the_chunked_rule_exact():
+    """Per-head decays near 0 with a few tokens of -300 (a head clearing its state): the chunk's cumulative decay is
+    summed in float64, or float32's rounding of G at -1000s shows in the small differences (4e-5 of the output)."""
+    gen = torch.Generator().manual_seed(0)
+    t, h, d = 256, 4, 64
+    q = torch.nn.functional.normalize(torch.randn(t, h, d, generator=gen), dim=-1) * d ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(t, h, d, generator=gen), dim=-1)
+    v, beta = torch.randn(t, h, d, generator=gen), torch.rand(t, h, generator=gen)
+    log_decay = -0.01 * torch.rand(t, h, generator=gen)
+    log_decay[torch.rand(t, h, generator=gen) < 0.05] = -300.0
+    s0 = 0.1 * torch.randn(h, d, d, generator=gen)
+    s_ref, s_chk = s0.clone(), s0.clone()
+    want = recurrent_delta_rule(q, k, v, beta, log_decay, s_ref)
+    got = chunked_delta_rule(q, k, v, beta, log_decay, s_chk)
+    assert float((got - want).norm() / want.norm()) < 2e-6
+    assert float((s_chk - s_ref).norm() / s_ref.norm()) < 2e-6
