@@ -40,6 +40,11 @@ Each call names one of the offered tools and its arguments follow that tool's pa
 
       <|tool_calls_section_begin|><|tool_call_begin|>functions.N:0<|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>
 
+* ``gemma4`` (Gemma-4; the arguments as JSON of the tool's schema: Gemma's parser reads quoted keys and strings as
+  well as its own ``<|"|>`` ones)::
+
+      <|tool_call>call:N{...}<tool_call|>
+
 * ``llama4`` (Llama-4's template asks for JSON calls; several are separated by ``; ``)::
 
       {"name": "N", "parameters": {...}}
@@ -60,9 +65,11 @@ from typing import Any
 from moed.text.grammar import JSON_LAYOUT, Grammar
 
 JSON_WRAPPED = ("generic", "hermes", "qwen3")
-GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm", "harmony", "deepseek", "mistral", "minimax", "llama4", "kimi")
+GRAMMAR_FORMATS = JSON_WRAPPED + ("dsml", "glm", "harmony", "deepseek", "mistral", "minimax", "llama4", "kimi",
+                                  "gemma4")
 REASONING = {"qwen3": ("<think>", "</think>"), "glm": ("<think>", "</think>"), "deepseek": ("<think>", "</think>"),
-             "minimax": ("<think>", "</think>"), "kimi": ("<think>", "</think>")}
+             "minimax": ("<think>", "</think>"), "kimi": ("<think>", "</think>"),
+             "gemma4": ("<|channel>thought", "<channel|>")}
 DSML = "｜DSML｜"  # the fullwidth bars are part of DeepSeek's markup tokens
 
 
@@ -259,6 +266,17 @@ def tool_call_grammar(tool_format: str, tools: Sequence[dict[str, Any]], *, para
     if tool_format == "mistral":
         lines += _mistral_calls(tools, special, parallel)
         tags, gap = None, "GAP: /[ \\n]*/"
+    elif tool_format == "gemma4":
+        options = []
+        for t, tool in enumerate(tools):
+            function = tool.get("function", tool)
+            parameters = function.get("parameters") or function.get("input_schema") or {"type": "object"}
+            lines.append(f"f{t}: {json.dumps('<|tool_call>call:' + function['name'])} "
+                         f"%json {json.dumps({**parameters, 'x-guidance': JSON_LAYOUT})} \"<tool_call|>\"")
+            options.append(f"f{t}")
+        lines.append(f"call: {' | '.join(options)}")
+        lines.append("calls: " + ("call" if not parallel else "call+"))
+        tags, gap = REASONING["gemma4"], "GAP: /[ \\n]*/"
     elif tool_format == "llama4":
         lines.append("call: %json " + json.dumps(_call_schema(tools, "parameters")))
         lines.append("calls: " + ("call" if not parallel else 'call ("; " call)*'))

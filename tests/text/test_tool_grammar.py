@@ -64,6 +64,7 @@ MINIMAX = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="c
            '<parameter name="days">2</parameter>\n</invoke>\n</minimax:tool_call>')
 MIXTRAL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris\\nCentre", "days": 2}}]'
 LLAMA4 = '{"name": "get_weather", "parameters": {"city": "Paris\\nCentre", "days": 2}}'
+GEMMA4 = '<|tool_call>call:get_weather{"city": "Paris\\nCentre", "days": 2}<tool_call|>'
 KIMI = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
         '{"city": "Paris\\nCentre", "days": 2}<|tool_call_end|><|tool_calls_section_end|>')
 
@@ -86,6 +87,7 @@ CASES = {
     "minimax": ("minimax", {"reasoning": "none"}, MINIMAX),
     "llama4": ("llama4", {}, LLAMA4),
     "kimi": ("kimi", {"reasoning": "none"}, KIMI),
+    "gemma4 after thinking": ("gemma4", {}, "<|channel>thought\nWeather.<channel|>" + GEMMA4),
     "kimi after thinking": ("kimi", {"reasoning": "open"}, "Weather.</think>" + KIMI),
     "minimax after thinking": ("minimax", {"reasoning": "open"}, "The weather.\n</think>\n\n" + MINIMAX),
 }
@@ -121,6 +123,7 @@ def test_the_templates_call_is_accepted_and_read_back(tokenizer, case):
     ("llama4", "[get_weather(city='Paris', days=2)]"),
     ("kimi", KIMI.replace("functions.get_weather", "functions.get_time")),
     ("kimi", KIMI.replace('"days": 2', '"days": "2"')),
+    ("gemma4", GEMMA4.replace('"days": 2', '"days": 2.5')),
     ("minimax", MINIMAX.replace(">2<", ">two<")),
     ("minimax", MINIMAX.replace('<parameter name="city">Paris\nCentre</parameter>\n', "")),  # required city
 ])
@@ -128,7 +131,8 @@ def test_a_call_outside_the_schema_or_syntax_is_refused(tokenizer, case, text):
     fmt, options, _ = {"hermes": CASES["hermes"], "qwen3-coder XML": CASES["qwen3-coder XML"],
                        "dsml V4": CASES["dsml V4"], "glm": CASES["glm-4.7 / glm-5"], "deepseek V3": CASES["deepseek V3"],
                        "deepseek V3.1": CASES["deepseek V3.1"], "mixtral": CASES["mixtral"],
-                       "minimax": CASES["minimax"], "llama4": CASES["llama4"], "kimi": CASES["kimi"]}[case]
+                       "minimax": CASES["minimax"], "llama4": CASES["llama4"], "kimi": CASES["kimi"],
+                       "gemma4": CASES["gemma4 after thinking"]}[case]
     assert not _accepts(tokenizer, tool_call_grammar(fmt, TOOLS, **options), text)
 
 

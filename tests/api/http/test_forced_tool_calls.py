@@ -3,7 +3,7 @@
 itself, answer with calls whose arguments parse as JSON of the tool's schema, 20 times of 20, sampled at
 temperature 1: in moed's generic format (a template without tool syntax) and in each family's own syntax (Qwen's
 Hermes JSON, Qwen3-Coder's XML, DeepSeek's DSML and V3 call tokens, Mixtral's [TOOL_CALLS], GLM's, MiniMax-M2's
-XML invokes, Llama-4's JSON calls, Kimi's call sections), read back by
+XML invokes, Llama-4's JSON calls, Kimi's call sections, Gemma-4's calls), read back by
 the usual parsers.
 """
 
@@ -70,7 +70,13 @@ KIMI_TEMPLATE = (
     "{%- if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif %}"
     "{%- for m in messages %}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|><think></think>{%- endif %}")
-NATIVE = ["qwen", "coder", "dsv32", "dsv3", "mixtral", "glm", "minimax", "llama4", "kimi"]
+# Gemma-4's turns and tool declarations, reduced; its thought channel closed
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{%- if tools %}<|turn>system\n{%- for t in tools %}<|tool>declaration:{{ t.function.name }}"
+    "{{ t.function | tojson }}<tool|>{%- endfor %}<turn|>\n{%- endif %}{%- for m in messages %}<|turn>"
+    "{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}<turn|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|turn>model\n<|channel>thought\n<channel|>{%- endif %}")
+NATIVE = ["qwen", "coder", "dsv32", "dsv3", "mixtral", "glm", "minimax", "llama4", "kimi", "gemma4"]
 
 
 def _valid(name: str, arguments: dict) -> bool:
@@ -86,7 +92,8 @@ def daemon(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     for name, family in (("tiny", "mixtral"), ("qwen", "qwen3_moe"), ("coder", "qwen3_moe"), ("dsv32", "deepseek_v32"),
                          ("dsv3", "deepseek_v3"), ("mixtral", "mixtral"), ("glm", "glm4_moe"),
-                         ("minimax", "minimax_m2"), ("llama4", "llama4_text"), ("kimi", "kimi_linear")):
+                         ("minimax", "minimax_m2"), ("llama4", "llama4_text"), ("kimi", "kimi_linear"),
+                         ("gemma4", "gemma4_text")):
         # "tiny": no tool syntax -> generic format
         config = tiny_config(family)
         config.max_position_embeddings = 2048  # the tools' system prompt alone is ~800 tokens of the tiny vocab
@@ -100,6 +107,7 @@ def daemon(tmp_path_factory):
     install_tool_template(root / "minimax", MINIMAX_TEMPLATE)
     install_tool_template(root / "llama4", LLAMA4_TEMPLATE)
     install_tool_template(root / "kimi", KIMI_TEMPLATE)
+    install_tool_template(root / "gemma4", GEMMA4_TEMPLATE)
     config_path = root / "dsv32" / "tokenizer_config.json"  # no template of its own: moed's DeepSeek-V3.2 one
     config_path.write_text(json.dumps({k: v for k, v in json.loads(config_path.read_text()).items()
                                        if k != "chat_template"}))
