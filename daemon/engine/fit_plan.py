@@ -107,7 +107,9 @@ def model_needs(path: str | Path, experts_dtype: str | None = None, *, cpu_only:
             checkpoint = open_checkpoint(path)
             packed = any(checkpoint.packed_weight_dtype(name) for name in checkpoint.weight_shapes())
     moe = config.moe
-    expert = 3 * config.hidden_size * moe.intermediate_size
+    # an expert's parameters: gate, up, down; Nemotron-H's relu^2 experts have no gate (the bank stores up twice, which
+    # the bank's bytes count, not its parameters)
+    expert = (2 if moe.activation == "relu2" else 3) * config.hidden_size * moe.intermediate_size
     non_expert = sum(math.prod(s) for s in expected_weight_shapes(config).values())
     lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size  # the input table is read, not multiplied
     active = non_expert - lookup + config.num_moe_layers * moe.top_k * expert

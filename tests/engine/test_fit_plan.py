@@ -145,3 +145,13 @@ def test_an_fp8_deepseek_config_keeps_its_linears_fp8_on_the_cpu(tmp_path):
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
     cpu, gpu = model_needs(path, cpu_only=True), model_needs(path, cpu_only=False)
     assert cpu.load.weight_bytes < 0.75 * gpu.load.weight_bytes
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "gemma4_text", "llama4_text", "kimi_linear"])
+def test_the_parameter_count_is_transformers_own(family, tmp_path):
+    """Every weight of the checkpoint counted once, whatever the family's layout (Nemotron-H's non-gated experts,
+    Gemma-4's experts beside a dense MLP, Llama-4's fused experts, Kimi-Linear's KDA layers): the parameters and the
+    saved buffers (router correction biases, Gemma-4's layer scales) of transformers' model."""
+    reference = build_tiny_model(family, tmp_path)
+    tensors = {t.data_ptr(): t.numel() for t in reference.state_dict().values() if t.is_floating_point()}
+    assert model_needs(tmp_path).total_params == sum(tensors.values())
