@@ -31,6 +31,9 @@ def _reference():
                 p.normal_(0, (3.0 if "f_" in name else 1.0) / p.shape[1] ** 0.5)
         hf.conv1d.weight.normal_(0, 0.5)
         hf.o_norm.weight.uniform_(0.5, 1.5)
+        # built alone (no PreTrainedModel init), these two are uninitialised memory: set as Kimi-Linear's init does
+        hf.forget_gate.A_log.copy_(torch.empty_like(hf.forget_gate.A_log).uniform_(1, 16).log())
+        hf.forget_gate.dt_bias.normal_(0, 0.5)
     weights = {}
     for name, t in hf.state_dict().items():
         if name == "conv1d.weight":  # transformers' one conv of q | k | v: the checkpoint's three
