@@ -7,6 +7,7 @@
  * (lanes 0-3 the first 16 weights, 4-7 the second) and added into a float accumulator with a
  * per-lane factor scale_h * xs; the min terms (min * xsum per group) go into a scalar. One
  * horizontal sum per row and token. */
+#include <pthread.h>
 #include <stddef.h>
 #include <string.h>
 
@@ -188,67 +189,56 @@ static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
     }
 }
 
-/* Q8_0: w = d * qs */
-static void dot_q8_0(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                     float *y, int64_t ldy) {
-    (void)xsum;
-    const int64_t groups = K / 32;
-    for (int t = 0; t < T; t++) {
-        const int8_t *q = xq + (int64_t)t * K;
-        const float *s = xs + (int64_t)t * groups;
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *b = row + g * 34;
-            if (t == 0 && (g & 1) == 0) prefetch_block(b, 68);
-            const __m256i codes = _mm256_loadu_si256((const __m256i *)(b + 2));
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + g * 32));
-            acc[g & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot(codes, x)), _mm256_set1_ps(f16x(b) * s[g]), acc[g & 1]);
-        }
-        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc[0], acc[1]));
+/* ---- the 32-weight block types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 ----
+ *
+ * Eight blocks per step: their eight scales come as one vector (eight 16-bit loads and one fp16
+ * conversion, or eight E8M0 bytes through a table), times the activations' eight scales, stored and
+ * broadcast back from memory per block (a load, no shuffle port); the min terms of eight blocks are one
+ * multiply-add against the activation sums. Four accumulators, so the multiply-add latency does not
+ * bound a block to two cycles. What is left per block is its code decode, two integer multiply-adds,
+ * one conversion and one multiply-add. Blocks past the last whole eight (K = 2880: 90 blocks) take the
+ * same path one at a time. */
+
+/* 2^(e - 128) per E8M0 byte (MXFP4's codes are doubled E2M1 values; e < 2 gives the subnormals) */
+static float e8m0_half_table[256];
+
+/* NVFP4's unsigned E4M3 scale byte times 1/2 (moed_ue4m3_half) per byte */
+static float ue4m3_half_table[256];
+
+static void init_tables(void) {
+    for (int e = 0; e < 256; e++) {
+        union { uint32_t u; float f; } v;
+        v.u = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+        e8m0_half_table[e] = v.f;
+        ue4m3_half_table[e] = moed_ue4m3_half((uint8_t)e);
     }
 }
 
-/* 16 bytes of nibbles -> 32 codes: weights 0-15 the low nibbles, 16-31 the high ones */
+static inline uint16_t ld16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* the fp16 at p, p + stride, ..., p + 7 stride as 8 floats */
+static inline __m256 f16_8(const uint8_t *p, int stride) {
+    __m128i v = _mm_cvtsi32_si128(ld16(p));
+    v = _mm_insert_epi16(v, ld16(p + stride), 1);
+    v = _mm_insert_epi16(v, ld16(p + 2 * stride), 2);
+    v = _mm_insert_epi16(v, ld16(p + 3 * stride), 3);
+    v = _mm_insert_epi16(v, ld16(p + 4 * stride), 4);
+    v = _mm_insert_epi16(v, ld16(p + 5 * stride), 5);
+    v = _mm_insert_epi16(v, ld16(p + 6 * stride), 6);
+    v = _mm_insert_epi16(v, ld16(p + 7 * stride), 7);
+    return _mm256_cvtph_ps(v);
+}
+
+/* 16 bytes of nibbles -> 32 codes (weights 0-15 the low nibbles, 16-31 the high ones): one broadcast
+ * load, the upper lane shifted by 4, one mask */
 static inline __m256i nibbles32(const uint8_t *qs) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    return _mm256_setr_m128i(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
 }
-
-/* Q4_0 (w = d (q - 8)), Q4_1 (w = d q + m) and IQ4_NL (w = d level[q]) */
-static inline void dot_4bit32(int type, const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
-                              const float *xsum, int T, float *y, int64_t ldy) {
-    const int64_t groups = K / 32;
-    const int bytes = type == MOED_GGML_Q4_1 ? 20 : 18, qoff = type == MOED_GGML_Q4_1 ? 4 : 2;
-    const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-                                            -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-    for (int t = 0; t < T; t++) {
-        const int8_t *q = xq + (int64_t)t * K;
-        const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
-        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        float mins = 0.0f;
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *b = row + g * bytes;
-            if (t == 0 && (g & 3) == 0) prefetch_block(b, 4 * bytes);
-            const __m256i codes = nibbles32(b + qoff);
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + g * 32));
-            const float d = f16x(b);
-            const __m256i p = type == MOED_GGML_IQ4_NL ? sdot(_mm256_shuffle_epi8(levels, codes), x) : udot(codes, x);
-            if (g & 1)
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * s[g]), acc1);
-            else
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * s[g]), acc);
-            if (type != MOED_GGML_IQ4_NL) mins += (type == MOED_GGML_Q4_0 ? -8.0f * d : f16x(b + 2)) * su[g];
-        }
-        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1)) + mins;
-    }
-}
-
-ONE_TYPE(dot_q4_0, dot_4bit32, MOED_GGML_Q4_0)
-
-ONE_TYPE(dot_q4_1, dot_4bit32, MOED_GGML_Q4_1)
-
-ONE_TYPE(dot_iq4_nl, dot_4bit32, MOED_GGML_IQ4_NL)
 
 /* 32 bits of qh -> 32 bytes of 0x10 where the bit is set (bit i for weight i) */
 static inline __m256i high_bits32(uint32_t qh) {
@@ -260,66 +250,130 @@ static inline __m256i high_bits32(uint32_t qh) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-/* Q5_0 (w = d (q - 16)) and Q5_1 (w = d q + m) */
-static inline void dot_5bit32(int q51, const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
-                              const float *xsum, int T, float *y, int64_t ldy) {
+static inline int b32_bytes(int type) {
+    switch (type) {
+    case MOED_GGML_Q8_0: return 34;
+    case MOED_GGML_Q4_1: return 20;
+    case MOED_GGML_Q5_0: return 22;
+    case MOED_GGML_Q5_1: return 24;
+    case MOED_GGML_MXFP4: return 17;
+    default: return 18;  /* Q4_0, IQ4_NL */
+    }
+}
+
+/* the block's 32 codes: unsigned (0..31) for the types with an offset or a min, signed otherwise */
+static inline __m256i b32_codes(int type, const uint8_t *b) {
+    const __m256i nl = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    const __m256i e2m1 = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                          0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    uint32_t qh;
+    switch (type) {
+    case MOED_GGML_Q8_0: return _mm256_loadu_si256((const __m256i *)(b + 2));
+    case MOED_GGML_Q4_1: return nibbles32(b + 4);
+    case MOED_GGML_IQ4_NL: return _mm256_shuffle_epi8(nl, nibbles32(b + 2));
+    case MOED_GGML_MXFP4: return _mm256_shuffle_epi8(e2m1, nibbles32(b + 1));
+    case MOED_GGML_Q5_0:
+        memcpy(&qh, b + 2, 4);
+        return _mm256_or_si256(nibbles32(b + 6), high_bits32(qh));
+    case MOED_GGML_Q5_1:
+        memcpy(&qh, b + 4, 4);
+        return _mm256_or_si256(nibbles32(b + 8), high_bits32(qh));
+    default: return nibbles32(b + 2);  /* Q4_0 */
+    }
+}
+
+static inline int b32_signed(int type) {
+    return type == MOED_GGML_Q8_0 || type == MOED_GGML_IQ4_NL || type == MOED_GGML_MXFP4;
+}
+
+/* the block's scale d (w = d * code + min) */
+static inline float b32_d(int type, const uint8_t *b) {
+    return type == MOED_GGML_MXFP4 ? e8m0_half_table[b[0]] : _cvtsh_ss(ld16(b));
+}
+
+/* eight consecutive blocks' scales d */
+static inline __m256 b32_d8(int type, const uint8_t *b) {
+    if (type != MOED_GGML_MXFP4) return f16_8(b, b32_bytes(type));
+    return _mm256_setr_ps(e8m0_half_table[b[0]], e8m0_half_table[b[17]], e8m0_half_table[b[34]],
+                          e8m0_half_table[b[51]], e8m0_half_table[b[68]], e8m0_half_table[b[85]],
+                          e8m0_half_table[b[102]], e8m0_half_table[b[119]]);
+}
+
+/* the types with a min term: min = -8 d (Q4_0), -16 d (Q5_0), the stored m (Q4_1, Q5_1) */
+static inline int b32_has_min(int type) {
+    return type == MOED_GGML_Q4_0 || type == MOED_GGML_Q5_0 || type == MOED_GGML_Q4_1 || type == MOED_GGML_Q5_1;
+}
+
+static inline __m256 b32_min8(int type, const uint8_t *b, __m256 d) {
+    switch (type) {
+    case MOED_GGML_Q4_0: return _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    case MOED_GGML_Q5_0: return _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
+    default: return f16_8(b + 2, b32_bytes(type));  /* Q4_1, Q5_1 */
+    }
+}
+
+static inline float b32_min(int type, const uint8_t *b, float d) {
+    switch (type) {
+    case MOED_GGML_Q4_0: return -8.0f * d;
+    case MOED_GGML_Q5_0: return -16.0f * d;
+    default: return _cvtsh_ss(ld16(b + 2));
+    }
+}
+
+static inline __m256 b32_dot(int type, const uint8_t *b, const int8_t *x) {
+    const __m256i codes = b32_codes(type, b), xv = _mm256_loadu_si256((const __m256i *)x);
+    return _mm256_cvtepi32_ps(b32_signed(type) ? sdot(codes, xv) : udot(codes, xv));
+}
+
+static inline void dot_b32(int type, const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
+                           const float *xsum, int T, float *y, int64_t ldy) {
     const int64_t groups = K / 32;
-    const int bytes = q51 ? 24 : 22, off = q51 ? 2 : 0;
+    const int bytes = b32_bytes(type), mins = b32_has_min(type);
+    float fac[8] __attribute__((aligned(32)));
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
         const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
-        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        float mins = 0.0f;
-        for (int64_t g = 0; g < groups; g++) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, macc = a0;
+        int64_t g = 0;
+        for (; g + 8 <= groups; g += 8) {
             const uint8_t *b = row + g * bytes;
-            if (t == 0 && (g & 3) == 0) prefetch_block(b, 4 * bytes);
-            uint32_t qh;
-            memcpy(&qh, b + 2 + off, 4);
-            const __m256i codes = _mm256_or_si256(nibbles32(b + 6 + off), high_bits32(qh));
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + g * 32));
-            const float d = f16x(b);
-            const __m256 p = _mm256_cvtepi32_ps(udot(codes, x));
-            if (g & 1)
-                acc1 = _mm256_fmadd_ps(p, _mm256_set1_ps(d * s[g]), acc1);
-            else
-                acc = _mm256_fmadd_ps(p, _mm256_set1_ps(d * s[g]), acc);
-            mins += (q51 ? f16x(b + 2) : -16.0f * d) * su[g];
+            if (t == 0) prefetch_block(b, 8 * bytes);
+            const __m256 d = b32_d8(type, b);
+            _mm256_store_ps(fac, _mm256_mul_ps(d, _mm256_loadu_ps(s + g)));
+            if (mins) macc = _mm256_fmadd_ps(b32_min8(type, b, d), _mm256_loadu_ps(su + g), macc);
+            for (int j = 0; j < 8; j += 4) {
+                const int8_t *x = q + 32 * (g + j);
+                a0 = _mm256_fmadd_ps(b32_dot(type, b + j * bytes, x), _mm256_broadcast_ss(fac + j), a0);
+                a1 = _mm256_fmadd_ps(b32_dot(type, b + (j + 1) * bytes, x + 32), _mm256_broadcast_ss(fac + j + 1), a1);
+                a2 = _mm256_fmadd_ps(b32_dot(type, b + (j + 2) * bytes, x + 64), _mm256_broadcast_ss(fac + j + 2), a2);
+                a3 = _mm256_fmadd_ps(b32_dot(type, b + (j + 3) * bytes, x + 96), _mm256_broadcast_ss(fac + j + 3), a3);
+            }
         }
-        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1)) + mins;
+        float tail = 0.0f;
+        for (; g < groups; g++) {
+            const uint8_t *b = row + g * bytes;
+            const float d = b32_d(type, b);
+            a0 = _mm256_fmadd_ps(b32_dot(type, b, q + 32 * g), _mm256_set1_ps(d * s[g]), a0);
+            if (mins) tail += b32_min(type, b, d) * su[g];
+        }
+        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + hsum8(macc) + tail;
     }
 }
 
-ONE_TYPE(dot_q5_0, dot_5bit32, 0)
+ONE_TYPE(dot_q8_0, dot_b32, MOED_GGML_Q8_0)
 
-ONE_TYPE(dot_q5_1, dot_5bit32, 1)
+ONE_TYPE(dot_q4_0, dot_b32, MOED_GGML_Q4_0)
 
-/* MXFP4: w = 2^(e - 128) * (2 e2m1(q)) */
-static void dot_mxfp4(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                      float *y, int64_t ldy) {
-    (void)xsum;
-    const int64_t groups = K / 32;
-    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                           0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    for (int t = 0; t < T; t++) {
-        const int8_t *q = xq + (int64_t)t * K;
-        const float *s = xs + (int64_t)t * groups;
-        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *b = row + g * 17;
-            if (t == 0 && (g & 3) == 0) prefetch_block(b, 68);
-            union { uint32_t u; float f; } e;
-            e.u = b[0] < 2 ? 0x00200000u << b[0] : (uint32_t)(b[0] - 1) << 23;
-            const __m256i codes = _mm256_shuffle_epi8(table, nibbles32(b + 1));
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + g * 32));
-            const __m256 p = _mm256_cvtepi32_ps(sdot(codes, x));
-            if (g & 1)
-                acc1 = _mm256_fmadd_ps(p, _mm256_set1_ps(e.f * s[g]), acc1);
-            else
-                acc = _mm256_fmadd_ps(p, _mm256_set1_ps(e.f * s[g]), acc);
-        }
-        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1));
-    }
-}
+ONE_TYPE(dot_q4_1, dot_b32, MOED_GGML_Q4_1)
+
+ONE_TYPE(dot_q5_0, dot_b32, MOED_GGML_Q5_0)
+
+ONE_TYPE(dot_q5_1, dot_b32, MOED_GGML_Q5_1)
+
+ONE_TYPE(dot_iq4_nl, dot_b32, MOED_GGML_IQ4_NL)
+
+ONE_TYPE(dot_mxfp4, dot_b32, MOED_GGML_MXFP4)
 
 /* NVFP4: per 64 weights four unsigned-E4M3 scales, then 8 bytes per 16 weights (low nibbles weights
  * 0-7, high 8-15); w = ue4m3(d_h) / 2 * (2 e2m1(q)). Each half block is one group of 32: its two
@@ -547,6 +601,8 @@ int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t
 #pragma GCC pop_options
 
 moed_ggml_dot_fn moed_ggml_dot_avx2(int type) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, init_tables);
     switch (type) {
     case MOED_GGML_Q4_K: return dot_q4_k;
     case MOED_GGML_Q5_K: return dot_q5_k;
