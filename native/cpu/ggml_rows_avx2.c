@@ -76,19 +76,6 @@ static inline void k_scale_min_1(const uint8_t *s, int j, int *sc, int *m) {
         shared(arg, row, K, xq, xs, xsum, T, y, ldy);                                                 \
     }
 
-/* Q4_K / Q5_K's eight 6-bit scales and mins from the 12 scale bytes (three little-endian words):
- * sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 in the nibbles of
- * bytes 8-11 with their top 2 bits in bits 6-7 of bytes 0-3 / 4-7 */
-static inline void k_scales_mins(const uint8_t *p, __m256 *sc, __m256 *mn) {
-    uint32_t u[3];
-    memcpy(u, p, 12);
-    const uint32_t s_lo = u[0] & 0x3f3f3f3fu, m_lo = u[1] & 0x3f3f3f3fu;
-    const uint32_t s_hi = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    *sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)s_hi, (int)s_lo)));
-    *mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)m_hi, (int)m_lo)));
-}
-
 /* Q4_K / Q5_K: the two sub-blocks of 32-byte chunk c (low nibbles: sub-block 2c, high: 2c + 1),
  * with Q5_K's fifth bits from qh (bit 0, then bit 1 of each byte; qh shifted by 2 for the next chunk) */
 static inline void q45k_pair(int k5, const uint8_t *qs, int c, __m256i *qh, __m256i *lo, __m256i *hi) {
@@ -110,83 +97,6 @@ static inline __m256i q6k_codes(__m256i l0, __m256i l1, __m256i hb, int gi) {
     const __m256i lo = gi < 2 ? _mm256_and_si256(lsrc, m4) : _mm256_and_si256(_mm256_srli_epi16(lsrc, 4), m4);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * gi), m2);
     return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);
-}
-
-/* Q4_K / Q5_K: 8 sub-blocks of 32; w = d * sc * q - dmin * m. Per super-block the eight factors
- * d * sc_j * xs_g are one vector (lane j broadcast per group), the min terms one fmadd. */
-static inline void dot_q45_k(int k5, const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
-                             const float *xsum, int T, float *y, int64_t ldy) {
-    const int64_t nb = K / 256, groups = K / 32;
-    for (int t = 0; t < T; t++) {
-        const int8_t *q = xq + (int64_t)t * K;
-        const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
-        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *b = row + i * (k5 ? 176 : 144);
-            if (t == 0) prefetch_block(b, k5 ? 176 : 144);
-            __m256 sc, mn;
-            k_scales_mins(b + 4, &sc, &mn);
-            const __m256 f = _mm256_mul_ps(_mm256_mul_ps(sc, _mm256_set1_ps(f16x(b))), _mm256_loadu_ps(s + 8 * i));
-            macc = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_set1_ps(f16x(b + 2))), _mm256_loadu_ps(su + 8 * i), macc);
-            const uint8_t *qs = b + (k5 ? 48 : 16);
-            const int8_t *x8 = q + i * 256;
-            __m256i qh = k5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-            for (int c = 0; c < 4; c++) {
-                __m256i lo, hi;
-                q45k_pair(k5, qs, c, &qh, &lo, &hi);
-                const __m256i p0 = udot(lo, _mm256_loadu_si256((const __m256i *)(x8 + 64 * c)));
-                const __m256i p1 = udot(hi, _mm256_loadu_si256((const __m256i *)(x8 + 64 * c + 32)));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(2 * c)), acc);
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(2 * c + 1)),
-                                       acc1);
-            }
-        }
-        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1)) - hsum8(macc);
-    }
-}
-
-ONE_TYPE(dot_q4_k, dot_q45_k, 0)
-
-ONE_TYPE(dot_q5_k, dot_q45_k, 1)
-
-/* Q6_K: two halves of 128; w = d * sc16 * (q - 32). The 16 scales times d are two vectors; group g
- * takes lanes 2g, 2g + 1 of one (4 lanes each) times its xs. */
-static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                     float *y, int64_t ldy) {
-    (void)xsum;
-    const int64_t nb = K / 256, groups = K / 32;
-    const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
-    for (int t = 0; t < T; t++) {
-        const int8_t *q = xq + (int64_t)t * K;
-        const float *s = xs + (int64_t)t * groups;
-        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *b = row + i * 210;
-            if (t == 0) prefetch_block(b, 210);
-            const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
-            const __m256 d = _mm256_set1_ps(f16x(b + 208));
-            const __m256 sv[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8))),
-                                  _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))))};
-            const int8_t *x8 = q + i * 256;
-            for (int h = 0; h < 2; h++) {
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-                const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-                for (int gi = 0; gi < 4; gi++) {
-                    const __m256i codes = q6k_codes(l0, l1, hb, gi);
-                    const int g = 4 * h + gi;
-                    const __m256i x = _mm256_loadu_si256((const __m256i *)(x8 + 32 * g));
-                    const __m256 f = _mm256_mul_ps(_mm256_permutevar8x32_ps(sv[h], pick[gi]), _mm256_set1_ps(s[8 * i + g]));
-                    if (gi & 1)
-                        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot(codes, x)), f, acc1);
-                    else
-                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot(codes, x)), f, acc);
-                }
-            }
-        }
-        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1));
-    }
 }
 
 /* ---- the 32-weight block types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 ----
@@ -375,74 +285,198 @@ ONE_TYPE(dot_iq4_nl, dot_b32, MOED_GGML_IQ4_NL)
 
 ONE_TYPE(dot_mxfp4, dot_b32, MOED_GGML_MXFP4)
 
-/* NVFP4: per 64 weights four unsigned-E4M3 scales, then 8 bytes per 16 weights (low nibbles weights
- * 0-7, high 8-15); w = ue4m3(d_h) / 2 * (2 e2m1(q)). Each half block is one group of 32: its two
- * 16-weight runs rearranged into weight order by one unpack of the 8-byte halves */
-static void dot_nvfp4(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                      float *y, int64_t ldy) {
+/* Q4_K / Q5_K: 8 sub-blocks of 32; w = d * sc * q - dmin * m, with one activation scale per super-block
+ * (moed_ggml_act_span 256): each sub-block's integer products are multiplied by its 6-bit scale in
+ * integers (vpmaddwd with the scale in every 16-bit lane: |pair| <= 2 * 31 * 127, times 63 fits int32),
+ * summed over the super-block, and converted once: one multiply-add per 256 weights instead of eight.
+ * The min terms of the eight sub-blocks are one multiply-add. */
+static inline void dot_q45_k(int k5, const uint8_t *row, int64_t K, const int8_t *xq, const float *xs,
+                             const float *xsum, int T, float *y, int64_t ldy) {
+    const int64_t nb = K / 256, groups = K / 32, bb = k5 ? 176 : 144;
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = row + i * bb;
+            if (t == 0) prefetch_block(b, (int)bb);
+            uint32_t u[3];
+            memcpy(u, b + 4, 12);
+            const uint32_t s_lo = u[0] & 0x3f3f3f3fu, m_lo = u[1] & 0x3f3f3f3fu;
+            const uint32_t s_hi = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+            const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+            /* the eight scales as 16-bit lanes, the same in both 128-bit halves */
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)s_hi, (int)s_lo)));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)m_hi, (int)m_lo)));
+            macc = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_set1_ps(_cvtsh_ss(ld16(b + 2)))), _mm256_loadu_ps(su + 8 * i),
+                                   macc);
+            const uint8_t *qs = b + (k5 ? 48 : 16);
+            const int8_t *x8 = q + i * 256;
+            __m256i qh = k5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                __m256i lo, hi;
+                q45k_pair(k5, qs, c, &qh, &lo, &hi);
+                const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x8 + 64 * c)));
+                const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x8 + 64 * c + 32)));
+                const __m256i s0 = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c))));
+                const __m256i s1 = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c + 1))));
+                i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(p0, s0));
+                i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(p1, s1));
+            }
+            const __m256 f = _mm256_set1_ps(_cvtsh_ss(ld16(b)) * s[8 * i]);
+            if (i & 1)
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), f, acc1);
+            else
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), f, acc);
+        }
+        y[(int64_t)t * ldy] = hsum8(_mm256_sub_ps(_mm256_add_ps(acc, acc1), macc));
+    }
+}
+
+ONE_TYPE(dot_q4_k, dot_q45_k, 0)
+
+ONE_TYPE(dot_q5_k, dot_q45_k, 1)
+
+/* Q6_K: two halves of 128; w = d * sc16 * (q - 32), one activation scale per super-block. A group of 32
+ * weights is two 16-weight sub-blocks: its pair sums (lanes 0-7 the first, 8-15 the second) are multiplied
+ * by a vector holding the first sub-block's scale in the low 128 bits and the second's in the high ones
+ * (the scales deinterleaved once: evens low, odds high), summed in integers, converted once per super-block. */
+static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
     (void)xsum;
-    const int64_t nb = K / 64, groups = K / 32;
-    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                           0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const int64_t nb = K / 256, groups = K / 32;
+    const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
         const float *s = xs + (int64_t)t * groups;
         __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *b = row + i * 36;
-            if (t == 0 && (i & 1) == 0) prefetch_block(b, 72);
+            const uint8_t *b = row + i * 210;
+            if (t == 0) prefetch_block(b, 210);
+            const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(b + 192)), evens_odds));
+            const int8_t *x8 = q + i * 256;
+            __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
             for (int h = 0; h < 2; h++) {
-                const __m128i v = _mm_loadu_si128((const __m128i *)(b + 4 + 16 * h));
-                const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-                const __m256i codes = _mm256_shuffle_epi8(
-                    table, _mm256_setr_m128i(_mm_unpacklo_epi64(lo, hi), _mm_unpackhi_epi64(lo, hi)));
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(q + 64 * i + 32 * h));
-                const __m256 p = _mm256_cvtepi32_ps(sdot(codes, x));
-                const float sg = s[2 * i + h];
-                const __m256 f = halves(moed_ue4m3_half(b[2 * h]) * sg, moed_ue4m3_half(b[2 * h + 1]) * sg);
-                if (h)
-                    acc1 = _mm256_fmadd_ps(p, f, acc1);
-                else
-                    acc = _mm256_fmadd_ps(p, f, acc);
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                for (int gi = 0; gi < 4; gi++) {
+                    const __m256i codes = q6k_codes(l0, l1, hb, gi);
+                    const int g = 4 * h + gi;
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(x8 + 32 * g));
+                    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(x, codes));
+                    const __m256i sg = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * g)));
+                    if (gi & 1)
+                        i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(p, sg));
+                    else
+                        i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(p, sg));
+                }
             }
+            const __m256 f = _mm256_set1_ps(_cvtsh_ss(ld16(b + 208)) * s[8 * i]);
+            if (i & 1)
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), f, acc1);
+            else
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), f, acc);
         }
         y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1));
     }
 }
 
-/* IQ4_XS: 8 sub-blocks of 32, w = d (ls - 32) level(q) */
+/* NVFP4: per 64 weights four unsigned-E4M3 scales, then 8 bytes per 16 weights (low nibbles weights
+ * 0-7, high 8-15); w = ue4m3(d_h) / 2 * (2 e2m1(q)). Each half block is one group of 32: its two
+ * 16-weight runs rearranged into weight order by one unpack of the 8-byte halves. The four scales come
+ * through a table (one vector per block, times the two groups' activation scales), each group's factor
+ * pair spread over the 128-bit halves by one permute; two blocks per step, four accumulators. */
+static inline __m256 nvfp4_group(const uint8_t *b, int h, const int8_t *x) {
+    const __m256i e2m1 = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                          0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 4 + 16 * h));
+    const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    const __m256i codes = _mm256_shuffle_epi8(e2m1, _mm256_setr_m128i(_mm_unpacklo_epi64(lo, hi), _mm_unpackhi_epi64(lo, hi)));
+    return _mm256_cvtepi32_ps(sdot(codes, _mm256_loadu_si256((const __m256i *)x)));
+}
+
+/* the block's four scales times its two groups' activation scales: (u0 s0, u1 s0, u2 s1, u3 s1) */
+static inline __m256 nvfp4_factors(const uint8_t *b, const float *s) {
+    const __m128 u = _mm_setr_ps(ue4m3_half_table[b[0]], ue4m3_half_table[b[1]], ue4m3_half_table[b[2]],
+                                 ue4m3_half_table[b[3]]);
+    const __m128 sx = _mm_setr_ps(s[0], s[0], s[1], s[1]);
+    return _mm256_castps128_ps256(_mm_mul_ps(u, sx));
+}
+
+static void dot_nvfp4(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t nb = K / 64, groups = K / 32;
+    const __m256i first = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), second = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t i = 0;
+        for (; i + 2 <= nb; i += 2) {
+            const uint8_t *b = row + i * 36;
+            if (t == 0) prefetch_block(b, 72);
+            const __m256 f0 = nvfp4_factors(b, s + 2 * i), f1 = nvfp4_factors(b + 36, s + 2 * i + 2);
+            const int8_t *x = q + 64 * i;
+            a0 = _mm256_fmadd_ps(nvfp4_group(b, 0, x), _mm256_permutevar8x32_ps(f0, first), a0);
+            a1 = _mm256_fmadd_ps(nvfp4_group(b, 1, x + 32), _mm256_permutevar8x32_ps(f0, second), a1);
+            a2 = _mm256_fmadd_ps(nvfp4_group(b + 36, 0, x + 64), _mm256_permutevar8x32_ps(f1, first), a2);
+            a3 = _mm256_fmadd_ps(nvfp4_group(b + 36, 1, x + 96), _mm256_permutevar8x32_ps(f1, second), a3);
+        }
+        if (i < nb) {
+            const uint8_t *b = row + i * 36;
+            const __m256 f0 = nvfp4_factors(b, s + 2 * i);
+            a0 = _mm256_fmadd_ps(nvfp4_group(b, 0, q + 64 * i), _mm256_permutevar8x32_ps(f0, first), a0);
+            a1 = _mm256_fmadd_ps(nvfp4_group(b, 1, q + 64 * i + 32), _mm256_permutevar8x32_ps(f0, second), a1);
+        }
+        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    }
+}
+
+/* IQ4_XS: 8 sub-blocks of 32, w = d (ls - 32) level(q); the eight 6-bit ls of a super-block decoded as one
+ * vector (low nibbles from 4 bytes, high 2 bits from a 16-bit word), times d and the eight groups'
+ * activation scales, stored and broadcast per group; four accumulators */
 static void dot_iq4_xs(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
                        float *y, int64_t ldy) {
     (void)xsum;
     const int64_t nb = K / 256, groups = K / 32;
     const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
                                             -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    const __m256i nib_shift = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), hi_shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i pick = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    float fac[8] __attribute__((aligned(32)));
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
         const float *s = xs + (int64_t)t * groups;
-        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = row + i * 136;
             if (t == 0) prefetch_block(b, 136);
-            uint16_t sh;
-            memcpy(&sh, b + 2, 2);
-            int ls[8];
-            for (int g = 0; g < 8; g++) ls[g] = (((b[4 + g / 2] >> (4 * (g % 2))) & 0xF) | (((sh >> (2 * g)) & 3) << 4)) - 32;
-            const __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)ls)),
-                                                         _mm256_set1_ps(f16x(b))), _mm256_loadu_ps(s + 8 * i));
-            for (int g = 0; g < 8; g++) {
-                const __m256i codes = _mm256_shuffle_epi8(levels, nibbles32(b + 8 + 16 * g));
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(q + i * 256 + 32 * g));
-                const __m256 p = _mm256_cvtepi32_ps(sdot(codes, x));
-                const __m256 fg = _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(g));
-                if (g & 1)
-                    acc1 = _mm256_fmadd_ps(p, fg, acc1);
-                else
-                    acc = _mm256_fmadd_ps(p, fg, acc);
+            uint32_t sl;
+            memcpy(&sl, b + 4, 4);
+            const __m256i lbytes = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128((int)sl)), pick);
+            const __m256i low = _mm256_and_si256(_mm256_srlv_epi32(lbytes, nib_shift), _mm256_set1_epi32(0xF));
+            const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(ld16(b + 2)), hi_shift), _mm256_set1_epi32(3));
+            const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+            _mm256_store_ps(fac, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ls), _mm256_set1_ps(_cvtsh_ss(ld16(b)))),
+                                               _mm256_loadu_ps(s + 8 * i)));
+            const int8_t *x = q + i * 256;
+            for (int g = 0; g < 8; g += 4) {
+                const uint8_t *qs = b + 8 + 16 * g;
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot(_mm256_shuffle_epi8(levels, nibbles32(qs)), _mm256_loadu_si256((const __m256i *)(x + 32 * g)))),
+                                     _mm256_broadcast_ss(fac + g), a0);
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot(_mm256_shuffle_epi8(levels, nibbles32(qs + 16)), _mm256_loadu_si256((const __m256i *)(x + 32 * g + 32)))),
+                                     _mm256_broadcast_ss(fac + g + 1), a1);
+                a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot(_mm256_shuffle_epi8(levels, nibbles32(qs + 32)), _mm256_loadu_si256((const __m256i *)(x + 32 * g + 64)))),
+                                     _mm256_broadcast_ss(fac + g + 2), a2);
+                a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot(_mm256_shuffle_epi8(levels, nibbles32(qs + 48)), _mm256_loadu_si256((const __m256i *)(x + 32 * g + 96)))),
+                                     _mm256_broadcast_ss(fac + g + 3), a3);
             }
         }
-        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1));
+        y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     }
 }
 
