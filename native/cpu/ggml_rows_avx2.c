@@ -480,44 +480,54 @@ static void dot_iq4_xs(const uint8_t *row, int64_t K, const int8_t *xq, const fl
     }
 }
 
-/* Q2_K: two halves of 128, 2-bit codes at shifts 0/2/4/6; per 16: w = d sc q - dmin m */
+/* Q2_K: two halves of 128, 2-bit codes at shifts 0/2/4/6; per 16 weights w = d sc q - dmin m (4-bit sc and
+ * m), one activation scale per super-block. As Q6_K: a group of 32 is two 16-weight sub-blocks, their
+ * scales (and mins) deinterleaved once into a vector whose low 128 bits hold the even sub-blocks', high
+ * the odd ones'; the code products and the activation sums (for the mins) are multiplied by them in
+ * integers and converted once per super-block. */
 static void dot_q2_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
                      float *y, int64_t ldy) {
     (void)xsum;
     const int64_t nb = K / 256, groups = K / 32;
+    const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     const __m256i m2 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
         const float *s = xs + (int64_t)t * groups;
-        __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+        __m256 acc = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = row + i * 84;
             if (t == 0) prefetch_block(b, 84);
-            const float d = f16x(b + 80), dmin = f16x(b + 82);
+            const __m128i eo = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)b), evens_odds);
+            const __m256i sc = _mm256_cvtepu8_epi16(_mm_and_si128(eo, _mm_set1_epi8(0x0F)));
+            const __m256i mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(eo, 4), _mm_set1_epi8(0x0F)));
+            __m256i isum = _mm256_setzero_si256(), msum = _mm256_setzero_si256();
             for (int n = 0; n < 2; n++) {
                 const __m256i bytes = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * n));
                 for (int j = 0; j < 4; j++) {
                     const int g = 4 * n + j;
                     const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(bytes, 2 * j), m2);
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(q + i * 256 + 32 * g));
-                    const float sx = s[8 * i + g];
-                    const uint8_t s0 = b[2 * g], s1 = b[2 * g + 1];
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(codes, x)),
-                                          halves(d * (float)(s0 & 0xF) * sx, d * (float)(s1 & 0xF) * sx), acc);
-                    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(ones, x)),
-                                           halves(dmin * (float)(s0 >> 4) * sx, dmin * (float)(s1 >> 4) * sx), macc);
+                    const __m256i pick = _mm256_set1_epi16((short)(0x0100 + 0x0202 * g));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_shuffle_epi8(sc, pick)));
+                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, x), _mm256_shuffle_epi8(mn, pick)));
                 }
             }
+            const float f = s[8 * i];
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(_cvtsh_ss(ld16(b + 80)) * f), acc);
+            acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(_cvtsh_ss(ld16(b + 82)) * f), acc);
         }
-        y[(int64_t)t * ldy] = hsum8(acc) - hsum8(macc);
+        y[(int64_t)t * ldy] = hsum8(acc);
     }
 }
 
-/* Q3_K: as Q2_K's codes, minus 4 where the hmask bit is clear; per 16: w = d (sc - 32) q */
+/* Q3_K: as Q2_K's codes, minus 4 where the hmask bit is clear; per 16 weights w = d (sc - 32) q, the sixteen
+ * 6-bit scales decoded from three words at once, deinterleaved and multiplied in integers as in Q2_K */
 static void dot_q3_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
                      float *y, int64_t ldy) {
     (void)xsum;
     const int64_t nb = K / 256, groups = K / 32;
+    const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
@@ -526,12 +536,17 @@ static void dot_q3_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = row + i * 110;
             if (t == 0) prefetch_block(b, 110);
-            const float d = f16x(b + 108);
-            const uint8_t *p = b + 96;
-            int sc[16];
-            for (int k = 0; k < 16; k++)
-                sc[k] = (((p[k % 8] >> (4 * (k / 8))) & 0xF) | (((p[8 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32;
+            uint32_t w[3];
+            memcpy(w, b + 96, 12);
+            const uint32_t lo4 = 0x0F0F0F0Fu, hi2 = 0x03030303u;
+            const __m128i raw = _mm_setr_epi32((int)((w[0] & lo4) | ((w[2] & hi2) << 4)),
+                                               (int)((w[1] & lo4) | (((w[2] >> 2) & hi2) << 4)),
+                                               (int)(((w[0] >> 4) & lo4) | (((w[2] >> 4) & hi2) << 4)),
+                                               (int)(((w[1] >> 4) & lo4) | (((w[2] >> 6) & hi2) << 4)));
+            const __m128i sc8 = _mm_sub_epi8(raw, _mm_set1_epi8(32));
+            const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, evens_odds));
             const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+            __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
             for (int n = 0; n < 2; n++) {
                 const __m256i bytes = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * n));
                 for (int j = 0; j < 4; j++) {
@@ -540,15 +555,19 @@ static void dot_q3_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
                     const __m256i clear = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(hm, g), one), one);
                     const __m256i codes = _mm256_sub_epi8(low, _mm256_slli_epi16(clear, 2));
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(q + i * 256 + 32 * g));
-                    const float f = d * s[8 * i + g];
-                    const __m256 v = _mm256_cvtepi32_ps(sdot(codes, x));
-                    const __m256 w = halves(f * (float)sc[2 * g], f * (float)sc[2 * g + 1]);
-                    if (g & 1)
-                        acc1 = _mm256_fmadd_ps(v, w, acc1);
+                    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(x, codes));
+                    const __m256i sg = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * g)));
+                    if (j & 1)
+                        i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(p, sg));
                     else
-                        acc = _mm256_fmadd_ps(v, w, acc);
+                        i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(p, sg));
                 }
             }
+            const __m256 f = _mm256_set1_ps(_cvtsh_ss(ld16(b + 108)) * s[8 * i]);
+            if (i & 1)
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), f, acc1);
+            else
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), f, acc);
         }
         y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1));
     }
