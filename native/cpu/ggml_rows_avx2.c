@@ -175,14 +175,15 @@ static inline int b32_bytes(int type) {
 static inline __m256i b32_codes(int type, const uint8_t *b) {
     const __m256i nl = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
                                         -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-    const __m256i e2m1 = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                          0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    /* MXFP4's doubled E2M1 values plus 12 (unsigned: no sign moves; the 12 comes back as a min term) */
+    const __m256i e2m1u = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                           12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
     uint32_t qh;
     switch (type) {
     case MOED_GGML_Q8_0: return _mm256_loadu_si256((const __m256i *)(b + 2));
     case MOED_GGML_Q4_1: return nibbles32(b + 4);
     case MOED_GGML_IQ4_NL: return _mm256_shuffle_epi8(nl, nibbles32(b + 2));
-    case MOED_GGML_MXFP4: return _mm256_shuffle_epi8(e2m1, nibbles32(b + 1));
+    case MOED_GGML_MXFP4: return _mm256_shuffle_epi8(e2m1u, nibbles32(b + 1));
     case MOED_GGML_Q5_0:
         memcpy(&qh, b + 2, 4);
         return _mm256_or_si256(nibbles32(b + 6), high_bits32(qh));
@@ -194,7 +195,7 @@ static inline __m256i b32_codes(int type, const uint8_t *b) {
 }
 
 static inline int b32_signed(int type) {
-    return type == MOED_GGML_Q8_0 || type == MOED_GGML_IQ4_NL || type == MOED_GGML_MXFP4;
+    return type == MOED_GGML_Q8_0 || type == MOED_GGML_IQ4_NL;
 }
 
 /* the block's scale d (w = d * code + min) */
@@ -210,15 +211,18 @@ static inline __m256 b32_d8(int type, const uint8_t *b) {
                           e8m0_half_table[b[102]], e8m0_half_table[b[119]]);
 }
 
-/* the types with a min term: min = -8 d (Q4_0), -16 d (Q5_0), the stored m (Q4_1, Q5_1) */
+/* the types with a min term: min = -8 d (Q4_0), -16 d (Q5_0), -12 d (MXFP4's offset codes), the stored m
+ * (Q4_1, Q5_1) */
 static inline int b32_has_min(int type) {
-    return type == MOED_GGML_Q4_0 || type == MOED_GGML_Q5_0 || type == MOED_GGML_Q4_1 || type == MOED_GGML_Q5_1;
+    return type == MOED_GGML_Q4_0 || type == MOED_GGML_Q5_0 || type == MOED_GGML_Q4_1 || type == MOED_GGML_Q5_1
+        || type == MOED_GGML_MXFP4;
 }
 
 static inline __m256 b32_min8(int type, const uint8_t *b, __m256 d) {
     switch (type) {
     case MOED_GGML_Q4_0: return _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
     case MOED_GGML_Q5_0: return _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
+    case MOED_GGML_MXFP4: return _mm256_mul_ps(d, _mm256_set1_ps(-12.0f));
     default: return f16_8(b + 2, b32_bytes(type));  /* Q4_1, Q5_1 */
     }
 }
@@ -227,6 +231,7 @@ static inline float b32_min(int type, const uint8_t *b, float d) {
     switch (type) {
     case MOED_GGML_Q4_0: return -8.0f * d;
     case MOED_GGML_Q5_0: return -16.0f * d;
+    case MOED_GGML_MXFP4: return -12.0f * d;
     default: return _cvtsh_ss(ld16(b + 2));
     }
 }
