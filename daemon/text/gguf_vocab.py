@@ -15,6 +15,10 @@ after a normalizer that writes spaces as "▁" and puts one in front of each pie
 (``add_space_prefix``, llama.cpp's default, also after a special token, as llama.cpp does). Other
 tokenizer models (Unigram "t5", WordPiece "bert" ...) are refused.
 
+Gemma-4's vocabulary (``tokenizer.ggml.model = "gemma4"``) is a BPE over raw UTF-8 with merges and byte
+fallback, spaces written as "▁" by a normalizer and no space prefix: rebuilt as transformers' GemmaTokenizer
+builds it (normalizer, the no-op split on spaces, decoder), the merges and tokens from the file.
+
 Input is the plain-Python metadata dict (``moed.weights.gguf_file.GgufFile.metadata``); nothing
 here reads files.
 """
@@ -104,17 +108,21 @@ def gguf_tokenizer_files(metadata: Mapping[str, Any], *, where: str) -> dict[str
 
 
 _SENTENCEPIECE = PreTokenizer(add_bos=True)  # llama.cpp adds BOS for SentencePiece vocabularies by default
+_GEMMA4 = PreTokenizer(add_bos=True)  # llama.cpp's "gemma4" tokenizer model (module docstring)
 
 
 def pre_tokenizer_of(metadata: Mapping[str, Any], *, where: str) -> PreTokenizer:
     model = metadata.get("tokenizer.ggml.model")
     if model == "llama":
         return _SENTENCEPIECE
+    if model == "gemma4":
+        return _GEMMA4
     if model != "gpt2":
         kind = {"t5": "Unigram", "bert": "WordPiece"}.get(model, "")
         raise UnsupportedModelError(
             f"{where}: tokenizer.ggml.model {quoted(model)}{f' ({kind})' if kind else ''} is not supported; moed "
-            "rebuilds byte-level BPE ('gpt2') and SentencePiece BPE ('llama') tokenizers from GGUF metadata; use "
+            "rebuilds byte-level BPE ('gpt2'), SentencePiece BPE ('llama') and Gemma-4's ('gemma4') tokenizers from "
+            "GGUF metadata; use "
             "the model's Hugging Face directory instead")
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
@@ -130,15 +138,10 @@ def tokenizer_json(metadata: Mapping[str, Any], *, where: str) -> dict[str, Any]
     pre = pre_tokenizer_of(metadata, where=where)
     if pre is _SENTENCEPIECE:
         return _spm_tokenizer_json(metadata, where)
+    if pre is _GEMMA4:
+        return _gemma4_tokenizer_json(metadata, where)
     tokens, types = _tokens(metadata, where)
-    merges = _string_list(metadata, "tokenizer.ggml.merges", where)
-    pairs = []
-    for merge in merges:
-        parts = merge.split(" ")
-        if len(parts) != 2 or not all(parts):
-            raise ModelFormatError(f"{where}: tokenizer.ggml.merges holds {quoted(merge)}, not two tokens separated "
-                                   "by one space; the file is corrupt, download it again")
-        pairs.append(parts)
+    pairs = _merges(metadata, where)
     vocab: dict[str, int] = {}
     added = []
     for token_id, (token, kind) in enumerate(zip(tokens, types)):
@@ -161,6 +164,41 @@ def tokenizer_json(metadata: Mapping[str, Any], *, where: str) -> dict[str, Any]
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                   "ignore_merges": pre.ignore_merges, "vocab": vocab, "merges": pairs},
+    }
+
+
+def _merges(metadata: Mapping[str, Any], where: str) -> list[list[str]]:
+    pairs = []
+    for merge in _string_list(metadata, "tokenizer.ggml.merges", where):
+        parts = merge.split(" ")
+        if len(parts) != 2 or not all(parts):
+            raise ModelFormatError(f"{where}: tokenizer.ggml.merges holds {quoted(merge)}, not two tokens separated "
+                                   "by one space; the file is corrupt, download it again")
+        pairs.append(parts)
+    return pairs
+
+
+def _gemma4_tokenizer_json(metadata: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The tokenizers-library JSON of Gemma-4's vocabulary (module docstring)."""
+    tokens, types = _tokens(metadata, where)
+    unk = _token_id(metadata, "unknown_token_id", where, len(tokens))
+    vocab: dict[str, int] = {}
+    for token_id, (token, kind) in enumerate(zip(tokens, types)):
+        if kind != TOKEN_UNUSED:
+            vocab.setdefault(token, token_id)
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": _added_tokens(tokens, types),
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        "pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False},
+        "post_processor": _post_processor_json(metadata, tokens, _GEMMA4, where),
+        "decoder": {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                                                      {"type": "ByteFallback"}, {"type": "Fuse"}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None if unk is None else tokens[unk],
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
+                  "byte_fallback": True, "ignore_merges": False, "vocab": vocab, "merges": _merges(metadata, where)},
     }
 
 

@@ -90,6 +90,7 @@ class GgufCheckpoint:
                 + ", ".join(f"{a} ({spec.what})" for a, spec in ARCHITECTURES.items())
                 + " GGUF files (or a Hugging Face directory of a supported family)")
         self.arch, self.spec = arch, ARCHITECTURES[arch]
+        self._split_fused_experts()
         self.raw_config = read_config(self.file, arch)
         where = str(self.path)
         self.family: Family = family_of(self.raw_config, where=where)
@@ -407,6 +408,22 @@ class GgufCheckpoint:
                 self._parts[name] = parts
                 return parts[0]
         return gguf_name
+
+    def _split_fused_experts(self) -> None:
+        """A layer's experts stored as one ``ffn_gate_up_exps [E, 2I, D]`` (gate rows, then up: Gemma-4) are read
+        as its ``ffn_gate_exps`` and ``ffn_up_exps``, row slices of the stored tensor (quantisation blocks never
+        span rows)."""
+        suffix = "ffn_gate_up_exps.weight"
+        for name in [n for n in self.file.tensors if n.endswith(suffix)]:
+            prefix = name[:-len(suffix)]
+            if prefix + "ffn_gate_exps.weight" in self.file:
+                continue
+            rows = self.file.tensor(name).shape[1] if len(self.file.tensor(name).shape) == 3 else 1
+            if rows % 2:
+                raise ModelFormatError(f"{self.path}: tensor {quoted(name)} has an odd number of rows ({rows}), not gate "
+                                       "and up halves; the file is corrupt")
+            self.file.split_rows(name, {prefix + "ffn_gate_exps.weight": (0, rows // 2),
+                                        prefix + "ffn_up_exps.weight": (rows // 2, rows)})
 
     def _block(self, layer: int, rel: str) -> int:
         """The GGUF block that holds ``rel`` of moed's ``layer``: the layer itself, or (Nemotron-H) its mixer

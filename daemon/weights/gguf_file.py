@@ -18,6 +18,7 @@ file: the tensors of every part, each read from the part that holds it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import stat
@@ -50,6 +51,9 @@ class GgufTensor:
     offset: int  # absolute byte offset in ``file``
     nbytes: int
     file: Path  # the file (the part of a split model) that holds it
+    # a part of a stored tensor (GgufFile.split_rows): each entry of the leading dimension is ``nbytes / shape[0]``
+    # bytes at ``offset + entry * stride``; 0 for a tensor stored whole
+    stride: int = 0
 
     @property
     def type_name(self) -> str:
@@ -123,6 +127,25 @@ class GgufFile:
                                    "not a model moed can read")
         return info
 
+    def split_rows(self, name: str, parts: dict[str, tuple[int, int]]) -> None:
+        """Expose rows ``r0 .. r1`` of the second dimension of the 3-D tensor ``name``, in every entry of its first, as
+        tensors of their own (``parts``: new name -> (r0, r1)); they read as stored tensors do, an entry at a time.
+        Gemma-4's experts are one fused ``ffn_gate_up_exps [E, 2I, D]`` that moed reads as gate and up."""
+        info = self.tensor(name)
+        if len(info.shape) != 3 or info.stride:
+            raise ModelFormatError(f"{self.path}: tensor {quoted(name)} of shape {list(info.shape)} is not a stored 3-D "
+                                   "tensor; the file is not what its architecture writes")
+        lead, rows = info.shape[0], info.shape[1]
+        entry = info.nbytes // lead
+        for part, (r0, r1) in parts.items():
+            if not 0 <= r0 < r1 <= rows or part in self.tensors:
+                raise ModelFormatError(f"{self.path}: rows {r0}..{r1} of tensor {quoted(name)} ({rows} rows) cannot be "
+                                       f"read as {quoted(part)}; the file is corrupt")
+            per_row = entry // rows
+            self.tensors[part] = dataclasses.replace(info, name=part, shape=(lead, r1 - r0, *info.shape[2:]),
+                                                     offset=info.offset + r0 * per_row,
+                                                     nbytes=lead * (r1 - r0) * per_row, stride=entry)
+
     def read(self, name: str, rows: tuple[int, int] | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor's raw bytes, ``uint8 [nbytes]``, read now into memory of its own (or into ``out``,
         a contiguous uint8 tensor of exactly that many bytes, returned flat).
@@ -131,6 +154,8 @@ class GgufFile:
         experts ``e0 .. e1`` of an expert tensor, without touching the rest of the file.
         """
         info = self.tensor(name)
+        if info.stride:
+            return self._read_strided(info, rows, out)
         offset, size = info.offset, info.nbytes
         if rows is not None:
             r0, r1 = rows
@@ -148,6 +173,30 @@ class GgufFile:
         # torch's allocator, not a bytearray: it puts 2 MiB+ buffers on huge pages (moed/__init__.py),
         # and decode streams these weights every token (measured ~33 -> ~50 GB/s for a bf16 GEMV)
         out = torch.empty(size, dtype=torch.uint8) if out is None else out
+        self._pread(info, out, offset, size)
+        return out
+
+    def _read_strided(self, info: GgufTensor, rows: tuple[int, int] | None,
+                      out: torch.Tensor | None) -> torch.Tensor:
+        """A tensor of split_rows: entries ``rows`` (all by default), each one read from its own place."""
+        lead = info.shape[0]
+        r0, r1 = rows if rows is not None else (0, lead)
+        if not 0 <= r0 <= r1 <= lead:
+            raise ValueError(f"{self.path}: rows {rows} out of range for tensor {info.name!r} of shape {info.shape}")
+        entry = info.nbytes // lead
+        size = (r1 - r0) * entry
+        if out is not None and (out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != size
+                                or out.device.type != "cpu"):
+            raise ValueError(f"read {info.name!r}: out must be a contiguous host uint8 tensor of {size} bytes")
+        out = torch.empty(size, dtype=torch.uint8) if out is None else out.view(-1)
+        for e in range(r0, r1):
+            self._pread(info, out[(e - r0) * entry:(e - r0 + 1) * entry], info.offset + e * info.stride, entry)
+        return out
+
+    def _pread(self, info: GgufTensor, out: torch.Tensor, offset: int, size: int) -> None:
+        name = info.name
+        if size == 0:
+            return
         buf = writable_view(out)
         got = 0
         try:
@@ -163,7 +212,6 @@ class GgufFile:
         if got != size:
             raise ModelFormatError(f"{info.file}: tensor {quoted(name)} is cut short ({got} of {size} bytes); "
                                    f"{DOWNLOAD_AGAIN}")
-        return out
 
 
 def _read_part(path: Path) -> tuple[int, dict[str, Any], dict[str, GgufTensor]]:

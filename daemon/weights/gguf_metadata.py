@@ -46,6 +46,13 @@ rope.scaling.*, expert_count, expert_used_count.
   heads, inner_size = heads x head size, group_count, state_size, conv_kernel); sigmoid routing (llama.cpp's
   graph for this architecture) with expert_weights_norm / _scale and the group counts. Blocks are paired into
   moed's layers as from Hugging Face (``layer_blocks``); every block's norm is its attn_norm.
+- gemma4 -> gemma4_text (Gemma-4 26B-A4B): sliding and full layers from attention.sliding_window_pattern, each
+  kind's head size (key_length_swa / key_length) and KV heads (the per-layer head_count_kv), the full layers'
+  values from their keys where they hold no attn_v, their "proportional" rotary from ``rope_freqs`` (1 for the
+  rotated pairs, 1e30 for the rest), the sliding layers' from freq_base_swa / dimension_count_swa; the dense MLP
+  beside the experts (feed_forward_length), the router's input scale (ffn_gate_inp.scale) and per-expert scale
+  (ffn_down_exps.scale); the fused ffn_gate_up_exps read as gate and up (GgufFile.split_rows). KV sharing and
+  per-layer embeddings (E2B / E4B) are refused.
 - qwen3next -> qwen3_next: the DeltaNet's sizes from the ssm.* keys (group_count = key heads,
   time_step_rank = value heads, state_size = key head size, inner_size = all value heads), the
   layer pattern from attention.recurrent_layers; MTP layers left out as for GLM.
@@ -108,9 +115,9 @@ class GgufMetadata:
             raise ModelFormatError(f"{self.file.path}: tensor {quoted(name)} is missing; {RECONVERT} for {self.arch}")
         return self.file.tensor(name).shape[dim]
 
-    def common(self, *, head_dim: int | None = None) -> dict[str, Any]:
+    def common(self, *, head_dim: int | None = None, kv_heads: int | None = None) -> dict[str, Any]:
         """The fields every architecture shares (``head_dim``: the attention head size, when it is not
-        attention.key_length)."""
+        attention.key_length; ``kv_heads``: the KV heads, when attention.head_count_kv is per layer)."""
         hidden, heads = self.int("embedding_length", minimum=1), self.int("attention.head_count", minimum=1)
         if head_dim is None:
             head_dim = self.int("attention.key_length", default=hidden // heads, minimum=1)
@@ -122,7 +129,7 @@ class GgufMetadata:
             "hidden_size": hidden,
             "num_hidden_layers": self.int("block_count", minimum=1),
             "num_attention_heads": heads,
-            "num_key_value_heads": self.int("attention.head_count_kv", default=heads, minimum=1),
+            "num_key_value_heads": kv_heads or self.int("attention.head_count_kv", default=heads, minimum=1),
             "head_dim": head_dim,
             "max_position_embeddings": self.int("context_length", minimum=1),
             "rms_norm_eps": self.float("attention.layer_norm_rms_epsilon"),
@@ -295,6 +302,55 @@ def _llama4(m: GgufMetadata) -> dict[str, Any]:
                 layer_types=["chunked_attention" if r and chunked else "full_attention" for r in uses_rope],
                 attn_temperature_tuning=chunked, floor_scale=LLAMA4_FLOOR_SCALE, attn_scale=LLAMA4_ATTN_SCALE,
                 use_qk_norm=num_experts != 128, attention_bias="blk.0.attn_q.bias" in m.file)
+
+
+def _gemma4(m: GgufMetadata) -> dict[str, Any]:
+    n = m.int("block_count", minimum=1)
+    if m.int("attention.shared_kv_layers", default=0) or m.int("embedding_length_per_layer_input", default=0):
+        raise UnsupportedModelError(f"{m.file.path}: a Gemma-4 with KV sharing / per-layer embeddings (E2B / E4B); moed "
+                                    "runs the Gemma-4 models without them (26B-A4B, 31B)")
+    types = m.layer_types(n)
+    kv = _per_block(m, "attention.head_count_kv", n)
+    shapes = {t: {kv[i] for i in range(n) if types[i] == t} for t in ("sliding_attention", "full_attention")}
+    if any(len(v) > 1 for v in shapes.values()) or not shapes["sliding_attention"] or 0 in kv:
+        raise UnsupportedModelError(f"{m.file.path}: attention.head_count_kv {kv} gives layers of one kind different "
+                                    "KV heads (or no sliding layer); moed runs one shape per kind")
+    swa_dim, full_dim = m.int("attention.key_length_swa", minimum=1), m.int("attention.key_length", minimum=1)
+    if m.int("attention.value_length_swa", default=swa_dim) != swa_dim or \
+            m.int("attention.value_length", default=full_dim) != full_dim:
+        raise UnsupportedModelError(f"{m.file.path}: key and value head sizes differ; moed's attention needs one")
+    cfg = m.common(head_dim=swa_dim, kv_heads=shapes["sliding_attention"].pop())
+    full = [i for i in range(n) if types[i] == "full_attention"]
+    # the full layers' "proportional" rotary: rope_freqs holds 1 for each rotated pair, 1e30 for the others
+    rotated = full_dim // 2
+    if "rope_freqs.weight" in m.file:
+        stored = m.file.tensor("rope_freqs.weight")
+        factors = m.file.read("rope_freqs.weight").view(torch.float32).reshape(-1) \
+            if stored.type_name == "F32" and stored.nbytes % 4 == 0 else None
+        rotated = int((factors == 1.0).sum()) if factors is not None else -1
+        if factors is None or factors.numel() != full_dim // 2 or not bool((factors[:rotated] == 1.0).all()) \
+                or not bool((factors[rotated:] >= 1e29).all()):
+            raise ModelFormatError(f"{m.file.path}: rope_freqs.weight should hold {full_dim // 2} F32 factors, 1 for "
+                                   f"the rotated pairs then 1e30; {RECONVERT}")
+    swa_rot = m.int("rope.dimension_count_swa", default=swa_dim, minimum=1)
+    sliding_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.float("rope.freq_base_swa", default=10000.0)}
+    if swa_rot != swa_dim:
+        sliding_rope["partial_rotary_factor"] = swa_rot / swa_dim
+    moe = "blk.0.ffn_gate_inp.weight" in m.file
+    if moe:
+        m.require_moe_layers(0, n)
+        num_experts, top_k = m.experts()
+        cfg.update(num_experts=num_experts, top_k_experts=top_k,
+                   moe_intermediate_size=m.int("expert_feed_forward_length", minimum=1))
+    return dict(cfg, hidden_activation="gelu_pytorch_tanh", layer_types=types,
+                sliding_window=m.int("attention.sliding_window", minimum=1), enable_moe_block=moe,
+                per_layer_config={str(i): {"head_dim": full_dim, "num_key_value_heads": kv[i]} for i in full},
+                global_head_dim=full_dim, attention_k_eq_v=bool(full) and f"blk.{full[0]}.attn_v.weight" not in m.file,
+                final_logit_softcapping=m.float("final_logit_softcapping", default=0.0),
+                hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                rope_parameters={"sliding_attention": sliding_rope,
+                                 "full_attention": {"rope_type": "proportional", "rope_theta": m.float("rope.freq_base"),
+                                                    "partial_rotary_factor": rotated / (full_dim // 2)}})
 
 
 def _per_block(m: GgufMetadata, key: str, blocks: int) -> list[int]:
@@ -533,6 +589,7 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     "llama4": GgufArchitecture("llama4_text", "Llama4ForCausalLM", "Llama-4", _llama4),
     "nemotron_h_moe": GgufArchitecture("nemotron_h", "NemotronHForCausalLM", "Nemotron-3-Nano", _nemotron_h_moe,
                                        "attn_norm", layer_blocks=_nemotron_blocks),
+    "gemma4": GgufArchitecture("gemma4_text", "Gemma4ForCausalLM", "Gemma-4", _gemma4, "post_attention_norm"),
     "qwen3next": GgufArchitecture("qwen3_next", "Qwen3NextForCausalLM", "Qwen3-Next", _qwen3next,
                                   "post_attention_norm"),
     "qwen35moe": GgufArchitecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5/3.6-MoE", _qwen3next,

@@ -59,6 +59,12 @@ LAYER_TENSORS = {
     # gated DeltaNet with split projections (qwen35moe)
     "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
     "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    # Gemma-4's sandwich norms, per-layer output scale and router scales (its dense MLP is the names below)
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight", "layer_scalar": "layer_output_scale.weight",
+    "mlp.router.input_scale": "ffn_gate_inp.scale", "mlp.router.expert_scale": "ffn_down_exps.scale",
     # a dense layer's MLP (DeepSeek-V3 / GLM's first layers)
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",

@@ -188,3 +188,66 @@ def test_ernie_with_its_sentencepiece_vocabulary_runs_like_transformers(tmp_path
         assert_matches_reference(runtime, reference, tol=1e-3, tokens_equal=True, steps=12, seed=3, what="ernie")
     finally:
         runtime.close()
+
+
+def _gemma_tokenizer(root: Path, hf: Path) -> int:
+    """Gemma's tokenizer kind (BPE over raw UTF-8 with byte fallback, spaces as "▁": what llama.cpp's converter
+    writes as tokenizer model "gemma4"), made by transformers' GemmaTokenizer from a small SentencePiece model and
+    saved in ``hf``; returns the size the converter cuts the embedding to (vocabulary + added tokens)."""
+    from transformers import GemmaTokenizer
+
+    spm_dir = root / "spm_hf"
+    spm_dir.mkdir()
+    (spm_dir / "tokenizer.model").write_bytes(_train_sentencepiece(root).read_bytes())
+    GemmaTokenizer.from_pretrained(str(spm_dir)).save_pretrained(str(hf))
+    tok = json.loads((hf / "tokenizer.json").read_text())
+    return len(tok["model"]["vocab"]) + len(tok["added_tokens"])
+
+
+def test_gemma4_as_llamacpps_converter_writes_it_runs_like_transformers(tmp_path):
+    """Gemma-4 (26B-A4B's layout) as llama.cpp's converter writes it: per-kind head sizes and KV heads, the full
+    layers' values from their keys and "proportional" rotary (rope_freqs), the sliding layers' own rotary, the
+    dense MLP beside the experts, the fused gate_up experts, the router and per-expert scales, soft-capped logits,
+    and its "gemma4" vocabulary: the same model and tokens as transformers'."""
+    from transformers import AutoTokenizer
+
+    from moed.text.tokenizer import Tokenizer
+
+    script = _converter()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    cfg = tiny_config("gemma4_text")
+    cfg.vocab_size = _gemma_tokenizer(tmp_path, hf)
+    cfg.tie_word_embeddings = True  # as the released checkpoints
+    reference = build_tiny_model("gemma4_text", hf, config=cfg).eval()
+    out = tmp_path / "gemma4.gguf"
+    done = run_converter(script, "gemma4_text", hf, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = GgufCheckpoint(out)
+    assert "blk.1.attn_v.weight" not in ckpt.file
+    # the fused experts read as their gate and up halves, whole or a few experts at a time
+    fused = ckpt.file.read("blk.0.ffn_gate_up_exps.weight").view(torch.float32).view(cfg.num_experts, -1, cfg.hidden_size)
+    rows = fused.shape[1] // 2
+    for kind, half in (("gate", fused[:, :rows]), ("up", fused[:, rows:])):
+        name = f"blk.0.ffn_{kind}_exps.weight"
+        assert torch.equal(ckpt.file.read(name).view(torch.float32).view_as(half), half)
+        assert torch.equal(ckpt.file.read(name, (2, 5)).view(torch.float32).view(3, rows, -1), half[2:5])
+    expected = parse_model_config(json.loads((hf / "config.json").read_text()))
+    for field in ("family", "hidden_size", "num_layers", "attention", "full_attention", "moe", "moe_layers", "rope",
+                  "full_rope", "sliding_windows", "final_logit_softcapping", "scale_embedding", "layer_recipe"):
+        assert getattr(ckpt.config, field) == getattr(expected, field), field
+    meta = GgufFile(out).metadata
+    assert meta["tokenizer.ggml.model"] == "gemma4"
+    tok = Tokenizer.from_files(gguf_tokenizer_files(meta, where=str(out)), where=str(out))
+    hf_tok = AutoTokenizer.from_pretrained(str(hf))
+    for text in SPM_TEXTS + ["two\n\nnewlines  and   spaces", "<s>special</s>"]:
+        assert tok.encode(text, add_special_tokens=False) == hf_tok.encode(text, add_special_tokens=False), text
+        ids = hf_tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True), text
+    assert tok.encode("x")[0] == meta["tokenizer.ggml.bos_token_id"]  # add_bos_token, as the released tokenizer
+    runtime = open_runtime(out, weights_dtype="fp32")
+    try:
+        assert_matches_reference(runtime, reference, tol=1e-3, tokens_equal=True, steps=12, seed=3, what="gemma4",
+                                 vocab=cfg.vocab_size)
+    finally:
+        runtime.close()
