@@ -20,6 +20,8 @@ rope.scaling.*, expert_count, expert_used_count.
   deepseek2): MLA ranks and the ``*_mla`` head sizes (key_length there is the absorbed
   kv_lora + rope); sigmoid routing (expert_gating_func 2) with group limits, scale and norm; the
   yarn log multiplier is 0.1 * mscale_all_dim. Softmax-routed DeepSeek-V2 files are refused.
+- deepseek2 with Moonshot's chat template (``<|im_middle|>``) -> kimi_k2 (Kimi-K2): DeepSeek-V3's model and keys,
+  Moonshot's tool-call sections; its "kimi-k2" pre-tokenizer is known to text/gguf_vocab.py.
 - deepseek2 with GLM's chat template (``[gMASK]``) -> glm4_moe_lite (GLM-4.7-Flash, which llama.cpp writes as
   deepseek2): the same keys, always sigmoid-routed, MTP layers left out as for glm4moe; GLM's tool-call syntax.
 - glm4moe -> glm4_moe: the converter appends the multi-token-prediction layers to block_count
@@ -507,6 +509,12 @@ def _glm4_moe_lite(m: GgufMetadata) -> dict[str, Any]:
     return cfg
 
 
+def is_kimi_template(meta: dict) -> bool:
+    """The file's chat template is Moonshot's (Kimi-K2: ``<|im_middle|>`` between a turn's role and its text)."""
+    template = meta.get("tokenizer.chat_template")
+    return isinstance(template, str) and "<|im_middle|>" in template
+
+
 def is_glm_template(meta: dict) -> bool:
     """The file's chat template is GLM's (it opens every conversation with ``[gMASK]``)."""
     template = meta.get("tokenizer.chat_template")
@@ -598,11 +606,16 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
 
 
 GLM_LITE = GgufArchitecture("glm4_moe_lite", "Glm4MoeLiteForCausalLM", "GLM-4.7-Flash", _glm4_moe_lite)
+KIMI_K2 = GgufArchitecture("kimi_k2", "DeepseekV3ForCausalLM", "Kimi-K2", _deepseek2)
 
 
 def read_config(file: GgufFile, arch: str) -> dict[str, Any]:
     """The config.json of ``file`` (an architecture of ``ARCHITECTURES``; deepseek2 with GLM's template is
-    GLM-4.7-Flash)."""
-    spec = GLM_LITE if arch == "deepseek2" and is_glm_template(file.metadata) else ARCHITECTURES[arch]
+    GLM-4.7-Flash, with Moonshot's Kimi-K2)."""
+    spec = ARCHITECTURES[arch]
+    if arch == "deepseek2" and is_glm_template(file.metadata):
+        spec = GLM_LITE
+    elif arch == "deepseek2" and is_kimi_template(file.metadata):
+        spec = KIMI_K2
     cfg = spec.build(GgufMetadata(file, arch))
     return {"model_type": spec.family, "architectures": [spec.hf_class], **cfg}

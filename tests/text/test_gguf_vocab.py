@@ -149,6 +149,34 @@ def test_pre_tokenizer_pieces_are_llama_cpps(tiny_tokenizer_dir, tmp_path, pre):
         assert got == want, (pre, text)
 
 
+# Moonshot's tokenization_kimi.py pat_str (Kimi-K2, Kimi-Linear), which llama.cpp's "kimi-k2" reproduces in C++;
+# "&&" is a class intersection (the regex module's V1 syntax reads it so)
+KIMI_PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+
+def test_kimi_k2_splits_as_moonshots_pattern_does(tiny_tokenizer_dir, tmp_path):
+    """A Kimi-K2 GGUF (tokenizer.ggml.pre "kimi-k2") splits text as Moonshot's tiktoken pattern does: Han runs
+    apart from other letters, cased words in pieces, numbers in threes."""
+    _, ours = tiny_gguf_tokenizer(tmp_path, tiny_tokenizer_dir, "kimi-k2")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    pattern = regex.compile(KIMI_PAT_STR, flags=regex.V1)
+    for text in TEXTS + ["中文测试和English混合 日本語のテキスト", "CamelCaseWord HTTPServer they'LL", "ÄÖÜ straße İstanbul ǅemal",
+                         "a\u0301 e\u0300 combining", "x²+y½ ①② 12345678 ｱｲｳ 漢字かなカナ!!", "  spaces\n\n\ttabs\r\n end "]:
+        got = [p for p, _ in ours.backend.pre_tokenizer.pre_tokenize_str(text)]
+        pieces = pattern.findall(text)
+        assert "".join(pieces) == text, text  # the pattern covers every character
+        assert got == [p for piece in pieces for p, _ in byte_level.pre_tokenize_str(piece)], text
+
+
 def test_tiny_tokenizer_round_trips_through_gguf(tmp_path, tiny_tokenizer_dir):
     _, ours = tiny_gguf_tokenizer(tmp_path, tiny_tokenizer_dir, "gpt-2")
     theirs = Tokenizer(tiny_tokenizer_dir)

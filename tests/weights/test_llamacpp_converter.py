@@ -251,3 +251,20 @@ def test_gemma4_as_llamacpps_converter_writes_it_runs_like_transformers(tmp_path
                                  vocab=cfg.vocab_size)
     finally:
         runtime.close()
+
+
+def test_kimi_k2_is_told_from_deepseek_v3_by_its_template(tmp_path, smollm_tokenizer):
+    """llama.cpp writes Kimi-K2 as deepseek2, as DeepSeek-V3; Moonshot's chat template (``<|im_middle|>``) makes it
+    the kimi_k2 family (Moonshot's tool-call sections), with DeepSeek-V3's model config."""
+    from moed.weights.gguf_metadata import read_config
+
+    path, _, _ = convert("deepseek_v3", tmp_path, smollm_tokenizer)
+    file = GgufFile(path)
+    plain = read_config(file, "deepseek2")
+    assert plain["model_type"] == "deepseek_v3"
+    file.metadata["tokenizer.chat_template"] = ("{% for m in messages %}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>"
+                                                "{{ m.content }}<|im_end|>{% endfor %}")
+    kimi = read_config(file, "deepseek2")
+    assert kimi["model_type"] == "kimi_k2"
+    assert {k: v for k, v in kimi.items() if k != "model_type"} == {k: v for k, v in plain.items() if k != "model_type"}
+    assert parse_model_config(kimi).family == "kimi_k2"
