@@ -352,7 +352,7 @@ class GgufCheckpoint:
     def _as_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Undo what llama.cpp changed in a stored value: Qwen3-Next's and Qwen3.5's 1 + w norms and
         -exp(A_log), and Qwen3.5's tiled value heads (gguf_names.py)."""
-        if self.arch == "nemotron_h_moe":  # Mamba-2's A_log stored as -exp(A_log)
+        if self.arch in ("nemotron_h_moe", "kimi-linear"):  # Mamba-2's / KDA's A_log stored as -exp(A_log)
             return torch.log(-tensor.float()) if name.endswith(".linear_attn.A_log") else tensor
         if self.arch not in ("qwen3next", "qwen35moe"):
             return tensor

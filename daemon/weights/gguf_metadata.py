@@ -55,6 +55,9 @@ rope.scaling.*, expert_count, expert_used_count.
   beside the experts (feed_forward_length), the router's input scale (ffn_gate_inp.scale) and per-expert scale
   (ffn_down_exps.scale); the fused ffn_gate_up_exps read as gate and up (GgufFile.split_rows). KV sharing and
   per-layer embeddings (E2B / E4B) are refused.
+- kimi-linear -> kimi_linear (Kimi-Linear-48B-A3B): deepseek2's MLA keys (no rotary), the KDA layers where
+  attention.head_count_kv is 0 (kda.head_dim, ssm.conv_kernel, heads from ssm_beta's rows; A_log stored as
+  -exp(A_log), the convolutions as [1, C, 1, K]), sigmoid routing always renormalised.
 - qwen3next -> qwen3_next: the DeltaNet's sizes from the ssm.* keys (group_count = key heads,
   time_step_rank = value heads, state_size = key head size, inner_size = all value heads), the
   layer pattern from attention.recurrent_layers; MTP layers left out as for GLM.
@@ -449,7 +452,7 @@ def _sigmoid_group_experts(m: GgufMetadata, num_layers: int, gating_default: int
                 first_k_dense_replace=first_dense, scoring_func="sigmoid")
 
 
-def _deepseek2(m: GgufMetadata, gating_default: int = GATING_SOFTMAX) -> dict[str, Any]:
+def _deepseek2(m: GgufMetadata, gating_default: int = GATING_SOFTMAX, *, kv_heads: int | None = None) -> dict[str, Any]:
     rope_dim = m.int("rope.dimension_count", minimum=1)
     if m.has("attention.key_length_mla"):  # llama.cpp's MLA layout: key_length is the absorbed kv_lora + rope
         qk_head, v_head = m.int("attention.key_length_mla", minimum=1), m.int("attention.value_length_mla", minimum=1)
@@ -458,7 +461,7 @@ def _deepseek2(m: GgufMetadata, gating_default: int = GATING_SOFTMAX) -> dict[st
     if qk_head <= rope_dim:
         raise ModelFormatError(f"{m.file.path}: the key head size {qk_head} is not larger than the rotary part "
                                f"{rope_dim}; the file is corrupt")
-    cfg = m.common(head_dim=rope_dim)
+    cfg = m.common(head_dim=rope_dim, kv_heads=kv_heads)
     heads = cfg["num_attention_heads"]
     rope = cfg["rope_parameters"]
     rope.pop("partial_rotary_factor", None)  # MLA's rotary part has its own head size (qk_rope_head_dim)
@@ -506,6 +509,25 @@ def _glm4_moe_lite(m: GgufMetadata) -> dict[str, Any]:
         raise ModelFormatError(f"{m.file.path}: block_count {cfg['num_hidden_layers']} leaves no layer besides the "
                                "multi-token-prediction ones; the file is corrupt")
     cfg.update(num_hidden_layers=layers, **_sigmoid_group_experts(m, layers, GATING_SIGMOID))
+    return cfg
+
+
+def _kimi_linear(m: GgufMetadata) -> dict[str, Any]:
+    """Kimi-Linear: deepseek2's MLA keys (its layers use no rotary: ``mla_use_nope``), the KDA layers where
+    attention.head_count_kv is 0, their sizes from kda.head_dim, ssm.conv_kernel and the beta projection's rows
+    (the KDA heads), sigmoid routing always renormalised (llama.cpp's graph for this architecture)."""
+    n = m.int("block_count", minimum=1)
+    kv = _per_block(m, "attention.head_count_kv", n)
+    kda = [i for i in range(n) if kv[i] == 0]
+    cfg = _deepseek2(m, GATING_SIGMOID, kv_heads=max(kv) or 1)
+    if len(kda) == n:
+        raise ModelFormatError(f"{m.file.path}: attention.head_count_kv is 0 for every layer (no MLA layer); {RECONVERT}")
+    cfg.update(mla_use_nope=True, norm_topk_prob=True, rope_interleave=False,
+               linear_attn_config={"kda_layers": [i + 1 for i in kda],
+                                   "full_attn_layers": [i + 1 for i in range(n) if kv[i]],
+                                   "head_dim": m.int("kda.head_dim", minimum=1),
+                                   "num_heads": m.rows(f"blk.{kda[0]}.ssm_beta.weight") if kda else 1,
+                                   "short_conv_kernel_size": m.int("ssm.conv_kernel", minimum=1)})
     return cfg
 
 
@@ -598,6 +620,7 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     "nemotron_h_moe": GgufArchitecture("nemotron_h", "NemotronHForCausalLM", "Nemotron-3-Nano", _nemotron_h_moe,
                                        "attn_norm", layer_blocks=_nemotron_blocks),
     "gemma4": GgufArchitecture("gemma4_text", "Gemma4ForCausalLM", "Gemma-4", _gemma4, "post_attention_norm"),
+    "kimi-linear": GgufArchitecture("kimi_linear", "KimiLinearForCausalLM", "Kimi-Linear", _kimi_linear),
     "qwen3next": GgufArchitecture("qwen3_next", "Qwen3NextForCausalLM", "Qwen3-Next", _qwen3next,
                                   "post_attention_norm"),
     "qwen35moe": GgufArchitecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5/3.6-MoE", _qwen3next,

@@ -56,6 +56,14 @@ LAYER_TENSORS = {
     # Mamba-2 (nemotron_h_moe; conv1d, dt_bias, A_log, norm and out_proj as the DeltaNet's)
     "linear_attn.in_proj.weight": "ssm_in.weight", "linear_attn.in_proj.bias": "ssm_in.bias",
     "linear_attn.conv1d.bias": "ssm_conv1d.bias", "linear_attn.D": "ssm_d", "linear_attn.out_proj.bias": "ssm_out.bias",
+    # Kimi Delta Attention (kimi-linear; dt_bias as the DeltaNet's)
+    "linear_attn.q_proj.weight": "attn_q.weight", "linear_attn.k_proj.weight": "attn_k.weight",
+    "linear_attn.v_proj.weight": "attn_v.weight", "linear_attn.o_proj.weight": "attn_output.weight",
+    "linear_attn.q_conv1d.weight": "ssm_conv1d_q.weight", "linear_attn.k_conv1d.weight": "ssm_conv1d_k.weight",
+    "linear_attn.v_conv1d.weight": "ssm_conv1d_v.weight", "linear_attn.f_a_proj.weight": "ssm_f_a.weight",
+    "linear_attn.f_b_proj.weight": "ssm_f_b.weight", "linear_attn.b_proj.weight": "ssm_beta.weight",
+    "linear_attn.g_a_proj.weight": "ssm_g_a.weight", "linear_attn.g_b_proj.weight": "ssm_g_b.weight",
+    "linear_attn.o_norm.weight": "ssm_norm.weight",
     # gated DeltaNet with split projections (qwen35moe)
     "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
     "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",

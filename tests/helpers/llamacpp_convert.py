@@ -25,7 +25,7 @@ CONVERTER = REPO / ".cache/llamacpp-convert"
 VOCAB = 49152
 GLM_SPECIAL = ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]  # the converter's GLM vocab needs them
 FAMILIES = ["qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_next",
-            "qwen3_5_moe_text", "glm_moe_dsa", "glm4_moe_lite", "minimax_m2", "llama4_text", "nemotron_h"]
+            "qwen3_5_moe_text", "glm_moe_dsa", "glm4_moe_lite", "minimax_m2", "llama4_text", "nemotron_h", "kimi_linear"]
 GLM = ("glm4_moe", "glm_moe_dsa", "glm4_moe_lite")
 # GLM-4.7-Flash's chat template opens with [gMASK] (how moed tells it from other deepseek2 files), reduced
 GLM_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
@@ -113,7 +113,22 @@ def build_for_converter(family: str, hf: Path, files: dict[str, str], *, wide: b
     model = build_tiny_model(family, hf, config=converter_config(family, wide=wide), scale=scale)
     for name, text in tokenizer_files_for(family, files).items():
         (hf / name).write_text(text)
+    if family == "kimi_linear":
+        _moonshot_layout(hf)
     return model.eval()
+
+
+def _moonshot_layout(hf: Path) -> None:
+    """transformers saves Kimi-Linear's dense first layer's MLP under ``block_sparse_moe``; Moonshot's checkpoints
+    (what llama.cpp's converter maps) under ``mlp``: the saved tensors renamed so."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    path = hf / "model.safetensors"
+    tensors = load_file(str(path))
+    save_file({re.sub(r"\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r".mlp.\1.", k): v
+               for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
 
 
 def run_converter(script: Path, family: str, hf: Path, out: Path, outtype: str = "f32") -> subprocess.CompletedProcess:
