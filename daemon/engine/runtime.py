@@ -14,6 +14,7 @@ from moed.experts.executor_factory import build_executor
 from moed.models.families import FAMILIES
 from moed.models.moe_transformer import MoeTransformer, device_mode_blocker
 from moed.text.builtin_templates import builtin_template
+from moed.text.tiktoken_vocab import TIKTOKEN_FILE
 from moed.text.tokenizer import Tokenizer
 from moed.weights.model_loader import LoadedModel, load_model
 
@@ -73,12 +74,12 @@ def model_device(executor, engine: EngineConfig, weights: dict):
 
 
 def _tokenizer_of(loaded: LoadedModel) -> Tokenizer | None:
-    """A directory's tokenizer.json, or the one a GGUF file's metadata describes; None without either. A
+    """A directory's tokenizer.json (or tiktoken.model), or the one a GGUF file's metadata describes; None without. A
     tokenizer without a chat template gets moed's template of the family where it has one (DeepSeek-V3.2)."""
     if loaded.tokenizer_files is not None:
         tokenizer = Tokenizer.from_files(loaded.tokenizer_files, where=str(loaded.path))
-    elif (Path(loaded.path) / "tokenizer.json").is_file():
-        tokenizer = Tokenizer(loaded.path)
+    elif (Path(loaded.path) / "tokenizer.json").is_file() or (Path(loaded.path) / TIKTOKEN_FILE).is_file():
+        tokenizer = Tokenizer(loaded.path)  # tokenizer.json, or Kimi's tiktoken vocabulary
     else:
         return None
     family = FAMILIES.get(loaded.config.family)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moed.errors import ModelFormatError, UnsupportedModelError, quoted
+from moed.text.tiktoken_vocab import KIMI_PATTERN
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -50,14 +51,6 @@ _DEEPSEEK_V3_SPLITS = (
     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
-# Kimi-K2's (and Kimi-Linear's) split, tokenization_kimi.py's pat_str, which llama.cpp's "kimi-k2" reproduces in C++:
-# letters other than Han in runs of cased words, Han runs apart ("&&" is a class intersection)
-_KIMI_K2_SPLIT = (r"[\p{Han}]+"
-                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
-                  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
-                  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # llama.cpp's fallback for files without a `pre` ("default")
 _DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
                    r"\p{N}+", r"[0-9][0-9][0-9]")
@@ -85,7 +78,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "smollm": PreTokenizer(individual_digits=True, gpt2_split=True),
     "gpt-2": _GPT2, "phi-2": _GPT2, "olmo": _GPT2, "mpt": _GPT2,
     "deepseek-v3": PreTokenizer(_DEEPSEEK_V3_SPLITS),
-    "kimi-k2": PreTokenizer((_KIMI_K2_SPLIT,)),
+    "kimi-k2": PreTokenizer((KIMI_PATTERN,)),  # Kimi-K2's / Kimi-Linear's split (text/tiktoken_vocab.py)
     "default": PreTokenizer(_DEFAULT_SPLITS),
 }
 

@@ -13,6 +13,7 @@ import tokenizers
 from moed.errors import InvalidRequestError, ModelFormatError
 from moed.text.chat_template import render_chat, require_chat_template
 from moed.text.stream_decoder import StreamDecoder
+from moed.text.tiktoken_vocab import TIKTOKEN_FILE, tiktoken_tokenizer_json
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -148,16 +149,22 @@ class Tokenizer:
         model_dir = Path(model_dir)
         tok_path = model_dir / TOKENIZER_FILE
         cfg_path = model_dir / TOKENIZER_CONFIG_FILE
-        if not tok_path.is_file():
-            _read_json(tok_path, required=True)  # raises the "not found" error
-        try:
-            backend = tokenizers.Tokenizer.from_file(str(tok_path))
-        except Exception as exc:  # the Rust side raises a bare Exception for every parse problem
-            raise ModelFormatError(
-                f"{tok_path}: cannot be loaded by the tokenizers library ({exc}); "
-                "the file is corrupt, truncated or from an unsupported tokenizer format; download it again."
-            ) from exc
-        cfg = _read_json(cfg_path, required=True) or {}
+        tiktoken_path = model_dir / TIKTOKEN_FILE
+        if not tok_path.is_file() and tiktoken_path.is_file():
+            # Moonshot's Kimi checkpoints: a tiktoken vocabulary and Python code instead (text/tiktoken_vocab.py)
+            cfg = _read_json(cfg_path, required=True) or {}
+            backend = tokenizers.Tokenizer.from_str(json.dumps(tiktoken_tokenizer_json(tiktoken_path, cfg)))
+        else:
+            if not tok_path.is_file():
+                _read_json(tok_path, required=True)  # raises the "not found" error
+            try:
+                backend = tokenizers.Tokenizer.from_file(str(tok_path))
+            except Exception as exc:  # the Rust side raises a bare Exception for every parse problem
+                raise ModelFormatError(
+                    f"{tok_path}: cannot be loaded by the tokenizers library ({exc}); "
+                    "the file is corrupt, truncated or from an unsupported tokenizer format; download it again."
+                ) from exc
+            cfg = _read_json(cfg_path, required=True) or {}
         self.model_dir: Path | None = model_dir
         self._setup(backend, cfg, cfg_path, lambda: _load_chat_templates(model_dir, cfg, cfg_path),
                     lambda: _config_eos_ids(model_dir))

@@ -26,7 +26,7 @@ log = logging.getLogger("moed.weights")
 
 # Copied verbatim so an FTW directory is self-contained (tokenizer and templates included).
 EXTRA_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-               "special_tokens_map.json", "chat_template.jinja")
+               "special_tokens_map.json", "chat_template.jinja", "tiktoken.model")
 
 
 def convert_model(src: str | Path, dst: str | Path, *, experts_dtype: str | None = None, overwrite: bool = False,
