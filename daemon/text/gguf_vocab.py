@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moed.errors import ModelFormatError, UnsupportedModelError, quoted
-from moed.text.tiktoken_vocab import KIMI_PATTERN
+from moed.text.tiktoken_vocab import KIMI_PATTERN, added_token
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -152,8 +152,7 @@ def tokenizer_json(metadata: Mapping[str, Any], *, where: str) -> dict[str, Any]
         vocab.setdefault(token, token_id)  # added tokens too: the tokenizers library keeps their ids only then
         if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
             # matched whole in the text before any splitting, as llama.cpp does
-            added.append({"id": token_id, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": kind == TOKEN_CONTROL})
+            added.append(added_token(token_id, token, kind == TOKEN_CONTROL))
     return {
         "version": "1.0",
         "truncation": None,
@@ -206,8 +205,7 @@ def _gemma4_tokenizer_json(metadata: Mapping[str, Any], where: str) -> dict[str,
 
 def _added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
     """Control and user-defined tokens, matched whole in the text before anything else (as llama.cpp does)."""
-    return [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-             "special": kind == TOKEN_CONTROL}
+    return [added_token(i, token, kind == TOKEN_CONTROL)
             for i, (token, kind) in enumerate(zip(tokens, types)) if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
 
 

@@ -99,6 +99,12 @@ def special_tokens(num_base: int, config: Mapping[str, Any], where: str) -> dict
     return out
 
 
+def added_token(token_id: int, content: str, special: bool) -> dict[str, Any]:
+    """One ``added_tokens`` entry of a tokenizer.json: matched whole in the text before any splitting."""
+    return {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": special}
+
+
 def tiktoken_tokenizer_json(path: Path, config: Mapping[str, Any]) -> dict[str, Any]:
     """The tokenizers-library JSON of the tiktoken vocabulary at ``path`` with Kimi's split and the special
     tokens ``config`` (tokenizer_config.json) names (module docstring)."""
@@ -120,8 +126,7 @@ def tiktoken_tokenizer_json(path: Path, config: Mapping[str, Any]) -> dict[str, 
     added = []
     for token_id, content in specials.items():
         vocab.setdefault(content, token_id)
-        added.append({"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
-                      "normalized": False, "special": True})
+        added.append(added_token(token_id, content, True))
     return {
         "version": "1.0",
         "truncation": None,

@@ -12,6 +12,7 @@ import regex
 from tokenizers import pre_tokenizers
 
 from helpers.gguf_writer import write_bare_gguf
+from helpers.kimi_pattern import KIMI_PAT_STR
 from helpers.tiny_tokenizer import write_tiny_tokenizer
 from moed.errors import ModelFormatError, UnsupportedModelError
 from moed.text.gguf_vocab import PRE_TOKENIZERS, gguf_tokenizer_files, stop_token_ids, tokenizer_config
@@ -149,18 +150,6 @@ def test_pre_tokenizer_pieces_are_llama_cpps(tiny_tokenizer_dir, tmp_path, pre):
         assert got == want, (pre, text)
 
 
-# Moonshot's tokenization_kimi.py pat_str (Kimi-K2, Kimi-Linear), which llama.cpp's "kimi-k2" reproduces in C++;
-# "&&" is a class intersection (the regex module's V1 syntax reads it so)
-KIMI_PAT_STR = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
 
 
 def test_kimi_k2_splits_as_moonshots_pattern_does(tiny_tokenizer_dir, tmp_path):

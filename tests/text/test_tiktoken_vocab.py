@@ -8,23 +8,13 @@ import json
 
 import pytest
 
+from helpers.kimi_pattern import KIMI_PAT_STR
 from moed.errors import ModelFormatError
 from moed.text.tiktoken_vocab import RESERVED_SPECIAL_TOKENS
 from moed.text.tokenizer import Tokenizer
 
 tiktoken = pytest.importorskip("tiktoken")
 
-# tokenization_kimi.py's pat_str, written out here as Moonshot's file has it (the reference, not moed's copy)
-KIMI_PAT_STR = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
 TEXTS = ["Hello World! I'm here, they'LL see.", "中文测试和English混合 日本語のテキスト", "numbers 1234567 and 3.14",
          "  spaces\n\n\ttabs\r\n end ", "ÄÖÜ straße İstanbul", "def add(a, b):\n    return a + b\n", "🙂 emoji ✓",
          "the the the theme thermal other"]
