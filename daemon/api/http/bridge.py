@@ -253,7 +253,10 @@ class EngineBridge:
         if name in loaded:
             return self.ctx.manager.get(name)
         if not loaded:
-            if self.ctx.manager.is_loading:
+            # a named model while the daemon loads on demand: not an error here, acquire() shares the load in flight
+            # (a request arriving while another request's load of the first model runs used to get this 503)
+            on_demand = self.ctx.pool is not None and bool(name) and name not in DEFAULT_MODEL_ALIASES
+            if self.ctx.manager.is_loading and not on_demand:
                 raise ServiceUnavailableError("a model is still loading; retry when `GET /health` says ok")
             raise ModelNotFoundError(f"model {quoted(name)}: no model is loaded; load one with `moed load MODEL` "
                                      "or start the daemon with `moed serve --model MODEL`")
