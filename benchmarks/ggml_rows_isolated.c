@@ -3,7 +3,8 @@
  *
  *   gcc -O3 -std=c11 -pthread -Inative/cpu -o /tmp/ggml_rows_isolated benchmarks/ggml_rows_isolated.c \
  *       native/cpu/[a-z]*.c -lm
- *   /tmp/ggml_rows_isolated TYPE_ID [ISA 0-3] [K 2048]      # e.g. 12 (Q4_K) 3 (AVX-512 VNNI)
+ *   /tmp/ggml_rows_isolated TYPE_ID [ISA 0-5] [K 2048]      # e.g. 12 (Q4_K) 3 (AVX-512 VNNI)
+ *   (ISA 4 / 5: the 256-bit / 512-bit VNNI kernels whatever moed_cpu_vector_bits() prefers)
  *
  * Random bytes (with denormals flushed) stand in for the blocks: only the time is read. */
 #include <immintrin.h>
@@ -40,7 +41,8 @@ int main(int argc, char **argv) {
     const int type = atoi(argv[1]), isa = argc > 2 ? atoi(argv[2]) : moed_cpu_detected_isa();
     const int64_t K = argc > 3 ? atoll(argv[3]) : 2048;
     const int bw = moed_ggml_block_weights(type);
-    moed_ggml_dot_fn f = bw && K % bw == 0 && isa <= moed_cpu_detected_isa() ? moed_ggml_dot(type, isa) : NULL;
+    moed_ggml_dot_fn f = bw && K % bw == 0 && (isa <= moed_cpu_detected_isa() || (isa <= MOED_GGML_ISA_VNNI512 && moed_cpu_detected_isa() == MOED_ISA_AVX512VNNI))
+                                  ? moed_ggml_dot(type, isa) : NULL;
     if (!f) {
         fprintf(stderr, "no kernel for type %d, ISA %d, K %lld\n", type, isa, (long long)K);
         return 1;

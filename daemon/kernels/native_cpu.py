@@ -37,8 +37,11 @@ from moed.kernels.cpu_threads import cpu_threads
 from moed.kernels.ggml_rows_format import check_rows, row_bytes
 from moed.kernels.rows_format import rows_shapes
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512vnni")
+# the GGUF block kernels at AVX-512 VNNI come in 256-bit and 512-bit forms (the CPU's vector width picks one:
+# moed_cpu_vector_bits); these two names take one of them whatever the CPU prefers (MOED_GGML_ISA_VNNI256/512)
+GGML_ISA_NAMES = ISA_NAMES + ("avx512vnni256", "avx512vnni512")
 DTYPE_CODES = {"fp32": 0, "bf16": 1, "int4": 2, "q8": 3, "mxfp4": 4}
 ROWS_CODES = {"q8": 3, "int4": 2, "fp8": 16}  # row-major matrices (moed_cpu_rows_many; MOED_ROWS_FP8)
 ROWS_GGML = 17  # a decode-chain linear kept as GGUF block rows (MOED_ROWS_GGML)
@@ -238,6 +241,7 @@ class NativeCpu:
         lib.moed_cpu_destroy.argtypes = [vp]
         lib.moed_cpu_threads.argtypes = [vp]
         lib.moed_cpu_detected_isa.restype = c_int
+        lib.moed_cpu_vector_bits.restype = c_int
         lib.moed_cpu_set_isa.argtypes = [c_int]
         lib.moed_cpu_set_isa.restype = c_int
         lib.moed_cpu_isa.restype = c_int
@@ -307,6 +311,15 @@ class NativeCpu:
 
     def available_isas(self) -> tuple[str, ...]:
         return ISA_NAMES[: ISA_NAMES.index(self.detected_isa) + 1]
+
+    def available_ggml_isas(self) -> tuple[str, ...]:
+        """The ISAs of ``ggml_dot_one``: available_isas and, with AVX-512 VNNI, both widths of its kernels."""
+        return self.available_isas() + (GGML_ISA_NAMES[4:] if self.detected_isa == "avx512vnni" else ())
+
+    @property
+    def vector_bits(self) -> int:
+        """256 where the CPU runs 512-bit instructions as two halves (the GGUF kernels then use 256 bits)."""
+        return int(self._lib.moed_cpu_vector_bits())
 
     def close(self) -> None:
         with self._lock:
@@ -573,7 +586,7 @@ class NativeCpu:
             raise ValueError("ggml_dot_one: a uint8 row of the type's bytes, int8 xq and float32 xs / xsum")
         y = torch.empty(t, dtype=torch.float32)
         args = [c.contiguous() for c in (row, xq, xs, xsum)]
-        rc = self._lib.moed_ggml_dot_one(ggml_type, ISA_NAMES.index(isa), *(a.data_ptr() for a in args[:1]), k,
+        rc = self._lib.moed_ggml_dot_one(ggml_type, GGML_ISA_NAMES.index(isa), *(a.data_ptr() for a in args[:1]), k,
                                          *(a.data_ptr() for a in args[1:]), t, y.data_ptr())
         if rc != 0:
             raise ValueError(f"moed_ggml_dot_one refused its arguments (rc {rc})")

@@ -88,7 +88,10 @@ moed_ggml_fdot_fn moed_ggml_fdot(int type, int isa);
 int moed_ggml_fp8_row_to_f32(int type, const uint8_t *row, int64_t K, float *out);
 
 /* the int8-activation dot of (type, isa), or NULL for a type these kernels do not read (and for the FP8 types,
- * which have a moed_ggml_fdot instead) */
+ * which have a moed_ggml_fdot instead). At MOED_ISA_AVX512VNNI the kernels are the 512-bit ones
+ * (ggml_rows_avx512.c) or, where moed_cpu_vector_bits() is 256, the AVX2 ones built with VNNI's 256-bit forms
+ * (ggml_rows_avx2vnni.c); the two isa values below name one set whatever the CPU prefers (tests, benchmarks). */
+enum { MOED_GGML_ISA_VNNI256 = 4, MOED_GGML_ISA_VNNI512 = 5 };
 moed_ggml_dot_fn moed_ggml_dot(int type, int isa);
 /* the values per activation scale a type's kernels need (32 or 256; see above) */
 int moed_ggml_act_span(int type);

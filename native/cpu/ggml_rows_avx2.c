@@ -14,11 +14,27 @@
 #include "ggml_rows.h"
 #include "moed_cpu.h"
 
+/* GGML_VNNI256: this file built a second time (ggml_rows_avx2vnni.c) with AVX-512 VNNI's 256-bit forms, for
+ * CPUs that split 512-bit instructions in two (Zen 4): `vpdpbusd` takes maddubs + madd, `vpdpwssd` a scaled
+ * madd + add; the same integer sums, so the same floats as the plain AVX2 kernels */
+#ifndef GGML_VNNI256
+#define GGML_VNNI256 0
+#endif
+#if GGML_VNNI256
+#define GGML_AVX2_DOT moed_ggml_dot_avx2vnni
+#else
+#define GGML_AVX2_DOT moed_ggml_dot_avx2
+#endif
+
 #if MOED_X86
 #include <immintrin.h>
 
 #pragma GCC push_options
+#if GGML_VNNI256
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#else
 #pragma GCC target("avx2,fma,f16c")
+#endif
 
 static inline float f16x(const uint8_t *p) {
     uint16_t v;
@@ -35,7 +51,30 @@ static inline float hsum8(__m256 v) {
 
 /* 8 int32 sums of unsigned codes u (0..127) times signed activations x, 4 weights per lane */
 static inline __m256i udot(__m256i u, __m256i x) {
+#if GGML_VNNI256
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* acc + udot(u, x) * s, s from scale_pick (each lane's integer scale; |udot| < 2^15 here) */
+static inline __m256i udot_scaled(__m256i acc, __m256i u, __m256i x, __m256i s) {
+#if GGML_VNNI256
+    return _mm256_dpwssd_epi32(acc, _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x), s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), s));
+#endif
+}
+
+/* the shuffle that takes 16-bit scale g (of each 128-bit half's eight) into every lane, as udot_scaled
+ * multiplies: both halves of a 32-bit lane for madd, the low half (the high one 0) for vpdpwssd */
+static inline __m256i scale_pick(int g) {
+#if GGML_VNNI256
+    return _mm256_set1_epi32((int)(0x80800100u + 0x0202u * (unsigned)g));
+#else
+    return _mm256_set1_epi16((short)(0x0100 + 0x0202 * g));
+#endif
 }
 
 /* the same for signed codes s (|s| <= 127) */
@@ -322,12 +361,10 @@ static inline void dot_q45_k(int k5, const uint8_t *row, int64_t K, const int8_t
             for (int c = 0; c < 4; c++) {
                 __m256i lo, hi;
                 q45k_pair(k5, qs, c, &qh, &lo, &hi);
-                const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x8 + 64 * c)));
-                const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x8 + 64 * c + 32)));
-                const __m256i s0 = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c))));
-                const __m256i s1 = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c + 1))));
-                i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(p0, s0));
-                i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(p1, s1));
+                i0 = udot_scaled(i0, lo, _mm256_loadu_si256((const __m256i *)(x8 + 64 * c)),
+                                 _mm256_shuffle_epi8(sc, scale_pick(2 * c)));
+                i1 = udot_scaled(i1, hi, _mm256_loadu_si256((const __m256i *)(x8 + 64 * c + 32)),
+                                 _mm256_shuffle_epi8(sc, scale_pick(2 * c + 1)));
             }
             const __m256 f = _mm256_set1_ps(_cvtsh_ss(ld16(b)) * s[8 * i]);
             if (i & 1)
@@ -370,12 +407,12 @@ static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
                     const __m256i codes = q6k_codes(l0, l1, hb, gi);
                     const int g = 4 * h + gi;
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(x8 + 32 * g));
-                    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(x, codes));
-                    const __m256i sg = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * g)));
+                    const __m256i u = _mm256_sign_epi8(codes, codes), sx = _mm256_sign_epi8(x, codes);
+                    const __m256i sg = _mm256_shuffle_epi8(sc, scale_pick(g));
                     if (gi & 1)
-                        i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(p, sg));
+                        i1 = udot_scaled(i1, u, sx, sg);
                     else
-                        i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(p, sg));
+                        i0 = udot_scaled(i0, u, sx, sg);
                 }
             }
             const __m256 f = _mm256_set1_ps(_cvtsh_ss(ld16(b + 208)) * s[8 * i]);
@@ -513,9 +550,9 @@ static void dot_q2_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
                     const int g = 4 * n + j;
                     const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(bytes, 2 * j), m2);
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(q + i * 256 + 32 * g));
-                    const __m256i pick = _mm256_set1_epi16((short)(0x0100 + 0x0202 * g));
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_shuffle_epi8(sc, pick)));
-                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, x), _mm256_shuffle_epi8(mn, pick)));
+                    const __m256i pick = scale_pick(g);
+                    isum = udot_scaled(isum, codes, x, _mm256_shuffle_epi8(sc, pick));
+                    msum = udot_scaled(msum, ones, x, _mm256_shuffle_epi8(mn, pick));
                 }
             }
             const float f = s[8 * i];
@@ -560,12 +597,12 @@ static void dot_q3_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
                     const __m256i clear = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(hm, g), one), one);
                     const __m256i codes = _mm256_sub_epi8(low, _mm256_slli_epi16(clear, 2));
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(q + i * 256 + 32 * g));
-                    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(x, codes));
-                    const __m256i sg = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * g)));
+                    const __m256i u = _mm256_sign_epi8(codes, codes), sx = _mm256_sign_epi8(x, codes);
+                    const __m256i sg = _mm256_shuffle_epi8(sc, scale_pick(g));
                     if (j & 1)
-                        i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(p, sg));
+                        i1 = udot_scaled(i1, u, sx, sg);
                     else
-                        i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(p, sg));
+                        i0 = udot_scaled(i0, u, sx, sg);
                 }
             }
             const __m256 f = _mm256_set1_ps(_cvtsh_ss(ld16(b + 108)) * s[8 * i]);
@@ -577,6 +614,8 @@ static void dot_q3_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
         y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1));
     }
 }
+
+#if !GGML_VNNI256  /* built once */
 
 /* ---- rows -> bf16 (prefill GEMMs) ---- */
 
@@ -656,9 +695,11 @@ int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t
     return 0;
 }
 
+#endif  /* !GGML_VNNI256 */
+
 #pragma GCC pop_options
 
-moed_ggml_dot_fn moed_ggml_dot_avx2(int type) {
+moed_ggml_dot_fn GGML_AVX2_DOT(int type) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, init_tables);
     switch (type) {
@@ -682,14 +723,17 @@ moed_ggml_dot_fn moed_ggml_dot_avx2(int type) {
 
 #else
 
-moed_ggml_dot_fn moed_ggml_dot_avx2(int type) {
+moed_ggml_dot_fn GGML_AVX2_DOT(int type) {
     (void)type;
     return NULL;
 }
 
+#if !GGML_VNNI256
 int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t *o) {
     (void)type; (void)row; (void)K; (void)o;
     return 0;
 }
+
+#endif
 
 #endif

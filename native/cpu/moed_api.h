@@ -25,6 +25,9 @@ typedef struct {
 
 int moed_cpu_isa(void);
 int moed_cpu_detected_isa(void);  /* what the CPU supports; moed_cpu_isa() may be set lower */
+/* 256 where 512-bit instructions run as two 256-bit halves (AMD Zen 4), else 512; MOED_VECTOR_BITS=256|512
+ * overrides it. The GGUF block kernels at AVX-512 VNNI take their 256-bit forms where it is 256. */
+int moed_cpu_vector_bits(void);
 int moed_cpu_moe(void *h, const moed_bank *b, const float *x, int N, int A, const int32_t *flat_ids,
                  const float *weights, float *per_slot, float *y);
 int moed_cpu_dense_bf16_many(void *h, int count, const uint16_t *const *W, const int64_t *N, int64_t K,

@@ -56,11 +56,34 @@ def test_every_isa_matches_the_torch_twin(qtype):
         x = torch.randn(3, k) * torch.linspace(0.1, 3.0, k)
         want, bound = rows_product_reference(raw, int(qtype), k, x)
         xq, xs, xsum = quantize_activations(x, act_span(qtype))
-        for isa in lib.available_isas():
+        for isa in lib.available_ggml_isas():
             got = torch.stack([lib.ggml_dot_one(int(qtype), isa, raw[r], xq, xs, xsum.float()) for r in range(5)],
                               dim=1)
             err = (got.double() - want).abs()
             assert bool((err <= 1e-5 * bound + 1e-30).all()), (k, isa, float((err / bound).max()))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_256_bit_vnni_kernels_give_the_avx2_kernels_floats(qtype):
+    """ggml_rows_avx2vnni.c is ggml_rows_avx2.c with vpdpbusd / vpdpwssd for maddubs + madd: the same integer
+    sums in the same float order, so the same bits; at AVX-512 VNNI the CPU's vector width picks a set."""
+    lib = _lib()
+    if "avx512vnni256" not in lib.available_ggml_isas():
+        pytest.skip("the CPU has no AVX-512 VNNI")
+    assert lib.vector_bits in (256, 512)
+    weights = GGML_QUANT_SIZES[qtype][0]
+    k = (3 if weights == 256 else 19) * weights
+    raw = _rows(qtype, 4, k, seed=3)
+    xq, xs, xsum = quantize_activations(torch.randn(3, k) * 2, act_span(qtype))
+
+    def run(isa: str) -> torch.Tensor:
+        return torch.stack([lib.ggml_dot_one(int(qtype), isa, raw[r], xq, xs, xsum.float()) for r in range(4)])
+
+    narrow = run("avx512vnni256")
+    assert torch.equal(narrow, run("avx2"))
+    wide_anyway = qtype in (T.Q6_K, T.NVFP4)  # their 512-bit kernels stay ahead on a split-512 CPU
+    chosen = "avx512vnni256" if lib.vector_bits == 256 and not wide_anyway else "avx512vnni512"
+    assert torch.equal(run("avx512vnni"), run(chosen))
 
 
 def test_mxfp4_scales_at_the_bottom_of_the_range():
@@ -74,7 +97,7 @@ def test_mxfp4_scales_at_the_bottom_of_the_range():
     want, bound = rows_product_reference(raw, int(T.MXFP4), k, x)
     assert float(bound.min()) > 0
     xq, xs, xsum = quantize_activations(x)
-    for isa in lib.available_isas():
+    for isa in lib.available_ggml_isas():
         got = torch.stack([lib.ggml_dot_one(int(T.MXFP4), isa, raw[r], xq, xs, xsum.float()) for r in range(5)], dim=1)
         assert bool(((got.double() - want).abs() <= 1e-5 * bound).all()), isa
 
@@ -99,7 +122,7 @@ def test_nvfp4_scales_of_every_byte_value():
     x = torch.randn(2, k)
     want, bound = rows_product_reference(raw, int(T.NVFP4), k, x)
     xq, xs, xsum = quantize_activations(x)
-    for isa in lib.available_isas():
+    for isa in lib.available_ggml_isas():
         got = torch.stack([lib.ggml_dot_one(int(T.NVFP4), isa, raw[r], xq, xs, xsum.float()) for r in range(10)], dim=1)
         assert bool(((got.double() - want).abs() <= 1e-5 * bound + 1e-30).all()), isa
     assert torch.equal(lib.ggml_to_bf16(raw, int(T.NVFP4), k), dequantize_rows(raw, int(T.NVFP4), k).bfloat16())
