@@ -412,3 +412,84 @@ def test_a_split_gguf_reads_as_one_file_from_its_first_part(tmp_path):
     with pytest.raises(ModelFormatError, match=r"split-00003-of-00003\.gguf: part 3 of 3 of split-00001-of-00003\.gguf "
                                                r"is missing"):
         GgufFile(parts[0])
+
+
+def _gemma4_metadata(**changes) -> dict[str, object]:
+    """A two-layer Gemma-4 header (one sliding, one full layer) as llama.cpp's converter writes its keys."""
+    meta: dict[str, object] = {
+        "gemma4.block_count": 2, "gemma4.embedding_length": 32, "gemma4.attention.head_count": 2,
+        "gemma4.attention.head_count_kv": [1, 1], "gemma4.attention.key_length": 16,
+        "gemma4.attention.key_length_swa": 8, "gemma4.attention.sliding_window_pattern": [True, False],
+        "gemma4.attention.sliding_window": 16, "gemma4.context_length": 64,
+        "gemma4.attention.layer_norm_rms_epsilon": 1e-6, "gemma4.rope.freq_base": 1e6,
+    }
+    meta.update(changes)
+    return {k: v for k, v in meta.items() if v is not None}
+
+
+@pytest.mark.parametrize("changes, error, says", [
+    ({"gemma4.attention.shared_kv_layers": 1}, UnsupportedModelError, "KV sharing / per-layer embeddings"),
+    ({"gemma4.embedding_length_per_layer_input": 8}, UnsupportedModelError, "KV sharing / per-layer embeddings"),
+    ({"gemma4.attention.head_count_kv": [1, 2], "gemma4.attention.sliding_window_pattern": [True, True]},
+     UnsupportedModelError, r"layers of one kind different KV heads"),
+    ({"gemma4.attention.head_count_kv": [1, 0]}, UnsupportedModelError, "layers of one kind different KV heads"),
+    ({"gemma4.attention.head_count_kv": [1]}, ModelFormatError, "should hold a count for each of the 2"),
+    ({"gemma4.attention.value_length_swa": 16}, UnsupportedModelError, "key and value head sizes differ"),
+    ({"gemma4.attention.sliding_window_pattern": [True]}, ModelFormatError, "one boolean per layer"),
+])
+def test_gemma4_headers_moed_cannot_run_are_refused_with_the_reason(tmp_path, changes, error, says):
+    path = write_bare_gguf(tmp_path / "gemma4.gguf", "gemma4", metadata=_gemma4_metadata(**changes))
+    with pytest.raises(error, match=says) as info:
+        GgufCheckpoint(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("factors", [
+    np.array([1, 1, 1, 1, 1, 1, 1, 1, 1], np.float32),   # one too many
+    np.array([1, 1, 1e30, 1, 1e30, 1e30, 1e30, 1e30], np.float32),  # a rotated pair after the first unrotated
+    np.array([1, 1, 2, 2, 1e30, 1e30, 1e30, 1e30], np.float32),  # a factor llama.cpp never writes
+])
+def test_gemma4_rope_freqs_that_are_not_the_proportional_rotary_are_refused(tmp_path, factors):
+    tensors = {"token_embd.weight": (np.zeros((4, 32), np.float32), None), "rope_freqs.weight": (factors, None)}
+    path = write_bare_gguf(tmp_path / "gemma4.gguf", "gemma4", tensors=tensors, metadata=_gemma4_metadata())
+    with pytest.raises(ModelFormatError, match=r"rope_freqs\.weight should hold 8 F32 factors"):
+        GgufCheckpoint(path)
+
+
+def test_rows_split_out_of_a_fused_tensor_are_checked_against_it(tmp_path):
+    """Gemma-4's ffn_gate_up_exps [E, 2I, D] is read as two row slices; slices the tensor does not hold, names
+    already taken and tensors that are not stored 3-D ones are refused (a corrupt or foreign file)."""
+    fused = np.arange(2 * 6 * 32, dtype=np.float32).reshape(2, 6, 32)
+    tensors = {"token_embd.weight": (np.zeros((4, 32), np.float32), None), "blk.0.ffn_gate_up_exps.weight": (fused, None)}
+    path = write_bare_gguf(tmp_path / "fused.gguf", "gemma4", tensors=tensors)
+    name = "blk.0.ffn_gate_up_exps.weight"
+    for parts, says in (({"gate": (0, 7)}, r"rows 0\.\.7 .* \(6 rows\)"), ({"gate": (3, 3)}, r"rows 3\.\.3"),
+                        ({"token_embd.weight": (0, 3)}, "cannot be read as 'token_embd.weight'")):
+        with pytest.raises(ModelFormatError, match=says):
+            GgufFile(path).split_rows(name, parts)
+    with pytest.raises(ModelFormatError, match="is not a stored 3-D tensor"):
+        GgufFile(path).split_rows("token_embd.weight", {"a": (0, 1)})
+    file = GgufFile(path)
+    file.split_rows(name, {"gate": (0, 3), "up": (3, 6)})
+    with pytest.raises(ModelFormatError, match="is not a stored 3-D tensor"):  # a slice is not split again
+        file.split_rows("gate", {"g2": (0, 1)})
+    up = file.read("up").view(torch.float32).reshape(2, 3, 32)
+    assert torch.equal(up, torch.from_numpy(fused[:, 3:6]))
+
+
+def test_a_kimi_linear_header_without_an_mla_layer_is_refused(tmp_path):
+    """Kimi-Linear's KDA layers are those with attention.head_count_kv 0; a file where every layer is one has
+    no MLA layer (not a Kimi-Linear llama.cpp writes)."""
+    a = "kimi-linear"
+    meta = {f"{a}.block_count": 2, f"{a}.embedding_length": 32, f"{a}.attention.head_count": 2,
+            f"{a}.attention.head_count_kv": [0, 0], f"{a}.rope.dimension_count": 8,
+            f"{a}.attention.key_length_mla": 24, f"{a}.attention.value_length_mla": 16,
+            f"{a}.attention.kv_lora_rank": 16, f"{a}.context_length": 64,
+            f"{a}.attention.layer_norm_rms_epsilon": 1e-6, f"{a}.expert_count": 4, f"{a}.expert_used_count": 2,
+            f"{a}.expert_feed_forward_length": 16, f"{a}.expert_gating_func": 2}
+    tensors = {"token_embd.weight": (np.zeros((4, 32), np.float32), None),
+               "blk.0.ffn_gate_exps.weight": (np.zeros((4, 16, 32), np.float32), None),
+               **{f"blk.{i}.ffn_gate_inp.weight": (np.zeros((4, 32), np.float32), None) for i in range(2)}}
+    path = write_bare_gguf(tmp_path / "kimi.gguf", a, tensors=tensors, metadata=meta)
+    with pytest.raises(ModelFormatError, match=r"head_count_kv is 0 for every layer \(no MLA layer\)"):
+        GgufCheckpoint(path)
