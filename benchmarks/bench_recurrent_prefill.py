@@ -2,7 +2,7 @@
 """Recurrent layers' prefill: the chunked form vs the token-by-token one (issue #36): Mamba-2 and Kimi Delta Attention.
 
     python benchmarks/bench_recurrent_prefill.py --layer mamba2|kda [--tokens 4096] [--reference-tokens 512] [--fp32]
-        [--json OUT]
+        [--device cpu|cuda] [--json OUT]
 
 One layer at its model's shape, random weights, its projections bf16 as the checkpoints ship them (``--fp32`` for
 float32): ``mamba2`` at Nemotron-3-Nano-30B-A3B's (hidden 2688, 64 heads of 64, 8 groups, state 128, conv kernel
@@ -13,7 +13,9 @@ the prompt would do: every projection a matrix-vector product), and one call who
 recurrence (``recurrent_ssd`` / ``recurrent_kda``, the decode path and the reference: the projections stay
 whole-prompt GEMMs). The
 outputs are compared. The rule alone (without the projections, conv and norm) is timed the same way. No peer:
-llama.cpp's kernels for these layers are a different program.
+llama.cpp's kernels for these layers are a different program. ``--device cuda`` runs the same torch code on the GPU
+(benchmarks/gpu_check.sh does, for issue #36's ratio where a device is lent: a per-token loop there pays its
+kernel launches per token).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from moed.layers import kda as kd
 from moed.layers import mamba2 as m2
 
 
-def kda_layer(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> kd.KimiDeltaAttention:
+def kda_layer(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> kd.KimiDeltaAttention:
     cfg = kd.KdaConfig(num_heads=32, head_dim=128, conv_kernel=4)
     g = torch.Generator().manual_seed(seed)
     d, p = 2304, cfg.proj_dim
@@ -43,10 +45,10 @@ def kda_layer(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> kd.KimiDelt
     # A in [1, 16] (Kimi-Linear's init range), dt_bias around softplus^-1 of a small step
     w.update({"k.A_log": torch.rand(1, 1, 32, 1, generator=g) * 2.77, "k.dt_bias": torch.randn(p, generator=g) - 3.0,
               "k.o_norm.weight": torch.ones(128)})
-    return kd.KimiDeltaAttention(cfg, w, "k")
+    return kd.KimiDeltaAttention(cfg, {k: v.to(device) for k, v in w.items()}, "k")
 
 
-def mamba2_layer(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> m2.Mamba2Mixer:
+def mamba2_layer(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> m2.Mamba2Mixer:
     cfg = m2.Mamba2Config(num_heads=64, head_dim=64, num_groups=8, state_size=128, conv_kernel=4)
     g = torch.Generator().manual_seed(seed)
     d = 2688
@@ -59,39 +61,51 @@ def mamba2_layer(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> m2.Mamba
          "m.out_proj.weight": torch.randn(d, cfg.inner_dim, generator=g) * cfg.inner_dim ** -0.5}
     for name in ("m.in_proj.weight", "m.out_proj.weight"):
         w[name] = w[name].to(dtype)
-    return m2.Mamba2Mixer(cfg, w, "m")
+    return m2.Mamba2Mixer(cfg, {k: v.to(device) for k, v in w.items()}, "m")
+
+
+def clock(device: torch.device) -> float:
+    """Seconds, after the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def run(net, module, x: torch.Tensor, chunked: bool) -> tuple[torch.Tensor, float]:
     shapes = net.state_shapes()
-    conv, state = torch.zeros(1, *shapes["conv"]), torch.zeros(1, *shapes["recurrent"])
+    conv = torch.zeros(1, *shapes["conv"], device=x.device)
+    state = torch.zeros(1, *shapes["recurrent"], device=x.device)
     saved = module.CHUNKED_FROM
     module.CHUNKED_FROM = 1 if chunked else 1 << 30
     try:
-        start = time.perf_counter()
+        start = clock(x.device)
         out = net.forward(x, [x.shape[1]], conv, state)
-        return out, time.perf_counter() - start
+        return out, clock(x.device) - start
     finally:
         module.CHUNKED_FROM = saved
 
 
-def rule_inputs(layer: str, net, t: int):
+def rule_inputs(layer: str, net, t: int, device: torch.device):
     """Random inputs of the rule alone at the layer's shape, and its (chunked, recurrent) functions."""
     gen = torch.Generator().manual_seed(1)
     c = net.cfg
+
+    def on(*tensors):
+        return tuple(a.to(device) for a in tensors)
+
     if layer == "mamba2":
         xs = torch.randn(t, c.num_heads, c.head_dim, generator=gen)
         dt = torch.nn.functional.softplus(torch.randn(t, c.num_heads, generator=gen) - 2.0)
         b = torch.randn(t, c.num_groups, c.state_size, generator=gen)
         cc = torch.randn(t, c.num_groups, c.state_size, generator=gen)
-        state = torch.zeros(c.num_heads, c.head_dim, c.state_size)
-        return (xs, dt, net.a, b, cc), state, m2.chunked_ssd, m2.recurrent_ssd
+        state = torch.zeros(c.num_heads, c.head_dim, c.state_size, device=device)
+        return on(xs, dt, net.a, b, cc), state, m2.chunked_ssd, m2.recurrent_ssd
     h, dk = c.num_heads, c.head_dim
     q = torch.nn.functional.normalize(torch.randn(t, h, dk, generator=gen), dim=-1) * dk ** -0.5
     k = torch.nn.functional.normalize(torch.randn(t, h, dk, generator=gen), dim=-1)
     v, beta = torch.randn(t, h, dk, generator=gen), torch.rand(t, h, generator=gen)
     g = -torch.rand(t, h, dk, generator=gen) * 0.5
-    return (q, k, v, beta, g), torch.zeros(h, dk, dk), kd.chunked_kda, kd.recurrent_kda
+    return on(q, k, v, beta, g), torch.zeros(h, dk, dk, device=device), kd.chunked_kda, kd.recurrent_kda
 
 
 def main() -> int:
@@ -100,12 +114,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reference-tokens", type=int, default=512)
     ap.add_argument("--fp32", action="store_true", help="float32 projections (default: bf16, as shipped)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: the same torch code on the GPU")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.manual_seed(0)
     dtype = torch.float32 if args.fp32 else torch.bfloat16
-    net, module = (mamba2_layer(dtype=dtype), m2) if args.layer == "mamba2" else (kda_layer(dtype=dtype), kd)
-    x = torch.randn(1, args.tokens, net.w_out.shape[0]) * 0.5
+    device = torch.device(args.device)
+    net, module = (mamba2_layer(dtype=dtype, device=args.device), m2) if args.layer == "mamba2" \
+        else (kda_layer(dtype=dtype, device=args.device), kd)
+    x = (torch.randn(1, args.tokens, net.w_out.shape[0]) * 0.5).to(device)
     run(net, module, x[:, :256], True)  # warm up both paths
     run(net, module, x[:, :16], False)
     ref_out, ref_s = run(net, module, x[:, : args.reference_tokens], False)
@@ -113,23 +130,25 @@ def main() -> int:
     diff = float((ref_out - chk_out).abs().max() / ref_out.abs().max())
     # the layer once per token (decode steps), on the same reference tokens
     shapes = net.state_shapes()
-    conv, state = torch.zeros(1, *shapes["conv"]), torch.zeros(1, *shapes["recurrent"])
-    start = time.perf_counter()
+    conv = torch.zeros(1, *shapes["conv"], device=device)
+    state = torch.zeros(1, *shapes["recurrent"], device=device)
+    start = clock(device)
     steps = [net.forward(x[:, i:i + 1], [1], conv, state) for i in range(args.reference_tokens)]
-    per_token_s = (time.perf_counter() - start) * args.tokens / args.reference_tokens
+    per_token_s = (clock(device) - start) * args.tokens / args.reference_tokens
     diff = max(diff, float((torch.cat(steps, dim=1) - chk_out).abs().max() / ref_out.abs().max()))
     _, chunked_s = run(net, module, x, True)
     recurrent_s = ref_s * args.tokens / args.reference_tokens
     # the rule alone, at the layer's shape
     t, n = args.tokens, args.reference_tokens
-    inputs, state, chunked_rule, recurrent_rule = rule_inputs(args.layer, net, t)
-    start = time.perf_counter()
+    inputs, state, chunked_rule, recurrent_rule = rule_inputs(args.layer, net, t, device)
+    start = clock(device)
     chunked_rule(*inputs, state.clone())
-    scan_chunked = time.perf_counter() - start
-    start = time.perf_counter()
+    scan_chunked = clock(device) - start
+    start = clock(device)
     recurrent_rule(*(a if a.dim() == 1 else a[:n] for a in inputs), state.clone())
-    scan_recurrent = (time.perf_counter() - start) * t / n
+    scan_recurrent = (clock(device) - start) * t / n
     result = {"layer": args.layer, "tokens": t, "reference_tokens": n, "threads": torch.get_num_threads(),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "projections": "fp32" if args.fp32 else "bf16",
               "layer_chunked_s": round(chunked_s, 3), "layer_recurrent_s": round(recurrent_s, 3),
               "layer_ratio": round(recurrent_s / chunked_s, 1), "layer_per_token_s": round(per_token_s, 3),

@@ -10,10 +10,12 @@
 # 3. benchmarks/gpu_real_shape.py: the Qwen3-30B-A3B-shaped model (48 layers) built in memory:
 #    decode by VRAM cap and placement, syncs, prefill 4k/16k double-buffered vs on demand, a
 #    cache resize under NVML pressure.
+# 4. benchmarks/bench_recurrent_prefill.py --device cuda (Mamba-2, KDA): chunked prefill of 4k tokens vs the layer
+#    once per token (issue #36's 20x), last and short (30 s each).
 # Reports land in OUT_DIR (default /tmp/moed-gpu-check). $PY picks the python (default: .venv's
 # where it exists, else python3). On a machine without network, wheels of the packages its python
 # lacks can be carried in .whl/ (docs/benchmarks.md says which); they are installed to /tmp/site.
-# $GPU_CHECK_SKIP (comma-separated: tests,check,real) leaves steps out; $TEST_FILES replaces the test list;
+# $GPU_CHECK_SKIP (comma-separated: tests,check,real,recurrent) leaves steps out; $TEST_FILES replaces the test list;
 # $REAL_ARGS adds arguments to gpu_real_shape.py (e.g. --sections parity).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,5 +58,12 @@ if [[ $SKIP != *,real,* ]]; then
   timeout 240 $PY benchmarks/gpu_real_shape.py --device cuda --json "$OUT/real_shape.json" ${REAL_ARGS:-} \
     > "$OUT/real_shape.md" 2>&1 || status=1
   tail -60 "$OUT/real_shape.md"
+fi
+if [[ $SKIP != *,recurrent,* ]]; then
+  for layer in mamba2 kda; do
+    timeout 30 $PY benchmarks/bench_recurrent_prefill.py --layer $layer --device cuda --reference-tokens 256 \
+      --json "$OUT/recurrent_$layer.json" > "$OUT/recurrent_$layer.txt" 2>&1 || status=1
+    tail -20 "$OUT/recurrent_$layer.txt"
+  done
 fi
 exit $status
