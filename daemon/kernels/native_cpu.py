@@ -816,4 +816,6 @@ def native_status() -> str:
     lib = native()
     if lib is None:
         return f"numba (native kernels unavailable: {_native_error})"
-    return f"{lib.backend} ({lib.num_threads} threads, CPU supports {lib.detected_isa}; {lib.path.name})"
+    width = ", 512-bit instructions split in two: 256-bit GGUF kernels" \
+        if lib.isa.startswith("avx512") and lib.vector_bits == 256 else ""
+    return f"{lib.backend} ({lib.num_threads} threads, CPU supports {lib.detected_isa}{width}; {lib.path.name})"

@@ -206,10 +206,11 @@ class GgufMetadata:
 
     def expert_rows(self) -> int:
         """The routed experts' intermediate size (the key, or the first MoE layer's tensor)."""
+        if self.has("expert_feed_forward_length"):
+            return self.int("expert_feed_forward_length", minimum=1)
         first = next((i for i in range(self.int("block_count", minimum=1))
                       if f"blk.{i}.ffn_gate_exps.weight" in self.file), 0)
-        return self.int("expert_feed_forward_length", minimum=1,
-                        default=self.rows(f"blk.{first}.ffn_gate_exps.weight", dim=1))
+        return self.rows(f"blk.{first}.ffn_gate_exps.weight", dim=1)
 
 
 def _qwen3moe(m: GgufMetadata) -> dict[str, Any]:

@@ -422,3 +422,27 @@ def test_an_unknown_isa_falls_back_to_numba_and_says_why():
         pytest.skip("native CPU kernels not built")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "MOED_NATIVE_ISA='sse9' is not one of scalar, avx2, avx512, avx512vnni" in out.stdout
+
+
+@needs_lib
+def test_the_vector_width_is_the_cpus_unless_told():
+    """moed_cpu_vector_bits: 256 on AMD family 0x19 (512-bit instructions split in two), 512 elsewhere;
+    MOED_VECTOR_BITS=256|512 overrides it for the process and anything else is ignored."""
+    code = ("import moed; from moed.kernels.native_cpu import native, native_status; n = native(); "
+            "print(n.vector_bits, native_status())")
+    env = {k: v for k, v in os.environ.items() if k != "MOED_VECTOR_BITS"}
+
+    def width(value: str | None) -> tuple[int, str]:
+        run_env = env if value is None else {**env, "MOED_VECTOR_BITS": value}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
+        bits, status = out.stdout.strip().split(" ", 1)
+        return int(bits), status
+
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    amd_zen34 = "AuthenticAMD" in info and "\ncpu family\t: 25\n" in info
+    assert width(None)[0] == (256 if amd_zen34 else 512)
+    assert width("512")[0] == 512 and width("bogus")[0] == width(None)[0]
+    bits, status = width("256")
+    assert bits == 256
+    assert ("256-bit GGUF kernels" in status) == LIB.isa.startswith("avx512")
