@@ -49,7 +49,7 @@ static int vector_bits = 0;
 
 /* AMD's family 0x19 (Zen 3, Zen 4) executes a 512-bit instruction as two 256-bit halves: the same work in
  * 256-bit instructions runs as fast with fewer cross-lane steps (measured on Zen 4: the GGUF kernels'
- * 256-bit VNNI forms 1.2-1.6x the 512-bit ones). Intel's AVX-512 cores and Zen 5 have full-width units. */
+ * 256-bit VNNI forms 1.05-1.35x the 512-bit ones per thread). Intel's AVX-512 cores and Zen 5 have full-width units. */
 static int detect_vector_bits(void) {
     const char *env = getenv("MOED_VECTOR_BITS");
     if (env && (!strcmp(env, "256") || !strcmp(env, "512"))) return atoi(env);
