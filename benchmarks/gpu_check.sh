@@ -45,7 +45,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pc
 $PY -c "import torch, numba, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'numba', numba.__version__)"
 if [[ $SKIP != *,tests,* ]]; then
   TEST_FILES=${TEST_FILES:-tests/devices tests/engine/test_device_hygiene.py tests/experts/test_device_syncs.py \
-    tests/experts/test_prefill_stream.py tests/experts/test_placement_invariance.py}
+    tests/experts/test_ggml_slots.py tests/experts/test_prefill_stream.py tests/experts/test_placement_invariance.py}
   timeout 110 $PY -m pytest -q -p no:cacheprovider --tb=short $TEST_FILES > "$OUT/tests.txt" 2>&1 || status=1
   tail -25 "$OUT/tests.txt"
 fi

@@ -22,9 +22,9 @@ from .device import (
     SlotStore,
     check_copy,
     check_layout,
+    copy_pieces,
     move_rows,
     resize_rows,
-    row_runs,
 )
 
 
@@ -174,13 +174,10 @@ class CudaDevice:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             start.record(self.copy_stream)
-            for kind, d in dst.items():
-                s = src[kind]
-                for d0, s0, n in row_runs(dst_slots, src_rows):
-                    rows = s[s0 : s0 + n]  # contiguous run of bank rows -> one cudaMemcpyAsync
-                    d[d0 : d0 + n].copy_(rows, non_blocking=True)
-                    keep.append(rows)
-                    nbytes += rows.numel() * rows.element_size()
+            for d, rows in copy_pieces(dst, dst_slots, src, src_rows):
+                d.copy_(rows, non_blocking=True)  # contiguous bank rows -> one cudaMemcpyAsync
+                keep.append(rows)
+                nbytes += rows.numel() * rows.element_size()
             end.record(self.copy_stream)
         handle = CudaCopy(self, start, end, nbytes, keep)
         self._sweep()

@@ -52,7 +52,7 @@ def kernel_source_path(native_dir: Path | None = None) -> Path:
 # --------------------------------------------------------------------------- checks
 
 
-def _as_index(v: Index, what: str, device: torch.device) -> torch.Tensor:
+def as_index(v: Index, what: str, device: torch.device) -> torch.Tensor:
     """``v`` as a 1-D int32 tensor on ``device`` (a list is copied over; a tensor must already be there)."""
     if isinstance(v, torch.Tensor):
         if v.dim() != 1 or v.dtype != torch.int32:
@@ -181,8 +181,8 @@ def int4_grouped_matmul(
     if not isinstance(slot_ids, torch.Tensor) and not isinstance(offsets, torch.Tensor) and (
             x.shape[0] >= GEMM_MIN_ROWS_PER_EXPERT * max(len(slot_ids), 1)):
         return int4_grouped_gemm(x, q, scale, mn, slot_ids, offsets)
-    ids = _as_index(slot_ids, "slot_ids", x.device)
-    offs = _as_index(offsets, "offsets", x.device)
+    ids = as_index(slot_ids, "slot_ids", x.device)
+    offs = as_index(offsets, "offsets", x.device)
     y = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)  # [T, N]
     num_experts = ids.shape[0]
     if num_experts == 0 or x.shape[0] == 0:
@@ -227,7 +227,7 @@ def int4_grouped_gemm(
     per_chunk = max(1, DEQUANT_CHUNK_BYTES // (k * n * 4))
     for c0 in range(0, len(ids), per_chunk):
         chunk = ids[c0 : c0 + per_chunk]
-        index = _as_index(chunk, "slot_ids", x.device).long()
+        index = as_index(chunk, "slot_ids", x.device).long()
         w = dequantize_slots(q.index_select(0, index), scale.index_select(0, index), mn.index_select(0, index))
         for j in range(len(chunk)):
             a, b = offs[c0 + j], offs[c0 + j + 1]

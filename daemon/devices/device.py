@@ -103,7 +103,10 @@ class Device(Protocol):
         *,
         wait_for_compute: bool = True,
     ) -> CopyHandle:
-        """For every kind, copy ``src[kind][src_rows[i]]`` into ``dst[kind][dst_slots[i]]`` (host -> device)."""
+        """For every kind, copy ``src[kind][src_rows[i]]`` into ``dst[kind][dst_slots[i]]`` (host -> device).
+
+        A kind whose rows are 1-D may have shorter source rows than slot rows: they fill each slot row's
+        start (``prefix_kinds``; slots that hold matrices of several sizes, as a GGUF bank's layers)."""
         ...
 
     def move_slots(self, storage: SlotStore, moves: list[tuple[int, int]]) -> None:
@@ -219,9 +222,10 @@ def check_copy(dst: SlotStore, dst_slots: list[int], src: dict[str, torch.Tensor
     if len(set(dst_slots)) != len(dst_slots):
         raise ValueError(f"dst_slots repeats a slot: {sorted(dst_slots)}")
     num_slots = num_slots_of(dst)
+    prefix = prefix_kinds(dst, src)
     for kind, d in dst.items():
         s = src[kind]
-        if d.dtype != s.dtype or tuple(d.shape[1:]) != tuple(s.shape[1:]):
+        if d.dtype != s.dtype or (tuple(d.shape[1:]) != tuple(s.shape[1:]) and kind not in prefix):
             raise ValueError(
                 f"{kind!r}: slot rows are {d.dtype} {tuple(d.shape[1:])} but source rows are "
                 f"{s.dtype} {tuple(s.shape[1:])}"
@@ -237,6 +241,12 @@ def check_copy(dst: SlotStore, dst_slots: list[int], src: dict[str, torch.Tensor
             raise ValueError(f"source row {row} out of range (source has {num_rows} rows)")
 
 
+def prefix_kinds(dst: SlotStore, src: dict[str, torch.Tensor]) -> set[str]:
+    """Kinds whose 1-D source rows are shorter than the slot rows: each copy fills the start of its slot row."""
+    return {kind for kind, d in dst.items()
+            if kind in src and d.dim() == 2 and src[kind].dim() == 2 and src[kind].shape[1] < d.shape[1]}
+
+
 def row_runs(dst_slots: list[int], src_rows: list[int]) -> list[tuple[int, int, int]]:
     """``(dst_start, src_start, count)`` runs where consecutive pairs advance together: one copy per run."""
     runs: list[tuple[int, int, int]] = []
@@ -248,6 +258,22 @@ def row_runs(dst_slots: list[int], src_rows: list[int]) -> list[tuple[int, int, 
                 continue
         runs.append((d, s, 1))
     return runs
+
+
+def copy_pieces(dst: SlotStore, dst_slots: list[int], src: dict[str, torch.Tensor],
+                src_rows: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(slot part, source part)`` pairs, each a contiguous view, that together make the row copy: a run
+    of consecutive rows is one pair; a prefix kind (``prefix_kinds``) is one pair per row."""
+    prefix = prefix_kinds(dst, src)
+    pieces = []
+    for kind, d in dst.items():
+        s = src[kind]
+        if kind in prefix:
+            width = s.shape[1]
+            pieces += [(d[slot, :width], s[row]) for slot, row in zip(dst_slots, src_rows)]
+        else:
+            pieces += [(d[d0 : d0 + n], s[s0 : s0 + n]) for d0, s0, n in row_runs(dst_slots, src_rows)]
+    return pieces
 
 
 def check_moves(moves: list[tuple[int, int]], num_old: int, num_new: int) -> None:

@@ -33,9 +33,9 @@ from .device import (
     SlotStore,
     check_copy,
     check_layout,
+    copy_pieces,
     move_rows,
     resize_rows,
-    row_runs,
 )
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # the pacing grain: sleep after every chunk so bytes/elapsed <= b_p
@@ -300,13 +300,11 @@ class EmulatedDevice:
             self.flush()
         pieces = []
         nbytes = 0
-        for kind, d in dst.items():
-            s = src[kind]
-            for d0, s0, n in row_runs(dst_slots, src_rows):
-                dv = d[d0 : d0 + n].reshape(-1).view(torch.uint8).numpy()  # [bytes], a view of the slot rows
-                sv = s[s0 : s0 + n].reshape(-1).view(torch.uint8).numpy()
-                pieces.append((dv, sv))
-                nbytes += dv.shape[0]
+        for d, s in copy_pieces(dst, dst_slots, src, src_rows):
+            dv = d.reshape(-1).view(torch.uint8).numpy()  # [bytes], a view of the slot rows (contiguous)
+            sv = s.reshape(-1).view(torch.uint8).numpy()
+            pieces.append((dv, sv))
+            nbytes += dv.shape[0]
         job = EmulatedCopy(pieces, nbytes)
         self._engine.submit(job)
         return job

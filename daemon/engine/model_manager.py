@@ -301,7 +301,8 @@ class ModelManager:
                 wanted = self._split_device_share(entry, share, wanted)
             elif share is not None:
                 wanted = min(wanted, max(share - entry.stats.model_device_bytes, 0))
-            slots = max(0, min(bank.num_slots, wanted // bank.bytes_per_expert()))
+            slot_bytes = getattr(entry.runtime.executor, "slot_bytes", None) or bank.bytes_per_expert()
+            slots = max(0, min(bank.num_slots, wanted // slot_bytes))
             if slots != entry.stats.cache_slots:
                 entry.loop.run_at_safe_point(lambda e=entry, n=slots: e.runtime.executor.resize(n))
         return len(hybrid)

@@ -3,8 +3,9 @@
 The rows of ``x`` are grouped by expert (rows ``offsets[e]:offsets[e+1]`` go to slot
 ``slot_ids[e]``); gate_up, the activation and down each run once for the whole group through
 the device's ``grouped_matmul`` (CUDA: the int4 kernel over many slots, torch matmuls for
-fp32 / bf16 / q8 / mxfp4; the emulated device: the same torch code on CPU tensors). Nothing
-here reads a device tensor back to the host, so it can be queued on a stream.
+fp32 / bf16 / q8 / mxfp4; the emulated device: the same torch code on CPU tensors); a ggml bank's
+slots hold one layer's GGUF block rows per call, decoded on the device (experts/ggml_slots.py).
+Nothing here reads a device tensor back to the host, so it can be queued on a stream.
 """
 
 from __future__ import annotations
@@ -13,23 +14,48 @@ from typing import Sequence
 
 import torch
 
-from moed.cache.host_bank import ExpertBank
+from moed.cache.host_bank import GGML_BANK, ExpertBank
+from moed.devices.device import slot_layout as mirrored_layout
+from moed.experts import ggml_slots
 from moed.experts.expert_ffn import apply_activation
 
 
+def slot_layout_of(bank: ExpertBank) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The device slots ``bank``'s experts need: one row of every bank tensor, or a ggml bank's widest rows."""
+    if bank.dtype == GGML_BANK:
+        return ggml_slots.slot_layout(bank)
+    return mirrored_layout(bank.tensors)
+
+
 def run_grouped_experts(device, slot_bank: ExpertBank, x: torch.Tensor, slot_ids: Sequence[int],
-                        offsets: Sequence[int]) -> torch.Tensor:
-    """``x [T, D]`` float32 on the device, grouped by expert -> ``[T, D]`` float32 on the device."""
+                        offsets: Sequence[int],
+                        matrices: dict[str, ggml_slots.SlotMatrix] | None = None) -> torch.Tensor:
+    """``x [T, D]`` float32 on the device, grouped by expert -> ``[T, D]`` float32 on the device.
+
+    ``matrices``: a ggml bank's layer (the types and shapes of its gate, up and down in the slots)."""
     t = slot_bank.tensors
     row_slot = None
     if "gate_up_bias" in t or "down_bias" in t:
         counts = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], dtype=torch.long)
         row_slot = device.to_device(torch.repeat_interleave(torch.tensor(list(slot_ids), dtype=torch.long), counts))
-    gate_up = device.grouped_matmul(x, t, "gate_up", slot_ids, offsets)  # [T, 2I]
+    if slot_bank.dtype == GGML_BANK and matrices is None:
+        raise ValueError("ggml slots hold any layer's rows: pass the layer's matrices")
+
+    def matmul(h: torch.Tensor, name: str) -> torch.Tensor:
+        if matrices is None:
+            return device.grouped_matmul(h, t, name, slot_ids, offsets)
+        if getattr(device, "timing_only", False):  # schedule benchmarks: shapes only, as grouped_matmul does
+            width = sum(matrices[k].rows for k in ("gate", "up")) if name == "gate_up" else matrices["down"].rows
+            return torch.zeros((h.shape[0], width), dtype=torch.float32, device=h.device)
+        kinds = ("gate", "up") if name == "gate_up" else ("down",)
+        outs = [ggml_slots.grouped_matmul(h, t, k, matrices[k], slot_ids, offsets) for k in kinds]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    gate_up = matmul(x, "gate_up")  # [T, 2I]
     if "gate_up_bias" in t:
         gate_up = gate_up + t["gate_up_bias"].index_select(0, row_slot).float()
     hidden = apply_activation(gate_up, slot_bank.activation)  # [T, I]
-    out = device.grouped_matmul(hidden.contiguous(), t, "down", slot_ids, offsets)  # [T, D]
+    out = matmul(hidden.contiguous(), "down")  # [T, D]
     if "down_bias" in t:
         out = out + t["down_bias"].index_select(0, row_slot).float()
     return out

@@ -6,7 +6,8 @@ import logging
 
 from pathlib import Path
 
-from moed.cache.host_bank import GGML_BANK, ExpertBank
+from moed.cache.host_bank import ExpertBank
+from moed.devices.device import slot_nbytes
 from moed.config import EngineConfig
 from moed.devices.select import select_device as _select_device
 from moed.errors import InvalidRequestError
@@ -14,6 +15,7 @@ from moed.experts.bandwidth_model import BandwidthModel
 from moed.experts.calibration import load_profile
 from moed.experts.cpu_executor import CpuExecutor
 from moed.experts.cpu_pool import CpuWorkerPool
+from moed.experts.device_ffn import slot_layout_of
 from moed.experts.engine_stats import EngineStats
 from moed.experts.hybrid_executor import HybridExecutor
 from moed.experts.policies import make_policy
@@ -34,9 +36,10 @@ def select_device(name: str, **opts):
 
 
 def cache_slots_for(bank: ExpertBank, cache_fraction: float) -> int:
-    """Slots that fit a byte budget of ``cache_fraction`` of the expert pool."""
+    """Slots that fit a byte budget of ``cache_fraction`` of the expert pool (a slot's bytes: a ggml bank's
+    slots are as wide as its widest layer's experts)."""
     budget = int(cache_fraction * bank.nbytes())
-    return min(bank.num_slots, budget // bank.bytes_per_expert())
+    return min(bank.num_slots, budget // max(1, slot_nbytes(slot_layout_of(bank))))
 
 
 def initial_bandwidth(kind: str, bank: ExpertBank, cfg: EngineConfig) -> BandwidthModel:
@@ -53,11 +56,6 @@ def initial_bandwidth(kind: str, bank: ExpertBank, cfg: EngineConfig) -> Bandwid
 
 def build_executor(bank: ExpertBank, cfg: EngineConfig, *, trace_out: str | Path | None = None):
     device = select_device(cfg.device, b_p=cfg.emulated_b_p, b_dev=cfg.emulated_b_dev)
-    if bank.dtype == GGML_BANK and device.kind != "cpu":
-        # the device path copies and decodes bank slots of one layout; GGUF block rows have CPU kernels only
-        log.warning("the %s expert bank (a GGUF file's own block types) runs on the CPU only for now; the %s "
-                    "device is not used (load with --experts-dtype int4 / q8 / mxfp4 to use it)", GGML_BANK, device.kind)
-        device = select_device("cpu")
     stats = EngineStats(device=device.kind, policy=cfg.policy)
     release = None
     if device.kind != "cpu":

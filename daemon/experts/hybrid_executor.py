@@ -26,11 +26,12 @@ import numpy as np
 import torch
 
 from moed.cache.expert_cache import ExpertCache
-from moed.cache.host_bank import ExpertBank
-from moed.devices.device import DeviceMemoryError, num_slots_of
+from moed.cache.host_bank import GGML_BANK, ExpertBank
+from moed.devices.device import DeviceMemoryError, num_slots_of, slot_nbytes
+from moed.experts import ggml_slots
 from moed.experts.bandwidth_model import BandwidthModel
 from moed.experts.cpu_pool import CpuWorkerPool
-from moed.experts.device_ffn import run_grouped_experts
+from moed.experts.device_ffn import run_grouped_experts, slot_layout_of
 from moed.experts.engine_stats import EngineStats
 from moed.experts.prefill_stream import STREAM_MIN_TOKENS, PrefillStream, stream_buffers
 from moed.experts.executor import merge_expert_outputs
@@ -67,6 +68,8 @@ class HybridExecutor:
         stream_buffers(0, 1, prefill_buffers)  # refuses anything but 1 or 2
         self.prefill_buffers = prefill_buffers
         self._stream: PrefillStream | None = None
+        self._layer_matrices: dict[int, dict[str, ggml_slots.SlotMatrix]] = {}
+        self._layout: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None  # a ggml bank: its layers as slots hold them
         self.bank, self.device, self.policy, self.bandwidth = bank, device, policy, bandwidth
         self._on_close = on_close
         self.cpu_pool = cpu_pool or CpuWorkerPool()
@@ -88,7 +91,34 @@ class HybridExecutor:
 
     # -- configuration ------------------------------------------------------------------------
     def _slot_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {name: (tuple(t.shape[1:]), t.dtype) for name, t in self.bank.tensors.items()}
+        if self._layout is None:
+            self._layout = slot_layout_of(self.bank)
+        return self._layout
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of one cache slot (a ggml bank's: its widest layer's expert)."""
+        return slot_nbytes(self._slot_layout())
+
+    def _matrices(self, moe_layer: int) -> dict[str, ggml_slots.SlotMatrix] | None:
+        """A ggml bank's layer as its slots hold it (types, shapes); None for the other banks."""
+        if self.bank.dtype != GGML_BANK:
+            return None
+        found = self._layer_matrices.get(moe_layer)
+        if found is None:
+            found = self._layer_matrices[moe_layer] = ggml_slots.layer_matrices(self.bank, moe_layer)
+        return found
+
+    def _copy_in(self, slots: list[int], flat_ids: list[int]) -> list:
+        """Queue the copies of the experts ``flat_ids`` into ``slots``: one copy, or for a ggml bank one per
+        layer among them (each layer's rows in its own types and sizes). Their handles."""
+        if self.bank.dtype != GGML_BANK:
+            return [self.device.copy_rows_async(self.slots, slots, self.bank.tensors, flat_ids)]
+        handles = []
+        for layer, dst, rows in ggml_slots.copies_by_layer(self.bank, slots, flat_ids):
+            src = ggml_slots.layer_source(self.bank, layer)
+            handles.append(self.device.copy_rows_async({k: self.slots[k] for k in src}, dst, src, rows))
+        return handles
 
     def _make_slot_bank(self) -> ExpertBank:
         return ExpertBank(num_moe_layers=1, num_experts=self.cache.num_slots + self.num_scratch, hidden_size=self.bank.hidden_size,
@@ -97,7 +127,7 @@ class HybridExecutor:
 
     def _refresh_cache_stats(self) -> None:
         self.stats.cache_slots = self.cache.num_slots + self.num_scratch
-        self.stats.cache_bytes = self.stats.cache_slots * self.bank.bytes_per_expert()
+        self.stats.cache_bytes = self.stats.cache_slots * self.slot_bytes
 
     def _prepare_policy(self) -> None:
         """Placement-fixing policies (static) decide their set once the cache size is known."""
@@ -140,8 +170,7 @@ class HybridExecutor:
         st = self._stream
         experts = list(range(self.bank.num_experts)) if experts is None else experts
         base = self.bank.flat_id(moe_layer, 0)
-        handle = self.device.copy_rows_async(self.slots, [st.slot(moe_layer, e) for e in experts], self.bank.tensors,
-                                             [base + e for e in experts])
+        [handle] = self._copy_in([st.slot(moe_layer, e) for e in experts], [base + e for e in experts])
         self._pending_copies.append(handle)
         self.stats.streamed_bytes += handle.nbytes
         return handle
@@ -176,9 +205,7 @@ class HybridExecutor:
                 self._prepare_policy()
                 self._refresh_cache_stats()
                 raise
-        if kept:
-            handle = self.device.copy_rows_async(self.slots, [slot for slot, _ in kept], self.bank.tensors,
-                                                 [flat_id for _, flat_id in kept])
+        for handle in self._copy_in([slot for slot, _ in kept], [flat_id for _, flat_id in kept]) if kept else []:
             self.device.wait_copy(handle)
             self._pending_copies.append(handle)
             self.stats.refill_bytes += handle.nbytes
@@ -250,17 +277,17 @@ class HybridExecutor:
         # device branch, in stream order: the fill set's copies start, hits compute at once, fills
         # once their copies have landed; nothing here makes the host wait
         copies = list(zip(plan.fills, plan.fill_slots)) + transients
-        if copies:
-            handle = dev.copy_rows_async(self.slots, [slot for _, slot in copies], self.bank.tensors,
-                                         [flat_id for flat_id, _ in copies])
+        if copies:  # one layer: one copy
+            [handle] = self._copy_in([slot for _, slot in copies], [flat_id for flat_id, _ in copies])
             self._pending_copies.append(handle)
         x_dev = dev.to_device(hidden)
         per_slot = torch.empty((num_tokens * top_k, width), dtype=torch.float32, device=dev.compute_device)
         charged: list[float] = []
-        self._enqueue_group(x_dev, per_slot, list(zip(plan.hits, plan.hit_slots)), tokens_of, charged)
+        matrices = self._matrices(moe_layer)
+        self._enqueue_group(x_dev, per_slot, list(zip(plan.hits, plan.hit_slots)), tokens_of, charged, matrices)
         if copies:
             dev.wait_copy(handle)
-            self._enqueue_group(x_dev, per_slot, copies, tokens_of, charged)
+            self._enqueue_group(x_dev, per_slot, copies, tokens_of, charged, matrices)
         cpu_s = self._collect_cpu(cpu_job, cpu_ids, tokens_of, per_slot)
 
         out = self._merge(per_slot, topk_weights, hidden.dtype)
@@ -292,7 +319,7 @@ class HybridExecutor:
         per_slot = torch.empty((num_tokens * top_k, width), dtype=torch.float32, device=dev.compute_device)
         charged: list[float] = []
         work = [(int(flat_id), st.slot(moe_layer, int(flat_id) - base)) for flat_id in ids]
-        self._enqueue_group(x_dev, per_slot, work, tokens_of, charged)
+        self._enqueue_group(x_dev, per_slot, work, tokens_of, charged, self._matrices(moe_layer))
         out = self._merge(per_slot, topk_weights, hidden.dtype)
         copy_s = self._observe_copies()
         self.stats.streamed_layers += 1
@@ -314,8 +341,10 @@ class HybridExecutor:
         return dev.to_host(out)[0]
 
     def _enqueue_group(self, x_dev: torch.Tensor, per_slot: torch.Tensor, work: list[tuple[int, int]],
-                       tokens_of: dict, charged: list[float]) -> None:
-        """Queue the experts of ``work`` ((flat id, slot) pairs) as one grouped computation."""
+                       tokens_of: dict, charged: list[float],
+                       matrices: dict[str, ggml_slots.SlotMatrix] | None = None) -> None:
+        """Queue the experts of ``work`` ((flat id, slot) pairs, one layer's) as one grouped computation;
+        ``matrices``: that layer's, for a ggml bank."""
         if not work:
             return
         dev = self.device
@@ -326,13 +355,14 @@ class HybridExecutor:
             offsets.append(offsets[-1] + len(tokens_of[flat_id][1]))
         slot_ids = [slot for _, slot in work]
         rows_dev, picks_dev = dev.to_device(rows), dev.to_device(picks)
-        nbytes = len(work) * self.bank.bytes_per_expert()
+        per_expert = sum(m.nbytes for m in matrices.values()) if matrices else self.bank.bytes_per_expert()
+        nbytes = len(work) * per_expert
         d, inter = self.bank.hidden_size, self.bank.intermediate_size
         flops = 6.0 * d * inter * offsets[-1]  # gate_up (D x 2I) and down (I x D), 2 FLOP per weight per row
 
         def compute() -> None:
             x = x_dev.index_select(0, rows_dev).float()
-            y = run_grouped_experts(dev, self.slot_bank, x, slot_ids, offsets)
+            y = run_grouped_experts(dev, self.slot_bank, x, slot_ids, offsets, matrices)
             per_slot.index_copy_(0, picks_dev, y)
             charged.append(dev.charge_compute(nbytes, flops))
 

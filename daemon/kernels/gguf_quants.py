@@ -302,8 +302,12 @@ def _dequant_blocks(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
     raise AssertionError(f"no block decoder for {type_name(ggml_type)}")
 
 
-def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
+def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...],
+               slice_weights: int | None = DEQUANT_SLICE) -> torch.Tensor:
     """1-D uint8 ``raw`` of exactly ``nbytes(ggml_type, shape)`` bytes -> float32 tensor of ``shape``.
+
+    ``slice_weights`` weights are decoded per step (the temporaries of a step stay in a CPU's cache);
+    None decodes the whole tensor in one step (a GPU: a few kernel launches instead of a few per slice).
 
     F32 comes back as a view of ``raw``'s memory (no copy); every other type is a new tensor.
     Bit-equal to ``gguf.quants.dequantize`` for every type here (the K-quants included: each of
@@ -324,7 +328,7 @@ def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> tor
     # stay in cache, and the peak is the float32 output plus a few slices, whatever the tensor size.
     elems = block_size(ggml_type)[0]
     out = torch.empty((b.shape[0], elems), dtype=torch.float32, device=b.device)
-    step = max(1, DEQUANT_SLICE // elems)
+    step = max(1, b.shape[0] if slice_weights is None else slice_weights // elems)
     decode = _dequant_blocks if ggml_type in SUPPORTED_TYPES else _reference_blocks
     for start in range(0, b.shape[0], step):
         out[start:start + step] = decode(b[start:start + step], ggml_type)

@@ -230,8 +230,9 @@ class GgufCheckpoint:
         lines = []
         for (stored, how), names in groups.items():
             shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
-            lines.append(f"{len(names)} tensor(s) stored as {q.type_name(stored)} ({shown}) are {how}: moed keeps "
-                         f"no {q.type_name(stored)} form there yet")
+            keep = (f"--experts-dtype {GGML_BANK} keeps them as stored" if "expert bank" in how and stored in ROW_TYPES
+                    else f"moed keeps no {q.type_name(stored)} form there yet")
+            lines.append(f"{len(names)} tensor(s) stored as {q.type_name(stored)} ({shown}) are {how}: {keep}")
         return lines
 
     def prefers_ggml(self) -> bool:

@@ -152,8 +152,8 @@ def test_a_prefill_chunk_multiplies_decoded_rows(q4_k_m):
 
 def test_on_the_cpu_a_file_the_default_bank_would_re_quantise_loads_as_stored(q4_k_m, tmp_path):
     """The CPU default keeps a Q4_K_M file's types (its Q6_K down would be re-quantised into int4);
-    for a device it stays int4 (no device kernel reads GGUF blocks yet); a Q8_0 or plain Q4_K file
-    keeps its lossless bank either way."""
+    for a device the default stays int4 (its CUDA kernel; the ggml slots decode with torch ops, asked for
+    with --experts-dtype ggml); a Q8_0 or plain Q4_K file keeps its lossless bank either way."""
     path, _ = q4_k_m
     assert load_model(path, cpu_only=True).bank.dtype == "ggml"
     assert load_model(path).bank.dtype == "int4"
@@ -161,6 +161,26 @@ def test_on_the_cpu_a_file_the_default_bank_would_re_quantise_loads_as_stored(q4
     assert load_model(q8_path, cpu_only=True).bank.dtype == "q8"
     q4k_path, _, _ = write_tiny_gguf("qwen3_moe", tmp_path / "q4k", expert_type=T.Q4_K, weight_type=T.Q8_0, **DIMS)
     assert load_model(q4k_path, cpu_only=True).bank.dtype == "int4"
+
+
+def test_on_a_device_the_kept_types_run_from_the_cache_slots(q4_k_m):
+    """``--experts-dtype ggml`` with a device: the experts stay as stored in the host bank and in the
+    device's cache slots (each layer's rows decoded there, experts/ggml_slots.py), and the model is the
+    reference's, as on the CPU: the same float arithmetic with the native kernels off."""
+    from moed.config import EngineConfig
+    from moed.experts.hybrid_executor import HybridExecutor
+
+    path, model = q4_k_m
+    runtime = open_runtime(path, experts_dtype="ggml", weights_dtype="fp32",
+                           engine=EngineConfig(device="emulated", cache_fraction=0.5))
+    try:
+        assert isinstance(runtime.executor, HybridExecutor) and runtime.loaded.bank.dtype == "ggml"
+        with without_native_kernels():
+            assert_matches_reference(runtime, model, tol=1e-3, tokens_equal=True, steps=8, seed=3)
+        stats = runtime.executor.stats
+        assert stats.hits > 0 and stats.fills > 0 and stats.cache_slots > 0
+    finally:
+        runtime.close()
 
 
 def test_the_load_estimate_counts_the_bank_the_load_builds(q4_k_m):
