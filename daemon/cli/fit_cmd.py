@@ -39,7 +39,7 @@ def run_fit(args) -> int:
         raise InvalidRequestError(f"--experts-dtype {args.experts_dtype!r}: choose one of {', '.join(LOAD_DTYPES)}")
     rams = args.ram or [g * 10**9 for g in DEFAULT_RAM_GB]
     vrams = args.vram or [g * 10**9 for g in DEFAULT_VRAM_GB]
-    # a machine with a GPU may get another bank than a CPU-only one (NVFP4 / GGUF blocks are kept on the CPU only)
+    # a machine with a GPU may get another bank than a CPU-only one (NVFP4 / GGUF blocks are kept by default on a CPU-only one)
     cpu = model_needs(args.model, args.experts_dtype, cpu_only=True)
     gpu = model_needs(args.model, args.experts_dtype, cpu_only=False) if any(vrams) else cpu
     print(format_report(cpu if not all(vrams) else gpu,

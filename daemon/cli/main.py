@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--experts-dtype", choices=LOAD_DTYPES,
                      help="expert format when loading a Hugging Face directory or GGUF file (default: the "
                           "checkpoint's own precision: bf16 for bf16, mxfp4 for MXFP4, q8 for Q8_0, int4 for Q4_*; "
-                          "fp32 for fp16/fp32); ggml keeps a GGUF file's own block types (CPU only for now)")
+                          "fp32 for fp16/fp32); ggml keeps a GGUF file's own block types (the default on a CPU-only machine)")
     gen.add_argument("--verify", action="store_true", help="verify FTW checksums while loading")
     gen.add_argument("--dtype", choices=("auto", "fp32"), default="auto",
                      help="non-expert weights at run time: auto keeps the checkpoint's (bf16/fp16/fp32), "

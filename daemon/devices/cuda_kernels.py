@@ -28,25 +28,37 @@ _BLOCK = 128  # threads per block; must match BLOCK in the .cu source
 GEMM_MIN_ROWS_PER_EXPERT = 32
 DEQUANT_CHUNK_BYTES = 256 << 20  # float32 scratch for the dequantised slots of one chunk of experts
 
+# GGUF block rows in slots (the ggml bank): one kernel per GGML type, decoding weight by weight (native/ggml_rows.cu)
+GGML_KERNEL_FILE = "ggml_rows.cu"
+GGML_KERNEL_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 39, 40, 1001, 1002)  # the ggml bank's row types
+GGML_WARPS = 4  # output rows per CUDA block (one warp each); must match WARPS in the .cu source
+
 _kernels: dict[int, Any] = {}  # device index -> compiled cupy.RawKernel
+_ggml_modules: dict[int, Any] = {}  # device index -> compiled cupy.RawModule of ggml_rows.cu
 _streams: dict[int, Any] = {}  # cudaStream_t address -> cupy stream wrapping that torch stream
 
 Index = Sequence[int] | torch.Tensor
 
 
-def kernel_source_path(native_dir: Path | None = None) -> Path:
-    """Where ``expert_int4.cu`` is: ``native_dir`` if given, else the repository's ``native/``, else beside this module."""
+def kernel_source_path(native_dir: Path | None = None, name: str = KERNEL_FILE) -> Path:
+    """Where a CUDA source (default ``expert_int4.cu``) is: ``native_dir`` if given, else the repository's
+    ``native/``, else beside this module."""
     here = Path(__file__).resolve().parent
     candidates = [Path(native_dir)] if native_dir is not None else [here.parents[1] / "native", here / "native"]
     for folder in candidates:
-        path = folder / KERNEL_FILE
+        path = folder / name
         if path.is_file():
             return path
-    looked = ", ".join(str(c / KERNEL_FILE) for c in candidates)
+    looked = ", ".join(str(c / name) for c in candidates)
     raise FileNotFoundError(
-        f"CUDA kernel source {KERNEL_FILE} not found (looked at {looked}); it ships in the repository's "
-        f"native/ folder: run from a source checkout, or copy native/{KERNEL_FILE} next to {__file__}"
+        f"CUDA kernel source {name} not found (looked at {looked}); it ships in the repository's "
+        f"native/ folder: run from a source checkout, or copy native/{name} next to {__file__}"
     )
+
+
+def native_source_dir() -> Path:
+    """The folder of the CUDA sources and the headers they include (``native/``)."""
+    return kernel_source_path(name=GGML_KERNEL_FILE).parent
 
 
 # --------------------------------------------------------------------------- checks
@@ -391,3 +403,69 @@ def grouped_matmul(
         raise ValueError(f"x is on {x.device} but slot matrix {name!r} is on {w.device}")
     _check_groups(x.shape[0], w.shape[0], slot_ids, offsets)
     return _grouped_dense(x, slots, name, w.shape[2], slot_ids, offsets)
+
+
+# --------------------------------------------------------------------------- GGUF block rows (the ggml bank)
+
+
+def ggml_kernel_name(ggml_type: int) -> str:
+    return f"ggml_rows_matmul_{int(ggml_type)}"
+
+
+def _ggml_module(device: torch.device) -> Any:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    module = _ggml_modules.get(index)
+    if module is None:
+        try:
+            import cupy
+        except ImportError as exc:
+            raise RuntimeError(
+                "the CUDA kernels for GGUF block rows need cupy: pip install cupy-cuda12x (or cupy-cuda13x to match "
+                "your CUDA driver)"
+            ) from exc
+        path = kernel_source_path(name=GGML_KERNEL_FILE)
+        with cupy.cuda.Device(index):
+            module = cupy.RawModule(code=path.read_text(), options=(f"-I{path.parent}", "--std=c++14"))
+            module.compile()  # now, so a broken toolchain fails here with its own message
+        _ggml_modules[index] = module
+    return module
+
+
+def ggml_rows_grouped_matmul(x: torch.Tensor, slots: torch.Tensor, ggml_type: int, rows: int, row_bytes: int,
+                             slot_ids: Index, offsets: Index, factor: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [T, rows]`` float32: for each expert ``e``, ``x[offsets[e]:offsets[e+1]] @ W.T`` with ``W`` the
+    ``rows`` rows of ``row_bytes`` bytes of GGML blocks at the start of slot ``slot_ids[e]`` of ``slots``
+    (uint8 ``[S, width]``), decoded in the kernel; times ``factor[slot]`` (float32 ``[S]``) where given. On CUDA;
+    the torch twin is experts/ggml_slots.py's decode + matmul (the same values up to summation order)."""
+    if ggml_type not in GGML_KERNEL_TYPES:
+        raise ValueError(f"no CUDA kernel for GGML type {ggml_type} (kernels: {GGML_KERNEL_TYPES})")
+    if x.device.type != "cuda":
+        raise ValueError(f"ggml_rows_grouped_matmul runs on CUDA tensors; x is on {x.device}")
+    if slots.dim() != 2 or slots.dtype != torch.uint8 or not slots.is_contiguous() or slots.shape[1] < rows * row_bytes:
+        raise ValueError(f"slots must be contiguous uint8 [S, >= {rows * row_bytes}], got {slots.dtype} {tuple(slots.shape)}")
+    if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(f"x must be contiguous float32 [T, K], got {x.dtype} {tuple(x.shape)}")
+    for what, t in (("slots", slots), ("factor", factor)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{what} is on {t.device} but x is on {x.device}")
+    if factor is not None and (factor.dtype != torch.float32 or tuple(factor.shape) != (slots.shape[0],)):
+        raise ValueError(f"factor must be float32 [{slots.shape[0]}], got {factor.dtype} {tuple(factor.shape)}")
+    _check_groups(x.shape[0], slots.shape[0], slot_ids, offsets)
+    y = torch.zeros((x.shape[0], rows), dtype=torch.float32, device=x.device)
+    num_experts = len(slot_ids)
+    if num_experts == 0 or x.shape[0] == 0 or rows == 0:
+        return y
+    ids, offs = as_index(slot_ids, "slot_ids", x.device), as_index(offsets, "offsets", x.device)
+    kern = _ggml_module(x.device).get_function(ggml_kernel_name(ggml_type))
+
+    import cupy
+    import numpy as np
+
+    null = 0  # a null pointer for the kernel's optional factor
+    with cupy.cuda.Device(x.device.index), _cupy_stream(cupy, torch.cuda.current_stream(x.device)):
+        grid = ((rows + GGML_WARPS - 1) // GGML_WARPS, num_experts)
+        kern(grid, (GGML_WARPS * 32,),
+             (cupy.from_dlpack(x), cupy.from_dlpack(slots), np.int64(slots.shape[1]), cupy.from_dlpack(ids),
+              cupy.from_dlpack(offs), cupy.from_dlpack(factor) if factor is not None else np.uintp(null),
+              cupy.from_dlpack(y), np.int32(rows), np.int32(x.shape[1]), np.int32(row_bytes)))
+    return y

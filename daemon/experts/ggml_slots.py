@@ -13,8 +13,12 @@ that have it) and the biases, as the other banks keep them.
 A grouped computation decodes its slots' rows with the torch decoders the CPU reference uses
 (kernels/gguf_quants.py, bit for bit ``gguf.quants``), a chunk of slots in one pass, then
 multiplies each expert's token rows in float32: the arithmetic of the other packed slots (q8,
-mxfp4, int4's GEMM form). The same torch code runs on CUDA tensors; a CUDA kernel that decodes
-inside the product (as the int4 one does) needs a device session to be written and checked.
+mxfp4, int4's GEMM form); this is what runs on the emulated device, and on CUDA for prefill row
+counts. On CUDA at decode row counts one kernel per matrix decodes the rows inside the product
+(native/ggml_rows.cu: its decoders are native/ggml_decode.h, the torch decoders' values bit for bit,
+tested on the CPU). The kernels were written and compile-checked without a GPU: the first product of
+each type on a device is also computed the torch way and compared (one host sync, once); a kernel that
+disagrees is not used again in the process, and the log says so.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import logging
+
 import torch
 
 from moed.cache.host_bank import GGML_BANK, ExpertBank
-from moed.devices.cuda_kernels import as_index
+from moed.devices import cuda_kernels as ck
+from moed.devices.cuda_kernels import GEMM_MIN_ROWS_PER_EXPERT, as_index
 from moed.kernels import gguf_quants as q
 from moed.kernels.ggml_rows_format import row_bytes
 
@@ -33,6 +40,9 @@ KINDS = ("gate", "up", "down")
 BIASES = ("gate_up_bias", "down_bias")  # indexed by flat id in the bank, by slot in the slots
 DEQUANT_CHUNK_BYTES = 256 << 20  # float32 scratch for the decoded matrices of one chunk of slots
 _CPU_SLICE = q.DEQUANT_SLICE  # on the CPU (emulated device) decode in cache-sized slices, as the loader does
+_kernel_checked: dict[tuple[int, int], bool] = {}  # (CUDA device index, GGML type) -> the kernel agreed with torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,41 @@ def grouped_matmul(x: torch.Tensor, slots: dict[str, torch.Tensor], kind: str, m
     scale = slots.get(f"{kind}.scale") if m.scaled else None
     if m.scaled and scale is None:
         raise ValueError(f"the layer scales {kind!r} but the slots hold no {kind}.scale")
+    if x.device.type == "cuda" and x.shape[0] < GEMM_MIN_ROWS_PER_EXPERT * max(1, len(ids)):
+        if _kernel_agrees(x, store, m, ids, offs, scale):
+            return ck.ggml_rows_grouped_matmul(x.contiguous(), store, m.ggml_type, m.rows, m.nbytes // m.rows, ids,
+                                               offs, scale)
+    return _decoded_matmul(x, store, m, ids, offs, scale)
+
+
+def _kernel_agrees(x: torch.Tensor, store: torch.Tensor, m: SlotMatrix, ids: list[int], offs: list[int],
+                   scale: torch.Tensor | None) -> bool:
+    """Whether the CUDA kernel of ``m``'s type may run: checked once per device and type against the torch path."""
+    key = (x.device.index if x.device.index is not None else torch.cuda.current_device(), m.ggml_type)
+    known = _kernel_checked.get(key)
+    if known is not None:
+        return known
+    name = q.type_name(m.ggml_type)
+    try:
+        got = ck.ggml_rows_grouped_matmul(x.contiguous(), store, m.ggml_type, m.rows, m.nbytes // m.rows, ids, offs, scale)
+    except Exception as exc:  # no cupy, no NVRTC: the torch path serves
+        log.warning("the CUDA kernel for %s rows cannot run (%s): decoding them with torch ops instead", name, exc)
+        _kernel_checked[key] = False
+        return False
+    want = _decoded_matmul(x, store, m, ids, offs, scale)
+    err = float((got - want).abs().max()) if want.numel() else 0.0  # the one host sync of the check
+    bound = 1e-3 * float(want.abs().max()) if want.numel() else 0.0
+    ok = err <= bound
+    if not ok:
+        log.error("the CUDA kernel for %s rows disagrees with the torch decoders (max error %.3g, allowed %.3g): "
+                  "it is not used; please report this with your GPU model", name, err, bound)
+    _kernel_checked[key] = ok
+    return ok
+
+
+def _decoded_matmul(x: torch.Tensor, store: torch.Tensor, m: SlotMatrix, ids: list[int], offs: list[int],
+                    scale: torch.Tensor | None) -> torch.Tensor:
+    """The torch path: the used slots' rows decoded a chunk at a time, then one float32 product per expert."""
     y = torch.zeros((x.shape[0], m.rows), dtype=torch.float32, device=x.device)
     used = [e for e in range(len(ids)) if offs[e + 1] > offs[e]]
     per_chunk = max(1, DEQUANT_CHUNK_BYTES // max(1, m.rows * m.k * 4))

@@ -296,7 +296,7 @@ class HfCheckpoint:
         lossless = {"nvfp4": (GGML_BANK, "fp32"), "mxfp8": (GGML_BANK, "bf16", "fp32")}
         if experts is not None and bank_dtype not in lossless[micro.kind]:
             lines.append(f"the routed experts stored as {micro.label} are converted into the {bank_dtype} expert "
-                         f"bank, which changes their values" + (": moed keeps NVFP4 experts as stored on the CPU (ggml bank) only"
+                         f"bank, which changes their values" + (": --experts-dtype ggml keeps NVFP4 experts as stored (the default on a CPU-only machine)"
                                     if micro.kind == "nvfp4" else ""))
         linears = [name for name, key in self.weight_keys.items()
                    if self._quantised(key) and self.packed_weight_dtype(name) is None]  # kept ones change nothing

@@ -50,7 +50,8 @@ def load_model(path: str | Path, *, experts_dtype: str | None = None, verify: bo
     ``weights_dtype`` is the non-expert weights' dtype at run time: "auto" keeps what the files hold,
     "fp32" widens them (exact float32 arithmetic, twice the memory of bf16). ``cpu_only``: the experts
     will run on the CPU, so a GGUF file whose experts the default bank would re-quantise loads them as
-    stored instead (the ggml bank, ``GgufCheckpoint.prefers_ggml``), as no device kernel reads it yet."""
+    stored instead (the ggml bank, ``GgufCheckpoint.prefers_ggml``); with a device the default bank stays, whose
+    kernels are measured on a GPU (``--experts-dtype ggml`` runs the kept types there too: experts/ggml_slots.py)."""
     if weights_dtype not in WEIGHT_DTYPES:
         raise InvalidRequestError(f"weights dtype {weights_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
     loaded = _load(Path(path), experts_dtype, verify, progress, weights_dtype, cpu_only)
