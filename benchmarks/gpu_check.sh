@@ -11,11 +11,13 @@
 #    decode by VRAM cap and placement, syncs, prefill 4k/16k double-buffered vs on demand, a
 #    cache resize under NVML pressure.
 # 4. benchmarks/bench_recurrent_prefill.py --device cuda (Mamba-2, KDA): chunked prefill of 4k tokens vs the layer
-#    once per token (issue #36's 20x), last and short (30 s each).
+#    once per token (issue #36's 20x), short (30 s each).
+# 5. benchmarks/gpu_real_shape.py --experts-dtype ggml-q4_k_m (12 layers, decode at a 4 GiB cap): a Q4_K_M file's
+#    experts kept as stored in the device slots, the CUDA kernels of native/ggml_rows.cu (issue #31 item 3).
 # Reports land in OUT_DIR (default /tmp/moed-gpu-check). $PY picks the python (default: .venv's
 # where it exists, else python3). On a machine without network, wheels of the packages its python
 # lacks can be carried in .whl/ (docs/benchmarks.md says which); they are installed to /tmp/site.
-# $GPU_CHECK_SKIP (comma-separated: tests,check,real,recurrent) leaves steps out; $TEST_FILES replaces the test list;
+# $GPU_CHECK_SKIP (comma-separated: tests,check,real,recurrent,ggml) leaves steps out; $TEST_FILES replaces the test list;
 # $REAL_ARGS adds arguments to gpu_real_shape.py (e.g. --sections parity).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,5 +67,10 @@ if [[ $SKIP != *,recurrent,* ]]; then
       --json "$OUT/recurrent_$layer.json" > "$OUT/recurrent_$layer.txt" 2>&1 || status=1
     tail -20 "$OUT/recurrent_$layer.txt"
   done
+fi
+if [[ $SKIP != *,ggml,* ]]; then
+  timeout 100 $PY benchmarks/gpu_real_shape.py --device cuda --experts-dtype ggml-q4_k_m --layers 12 --caps 4 \
+    --sections decode --json "$OUT/ggml_q4_k_m.json" > "$OUT/ggml_q4_k_m.md" 2>&1 || status=1
+  tail -20 "$OUT/ggml_q4_k_m.md"
 fi
 exit $status

@@ -42,14 +42,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_check import count_syncs  # noqa: E402
 from moed.cache.bank_builder import bank_tensor_specs  # noqa: E402
-from moed.cache.host_bank import ExpertActivation, ExpertBank  # noqa: E402
+from moed.cache.host_bank import GGML_BANK, ExpertActivation, ExpertBank  # noqa: E402
 from moed.config import EngineConfig  # noqa: E402
 from moed.engine.offline_run import run_offline  # noqa: E402
 from moed.engine.runtime import ModelRuntime  # noqa: E402
 from moed.engine.sampling import SamplingParams  # noqa: E402
 from moed.experts.cpu_pool import CpuWorkerPool  # noqa: E402
 from moed.experts.engine_stats import EngineStats  # noqa: E402
+from moed.experts.device_ffn import copy_experts, slot_layout_of  # noqa: E402
+from moed.devices.device import slot_nbytes  # noqa: E402
 from moed.experts.executor_factory import initial_bandwidth, select_device  # noqa: E402
+from moed.experts.kernel_bench import random_rows  # noqa: E402
+from moed.kernels.gguf_quants import type_id  # noqa: E402
 from moed.experts.hybrid_executor import HybridExecutor  # noqa: E402
 from moed.experts.policies import make_policy  # noqa: E402
 from moed.models.families import parse_model_config  # noqa: E402
@@ -67,6 +71,7 @@ def sampled(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=1.0, seed=17, max_tokens=max_tokens, ignore_eos=True)
 
 POLICIES = ("adaptive", "fill-all", "static-layers")
+GGML_Q4_K_M = "ggml-q4_k_m"
 
 
 class Bench:
@@ -102,6 +107,8 @@ class Bench:
 
     def _bank(self, gen: torch.Generator) -> ExpertBank:
         a, dtype = self.args, self.args.experts_dtype
+        if dtype == GGML_Q4_K_M:
+            return self._q4_k_m_bank(gen)
         n = a.layers * a.experts
         specs = bank_tensor_specs(dtype, n, a.hidden, a.inter, False)
         dev = self.device.compute_device
@@ -131,9 +138,25 @@ class Bench:
                           intermediate_size=a.inter, dtype=dtype, activation=ExpertActivation("silu"),
                           tensors=tensors)
 
+    def _q4_k_m_bank(self, gen: torch.Generator) -> ExpertBank:
+        """The ggml bank of a Q4_K_M file (random valid blocks): Q4_K gate/up, the down Q6_K in llama.cpp's
+        "more bits" layers (the first and last eighth and every third between) and Q4_K in the others."""
+        a = self.args
+        n = a.layers
+        tensors, types = {}, {}
+        for layer in range(n):
+            more = layer < n // 8 or layer >= 7 * n // 8 or (layer - n // 8) % 3 == 2
+            for kind, name, rows, k in (("gate", "Q4_K", a.inter, a.hidden), ("up", "Q4_K", a.inter, a.hidden),
+                                        ("down", "Q6_K" if more else "Q4_K", a.hidden, a.inter)):
+                # fp16 block scales of 1e-4: weights of a few hundredths, as the int4 bank's
+                tensors[f"{kind}.{layer}"] = random_rows(name, (a.experts, rows), k, gen, scale=1e-4)
+                types[f"{kind}.{layer}"] = type_id(name)
+        return ExpertBank(num_moe_layers=n, num_experts=a.experts, hidden_size=a.hidden, intermediate_size=a.inter,
+                          dtype=GGML_BANK, activation=ExpertActivation("silu"), tensors=tensors, row_types=types)
+
     def slots_for(self, cap_bytes: int, context: int = 2 * DECODE_CONTEXT) -> int:
         room = cap_bytes - self.weight_bytes - context * self.kv_per_token - self.args.reserve_mib * (1 << 20)
-        return max(0, min(self.bank.num_slots, room // self.bank.bytes_per_expert()))
+        return max(0, min(self.bank.num_slots, room // slot_nbytes(slot_layout_of(self.bank))))
 
     def runtime(self, policy: str, num_slots: int, prefill_buffers: int = 2) -> ModelRuntime:
         name, opts = ("static", {"layout": "layers"}) if policy == "static-layers" else (policy, {})
@@ -155,14 +178,14 @@ def measure_b_p(bench: Bench) -> float:
     """Pinned host -> device copies alone: 256 contiguous bank rows (best of 3)."""
     dev, bank = bench.device, bench.bank
     n = min(256, bank.num_slots)
-    layout = {k: (tuple(t.shape[1:]), t.dtype) for k, t in bank.tensors.items()}
-    slots = dev.alloc_slots(n, layout)
+    slots = dev.alloc_slots(n, slot_layout_of(bank))
     best = 0.0
     try:
         for _ in range(3):
-            h = dev.copy_rows_async(slots, list(range(n)), bank.tensors, list(range(n)))
-            h.wait()
-            best = max(best, h.nbytes / max(h.seconds, 1e-9))
+            handles = copy_experts(dev, slots, list(range(n)), bank, list(range(n)))
+            for h in handles:
+                h.wait()
+            best = max(best, sum(h.nbytes for h in handles) / max(sum(h.seconds for h in handles), 1e-9))
     finally:
         dev.free_slots(slots)
     return best
@@ -491,7 +514,8 @@ def section_profile(bench: Bench, out: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "emulated"))
-    ap.add_argument("--experts-dtype", default="int4", choices=("int4", "q8", "bf16", "mxfp4"))
+    ap.add_argument("--experts-dtype", default="int4", choices=("int4", "q8", "bf16", "mxfp4", GGML_Q4_K_M),
+                    help=f"{GGML_Q4_K_M}: the ggml bank of a Q4_K_M file (GGUF block rows kept as stored)")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--inter", type=int, default=768)

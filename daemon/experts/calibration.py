@@ -18,6 +18,7 @@ import torch
 
 from moed.cache.host_bank import ExpertBank
 from moed.config import cache_dir
+from moed.experts.device_ffn import copy_experts, slot_layout_of
 from moed.experts.expert_ffn import run_expert
 from moed.experts.routed_ffn import run_routed
 
@@ -86,7 +87,9 @@ def _cpu_pass(bank: ExpertBank, ids: list[int], stop: threading.Event | None = N
         if stop is not None and stop.is_set():
             break
         chunk = ids[start : start + _EXPERTS_PER_CALL]
-        run_routed(bank, x, torch.tensor([chunk], dtype=torch.int32))
+        for layer in sorted({i // bank.num_experts for i in chunk}):  # a call runs one layer (a ggml bank's rule)
+            part = [i for i in chunk if i // bank.num_experts == layer]
+            run_routed(bank, x, torch.tensor([part], dtype=torch.int32))
         done += len(chunk)
     return done * bank.bytes_per_expert(), time.perf_counter() - started
 
@@ -96,9 +99,9 @@ def _copy_pass(device, slots: dict, bank: ExpertBank, ids: list[int], num_slots:
     nbytes = 0
     for start in range(0, len(ids), num_slots):
         chunk = ids[start : start + num_slots]
-        handle = device.copy_rows_async(slots, list(range(len(chunk))), bank.tensors, chunk)
-        handle.wait()
-        nbytes += handle.nbytes
+        for handle in copy_experts(device, slots, list(range(len(chunk))), bank, chunk):
+            handle.wait()
+            nbytes += handle.nbytes
     return nbytes, time.perf_counter() - started
 
 
@@ -113,7 +116,7 @@ def calibrate(device, bank: ExpertBank, *, seconds: float = 1.0, num_slots: int 
     # enough distinct experts per pass that caches cannot serve them
     count = max(num_slots, min(bank.num_slots, int(2 * 2**30 // max(per_expert, 1)) or 1))
     ids = [i % bank.num_slots for i in range(count)]
-    slots = device.alloc_slots(num_slots, {n: (tuple(t.shape[1:]), t.dtype) for n, t in bank.tensors.items()})
+    slots = device.alloc_slots(num_slots, slot_layout_of(bank))
     try:
         return _measure(device, bank, ids, slots, seconds, num_slots)
     finally:

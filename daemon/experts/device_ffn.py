@@ -27,6 +27,19 @@ def slot_layout_of(bank: ExpertBank) -> dict[str, tuple[tuple[int, ...], torch.d
     return mirrored_layout(bank.tensors)
 
 
+def copy_experts(device, slots: dict[str, torch.Tensor], dst_slots: Sequence[int], bank: ExpertBank,
+                 flat_ids: Sequence[int]) -> list:
+    """Queue the copies of ``bank``'s experts ``flat_ids`` into ``dst_slots``: one copy, or for a ggml bank one
+    per layer among them (each layer's rows in its own types and sizes). Their handles."""
+    if bank.dtype != GGML_BANK:
+        return [device.copy_rows_async(slots, list(dst_slots), bank.tensors, list(flat_ids))]
+    handles = []
+    for layer, dst, rows in ggml_slots.copies_by_layer(bank, dst_slots, flat_ids):
+        src = ggml_slots.layer_source(bank, layer)
+        handles.append(device.copy_rows_async({k: slots[k] for k in src}, dst, src, rows))
+    return handles
+
+
 def run_grouped_experts(device, slot_bank: ExpertBank, x: torch.Tensor, slot_ids: Sequence[int],
                         offsets: Sequence[int],
                         matrices: dict[str, ggml_slots.SlotMatrix] | None = None) -> torch.Tensor:

@@ -31,7 +31,7 @@ from moed.devices.device import DeviceMemoryError, num_slots_of, slot_nbytes
 from moed.experts import ggml_slots
 from moed.experts.bandwidth_model import BandwidthModel
 from moed.experts.cpu_pool import CpuWorkerPool
-from moed.experts.device_ffn import run_grouped_experts, slot_layout_of
+from moed.experts.device_ffn import copy_experts, run_grouped_experts, slot_layout_of
 from moed.experts.engine_stats import EngineStats
 from moed.experts.prefill_stream import STREAM_MIN_TOKENS, PrefillStream, stream_buffers
 from moed.experts.executor import merge_expert_outputs
@@ -110,15 +110,8 @@ class HybridExecutor:
         return found
 
     def _copy_in(self, slots: list[int], flat_ids: list[int]) -> list:
-        """Queue the copies of the experts ``flat_ids`` into ``slots``: one copy, or for a ggml bank one per
-        layer among them (each layer's rows in its own types and sizes). Their handles."""
-        if self.bank.dtype != GGML_BANK:
-            return [self.device.copy_rows_async(self.slots, slots, self.bank.tensors, flat_ids)]
-        handles = []
-        for layer, dst, rows in ggml_slots.copies_by_layer(self.bank, slots, flat_ids):
-            src = ggml_slots.layer_source(self.bank, layer)
-            handles.append(self.device.copy_rows_async({k: self.slots[k] for k in src}, dst, src, rows))
-        return handles
+        """Queue the copies of the experts ``flat_ids`` into ``slots`` (one per layer for a ggml bank); the handles."""
+        return copy_experts(self.device, self.slots, slots, self.bank, flat_ids)
 
     def _make_slot_bank(self) -> ExpertBank:
         return ExpertBank(num_moe_layers=1, num_experts=self.cache.num_slots + self.num_scratch, hidden_size=self.bank.hidden_size,

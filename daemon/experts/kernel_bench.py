@@ -84,8 +84,9 @@ def _random_ggml_bank(hidden: int, inter: int, dtype: str, bank_bytes: int, seed
                       dtype=GGML_BANK, activation=ExpertActivation("silu"), tensors=tensors, row_types=types)
 
 
-def random_rows(name: str, lead: tuple[int, ...], k: int, gen: torch.Generator) -> torch.Tensor:
-    """Random valid rows of GGML type ``name`` (``uint8 [*lead, row_bytes]``): finite, moderate scales."""
+def random_rows(name: str, lead: tuple[int, ...], k: int, gen: torch.Generator, scale: float = 0.01) -> torch.Tensor:
+    """Random valid rows of GGML type ``name`` (``uint8 [*lead, row_bytes]``): finite, moderate scales (the
+    fp16 block scales ``scale``)."""
     from moed.kernels.ggml_rows_format import row_bytes
     from moed.kernels.gguf_quants import block_size, type_id
 
@@ -103,7 +104,7 @@ def random_rows(name: str, lead: tuple[int, ...], k: int, gen: torch.Generator) 
         blocks[:, 0:4] = torch.tensor([0.01], dtype=torch.float32).view(torch.uint8)
         blocks[:, 4:] &= 0x77
     for off in _FP16_FIELDS.get(name, ()):
-        blocks[:, off:off + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+        blocks[:, off:off + 2] = torch.tensor([scale], dtype=torch.float16).view(torch.uint8)
     return raw
 
 
