@@ -174,6 +174,21 @@ def test_with_the_native_kernels_the_cpu_share_differs_only_by_int8_activations(
         executor.close()
 
 
+def test_moed_bench_bw_calibrates_on_a_ggml_bank():
+    """The calibration copies (per layer) and CPU passes (a call per layer) work on a ggml bank: both rates
+    measured, the slots freed."""
+    from moed.devices.emulated import emulated_device_bytes
+    from moed.experts.calibration import calibrate
+
+    bank = mixed_bank()
+    device = EmulatedDevice(b_p=2e9)
+    before = emulated_device_bytes()
+    profile = calibrate(device, bank, seconds=0.05, num_slots=6)
+    assert profile.b_p > 0 and profile.b_h > 0 and profile.b_p_concurrent > 0
+    assert profile.expert_shape.endswith("ggml") and emulated_device_bytes() == before
+    device.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_slots_give_the_cpu_executors_results():
