@@ -101,7 +101,7 @@ class Bench:
         self.bank = self._bank(gen)
         self.build_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.pin = self.device.pin_host(list(self.bank.tensors.values()))
+        self.pin = self.device.pin_host(self.bank.storage())
         self.pin_s = time.perf_counter() - t0
         self.kv_per_token = 2 * self.config.num_layers * args.kv_heads * args.head_dim * 2  # bf16 K and V
 

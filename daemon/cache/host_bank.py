@@ -26,7 +26,8 @@ intermediate size, G = INT4_GROUP_SIZE = 32, the group size of every packed form
   ``l`` and matrix ``M`` in (gate, up, down), ``M.{l}`` uint8 ``[E, rows, row_bytes]``, each expert
   the GGUF tensor's rows of blocks (gate/up: I rows of D weights; down: D rows of I weights), in
   the GGML type ``row_types["M.{l}"]`` (a layer's matrices may differ, as a Q4_K_M file's Q6_K
-  down in some layers). Addressed by layer, not by flat id; CPU kernels only. Optional
+  down in some layers). Addressed by layer, not by flat id. Non-gated experts (Nemotron-H's relu^2)
+  have no gate: ``gate.{l}`` is the ``up.{l}`` tensor itself (one copy in memory, read once). Optional
   ``M.{l}.scale`` float32 ``[E]``: a factor per expert on that matrix's outputs (an NVFP4
   checkpoint's per-tensor global scale; its blocks stay as stored).
 - optional biases (gpt-oss), always float32: ``gate_up_bias`` ``[N, 2I]``, ``down_bias``
@@ -100,5 +101,16 @@ class ExpertBank:
         """A ggml bank matrix's factor per expert (float32 ``[E]``, on the outputs), or None (1)."""
         return self.tensors.get(f"{kind}.{moe_layer}.scale")
 
+    def storage(self) -> list[torch.Tensor]:
+        """The bank's tensors, each once (a ggml bank's non-gated experts hold one tensor under two names)."""
+        seen: dict[int, torch.Tensor] = {}
+        for t in self.tensors.values():
+            seen.setdefault(id(t), t)
+        return list(seen.values())
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(t.numel() * t.element_size() for t in self.storage())
+
+    def gate_is_up(self, moe_layer: int) -> bool:
+        """A ggml bank's non-gated layer: its gate is its up matrix (relu^2 experts; the kernels read it once)."""
+        return self.dtype == GGML_BANK and self.tensors.get(f"gate.{moe_layer}") is self.tensors.get(f"up.{moe_layer}")

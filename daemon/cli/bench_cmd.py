@@ -68,7 +68,7 @@ def run_bench_bw(args: argparse.Namespace) -> int:
         raise InvalidRequestError("no CUDA device here: calibrate against `--device emulated` or on a GPU machine")
     bank = load_model(args.model, experts_dtype=args.experts_dtype).bank
     # serving copies from the pinned bank, so B_P is measured from pinned memory too
-    report = device.pin_host(list(bank.tensors.values()))
+    report = device.pin_host(bank.storage())
     try:
         profile = calibrate(device, bank, seconds=args.seconds)
     finally:

@@ -58,11 +58,13 @@ def run_grouped_experts(device, slot_bank: ExpertBank, x: torch.Tensor, slot_ids
         if matrices is None:
             return device.grouped_matmul(h, t, name, slot_ids, offsets)
         if getattr(device, "timing_only", False):  # schedule benchmarks: shapes only, as grouped_matmul does
-            width = sum(matrices[k].rows for k in ("gate", "up")) if name == "gate_up" else matrices["down"].rows
+            width = 2 * matrices["up"].rows if name == "gate_up" else matrices["down"].rows
             return torch.zeros((h.shape[0], width), dtype=torch.float32, device=h.device)
-        kinds = ("gate", "up") if name == "gate_up" else ("down",)
-        outs = [ggml_slots.grouped_matmul(h, t, k, matrices[k], slot_ids, offsets) for k in kinds]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if name == "down":
+            return ggml_slots.grouped_matmul(h, t, "down", matrices["down"], slot_ids, offsets)
+        up = ggml_slots.grouped_matmul(h, t, "up", matrices["up"], slot_ids, offsets)
+        gate = ggml_slots.grouped_matmul(h, t, "gate", matrices["gate"], slot_ids, offsets) if "gate" in matrices else up
+        return torch.cat([gate, up], dim=1)  # a layer whose gate is its up (relu^2) multiplies it once
 
     gate_up = matmul(x, "gate_up")  # [T, 2I]
     if "gate_up_bias" in t:

@@ -59,7 +59,7 @@ def build_executor(bank: ExpertBank, cfg: EngineConfig, *, trace_out: str | Path
     stats = EngineStats(device=device.kind, policy=cfg.policy)
     release = None
     if device.kind != "cpu":
-        report = device.pin_host(list(bank.tensors.values()))
+        report = device.pin_host(bank.storage())
         stats.pinned_bytes, stats.pageable_bytes, stats.pin_note = (
             report.pinned_bytes, report.pageable_bytes, report.reason)
         if report.pinned_bytes == 0 and bank.nbytes() > 0:

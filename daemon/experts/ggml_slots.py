@@ -8,7 +8,8 @@ widest layer's, a layer's rows filling its start (the devices' prefix copies: de
 ``prefix_kinds``); the layer a slot holds gives the type, and a computation runs one layer, so
 the executor passes that layer's ``SlotMatrix`` per kind. Beside them: a float32 factor per slot
 and kind where some layer has one (an NVFP4 checkpoint's per-tensor scale; read only for the layers
-that have it) and the biases, as the other banks keep them.
+that have it) and the biases, as the other banks keep them. A layer whose gate is its up matrix
+(Nemotron-H's non-gated relu^2 experts, ``ExpertBank.gate_is_up``) copies and multiplies it once.
 
 A grouped computation decodes its slots' rows with the torch decoders the CPU reference uses
 (kernels/gguf_quants.py, bit for bit ``gguf.quants``), a chunk of slots in one pass, then
@@ -61,10 +62,15 @@ class SlotMatrix:
         return self.rows * row_bytes(self.ggml_type, self.k)
 
 
+def layer_kinds(bank: ExpertBank, moe_layer: int) -> tuple[str, ...]:
+    """The matrices one layer's slots hold: gate, up and down, or up and down where the gate is the up."""
+    return KINDS[1:] if bank.gate_is_up(moe_layer) else KINDS
+
+
 def layer_matrices(bank: ExpertBank, moe_layer: int) -> dict[str, SlotMatrix]:
-    """The types and shapes of one MoE layer's gate, up and down."""
+    """The types and shapes of one MoE layer's gate, up and down (no gate where it is the up matrix)."""
     out = {}
-    for kind in KINDS:
+    for kind in layer_kinds(bank, moe_layer):
         t, ggml_type = bank.ggml_matrix(kind, moe_layer)
         k = bank.hidden_size if kind != "down" else bank.intermediate_size
         out[kind] = SlotMatrix(ggml_type, t.shape[1], k, bank.ggml_scale(kind, moe_layer) is not None)
@@ -78,9 +84,11 @@ def slot_layout(bank: ExpertBank) -> dict[str, tuple[tuple[int, ...], torch.dtyp
         raise ValueError(f"a {bank.dtype} bank's slots mirror its tensors; this layout is the ggml bank's")
     layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for kind in KINDS:
-        widths = [bank.ggml_matrix(kind, ml)[0][0].numel() for ml in range(bank.num_moe_layers)]
-        layout[kind] = ((max(widths, default=0),), torch.uint8)
-        if any(bank.ggml_scale(kind, ml) is not None for ml in range(bank.num_moe_layers)):
+        layers = [ml for ml in range(bank.num_moe_layers) if kind in layer_kinds(bank, ml)]
+        if not layers:
+            continue
+        layout[kind] = ((max(bank.ggml_matrix(kind, ml)[0][0].numel() for ml in layers),), torch.uint8)
+        if any(bank.ggml_scale(kind, ml) is not None for ml in layers):
             layout[f"{kind}.scale"] = ((), torch.float32)
     for name in BIASES:
         if name in bank.tensors:
@@ -93,7 +101,7 @@ def layer_source(bank: ExpertBank, moe_layer: int) -> dict[str, torch.Tensor]:
     pinned memory): the rows of each matrix, the factors the layer has, its slice of the biases."""
     e = bank.num_experts
     src = {}
-    for kind in KINDS:
+    for kind in layer_kinds(bank, moe_layer):
         src[kind] = bank.ggml_matrix(kind, moe_layer)[0].view(e, -1)
         scale = bank.ggml_scale(kind, moe_layer)
         if scale is not None:

@@ -248,7 +248,7 @@ class GgufCheckpoint:
         """Bytes of the ggml bank (the expert tensors as stored, plus float32 biases)."""
         total = 0
         for names in self._experts.values():
-            for name in (names or ())[:3]:
+            for name in set((names or ())[:3]):  # relu^2 experts: the up tensor is also the gate, held once
                 total += self.file.tensor(name).nbytes
         moe = self.config.moe
         return total + (self.num_bank_rows * (2 * moe.intermediate_size + self.config.hidden_size) * 4
@@ -266,8 +266,12 @@ class GgufCheckpoint:
             if names is None:
                 continue
             ml = config.moe_layer_index(layer)
+            read: dict[str, torch.Tensor] = {}  # relu^2 experts name their up tensor as the gate: read once
             for kind, name in zip(("gate", "up", "down"), names[:3]):
                 info = self.file.tensor(name)
+                if name in read:
+                    tensors[f"{kind}.{ml}"], types[f"{kind}.{ml}"] = read[name], info.ggml_type
+                    continue
                 if info.ggml_type not in ROW_TYPES:
                     raise InvalidRequestError(
                         f"{self.path}: expert tensor {quoted(name)} is {info.type_name}; the ggml bank keeps "
@@ -277,6 +281,7 @@ class GgufCheckpoint:
                 bank = torch.empty(experts, rows, row_bytes(info.ggml_type, k), dtype=torch.uint8)
                 self.file.read(name, out=bank)
                 tensors[f"{kind}.{ml}"], types[f"{kind}.{ml}"] = bank, info.ggml_type
+                read[name] = bank
         if moe.has_expert_bias:
             rows = [(torch.cat([self._dequantized(n[3]), self._dequantized(n[4])], dim=-1), self._dequantized(n[5]))
                     for n in self._experts.values() if n is not None]

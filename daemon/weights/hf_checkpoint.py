@@ -59,10 +59,11 @@ def ggml_bank_bytes(kind: str, config: ModelConfig, rows: int) -> int:
     """Bytes of a ggml bank of ``rows`` experts kept as ``kind`` ("nvfp4": NVFP4 rows and a float32 factor per
     expert matrix; "fp8" / "mxfp8": FP8_B128 / MXFP8 rows)."""
     d, inter = config.hidden_size, config.moe.intermediate_size
+    mats = 2 if config.moe.activation == "relu2" else 3  # non-gated experts: the up matrix is the gate too, held once
     if kind == "nvfp4":
-        return rows * (3 * d * inter // 64 * 36 + 3 * 4)
+        return rows * (mats * d * inter // 64 * 36 + mats * 4)
     weights, size = fb.BLOCK_SIZES[GGML_ROW_TYPE[kind]]
-    return rows * (3 * d * inter // weights * size)
+    return rows * (mats * d * inter // weights * size)
 
 
 FP8_KEPT_LINEARS = frozenset({
@@ -251,6 +252,12 @@ class HfCheckpoint:
             for part, pattern, rows, k in (("gate", names.expert_gate or names.expert_up, inter, d),
                                            ("up", names.expert_up, inter, d),
                                            ("down", names.expert_down, d, inter)):
+                if part == "up" and not names.expert_gate:  # non-gated (relu^2) experts: the gate is the up, held once
+                    for suffix in ("", ".scale"):
+                        if f"gate.{ml}{suffix}" in tensors:
+                            tensors[f"up.{ml}{suffix}"] = tensors[f"gate.{ml}{suffix}"]
+                    types[f"up.{ml}"] = types[f"gate.{ml}"]
+                    continue
                 bank = torch.empty(num_experts, rows, row_bytes(ggml_type, k), dtype=torch.uint8)
                 keys = [self._data_key(prefix + pattern.format(e=e)) for e in range(num_experts)]
                 for key in keys:

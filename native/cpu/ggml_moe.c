@@ -3,7 +3,9 @@
  *
  *   gather   each run expert's tokens; their int8 activations (moed_quantize_act_span: the span the
  *            gate and up rows need, ggml_rows.h) side by side
- *   phase 1  tasks (expert, gate or up, a stretch of rows): dot products -> g_e, u_e [T_e][I]
+ *   phase 1  tasks (expert, gate or up, a stretch of rows): dot products -> g_e, u_e [T_e][I]; where the gate is
+ *            the up matrix itself (Nemotron-H's non-gated relu^2 experts: one tensor under both names), the
+ *            rows are read once and u_e is g_e
  *   phase 2  per expert: scales, biases, activation -> h_e [T_e][I], quantised to int8 (the down rows' span)
  *   phase 3  tasks (expert, a stretch of down rows) -> o_e [T_e][D] (x scale, + bias), scattered to the slots
  *   merge    y[t] = sum over a ascending of weight[t][a] * out[t][a] over the slots run
@@ -32,7 +34,8 @@ typedef struct {
     const run_expert *ex;
     int nex;
     int64_t D, I, rows1, rows3;   /* rows per task in phases 1 and 3 */
-    int64_t t1, t3;               /* tasks per expert in phases 1 (gate and up) and 3 */
+    int64_t t1, t3;               /* tasks per expert in phases 1 (gate and up, or the one of them) and 3 */
+    int gate_is_up;               /* the gate matrix is the up matrix: phase 1 reads it once, into g */
     const int8_t *xq; const float *xs, *xsum;   /* gathered [Tall][D] */
     const float *xf;              /* gathered float rows [Tall][D] (when gate or up is an FP8 type) */
     float *g, *u;                 /* [Tall][I] */
@@ -46,7 +49,7 @@ static void phase1(void *ctx, int64_t task, int thread) {
     (void)thread;
     const job *j = (const job *)ctx;
     const run_expert *e = &j->ex[task / j->t1];
-    int64_t c = task % j->t1, per = (j->t1 / 2);
+    int64_t c = task % j->t1, per = j->gate_is_up ? j->t1 : j->t1 / 2;
     int up = c >= per;
     const moed_ggml_matrix *m = up ? &j->L->up : &j->L->gate;
     int64_t r0 = (c % per) * j->rows1, r1 = r0 + j->rows1 < j->I ? r0 + j->rows1 : j->I;
@@ -71,10 +74,11 @@ static void phase2(void *ctx, int64_t task, int thread) {
     const moed_ggml_layer *L = j->L;
     const float *b = L->gate_up_bias ? L->gate_up_bias + e->expert * 2 * j->I : NULL;
     const float sg = L->gate_scale ? L->gate_scale[e->expert] : 1.0f, su = L->up_scale ? L->up_scale[e->expert] : 1.0f;
+    const float *ur = j->gate_is_up ? j->g : j->u;
     for (int t = 0; t < e->T; t++) {
         const int64_t row = (e->first + t) * j->I;
         for (int64_t i = 0; i < j->I; i++) {
-            float g = j->g[row + i] * sg, u = j->u[row + i] * su;
+            float g = j->g[row + i] * sg, u = ur[row + i] * su;
             if (b) { g += b[i]; u += b[j->I + i]; }
             j->h[row + i] = moed_activate(L->act_kind, g, u, L->alpha, L->limit);
         }
@@ -199,7 +203,9 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
     j.I = I;
     j.rows1 = rows_per_task(I, L->gate.row_bytes > L->up.row_bytes ? L->gate.row_bytes : L->up.row_bytes);
     j.rows3 = rows_per_task(D, L->down.row_bytes);
-    j.t1 = 2 * ((I + j.rows1 - 1) / j.rows1);
+    j.gate_is_up = L->gate.w == L->up.w && L->gate.type == L->up.type && L->gate.row_bytes == L->up.row_bytes
+                   && L->gate_scale == L->up_scale;
+    j.t1 = (j.gate_is_up ? 1 : 2) * ((I + j.rows1 - 1) / j.rows1);
     j.t3 = (D + j.rows3 - 1) / j.rows3;
     j.xq = xq; j.xs = xs; j.xsum = xsum; j.xf = xf;
     j.g = g; j.u = u; j.h = hh; j.hq = hq; j.hs = hs; j.hsum = hsum; j.o = o;

@@ -321,3 +321,28 @@ def test_nvfp4_and_mxfp8_linears_stay_as_stored_on_the_cpu(checkpoints, layout):
         assert_matches_reference(runtime, refs[layout], tol=0.05, tokens_equal=False, what=f"{family} {layout}")
     finally:
         runtime.close()
+
+
+def test_nemotron_h_nvfp4_experts_hold_their_up_matrix_once(tmp_path):
+    """Nemotron-H's relu^2 experts have no gate: kept as NVFP4 rows on the CPU, each layer's up matrix (and its
+    factor) is held once under both names, the load estimate counts it once, and the model is transformers' on
+    compressed-tensors' dequantised weights."""
+    import transformers as tf
+
+    build_tiny_model("nemotron_h", tmp_path / "src")
+    path = write_compressed_tensors(tmp_path / "src", tmp_path / "nvfp4", "NVFP4A16")
+    ref_dir = dequantised_reference(path, tmp_path / "ref", like=tmp_path / "src")
+    reference = tf.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    bank = load_model(path, cpu_only=True).bank
+    assert bank.dtype == "ggml" and all(bank.gate_is_up(ml) for ml in range(bank.num_moe_layers))
+    assert bank.tensors["gate.0.scale"] is bank.tensors["up.0.scale"]
+    assert len(bank.storage()) == 4 * bank.num_moe_layers  # up, its factor, down, its factor
+    assert estimate_load(path, cpu_only=True).bank_bytes == bank.nbytes()
+    runtime = open_runtime(path, experts_dtype="ggml", weights_dtype="fp32")
+    try:
+        with without_native_kernels():
+            assert_matches_reference(runtime, reference, tol=1e-3, steps=8, what="nemotron_h nvfp4 torch")
+        if native() is not None:
+            assert_matches_reference(runtime, reference, tol=10.0, tokens_equal=False, steps=1)  # runs natively
+    finally:
+        runtime.close()

@@ -268,3 +268,69 @@ def test_kimi_k2_is_told_from_deepseek_v3_by_its_template(tmp_path, smollm_token
     assert kimi["model_type"] == "kimi_k2"
     assert {k: v for k, v in kimi.items() if k != "model_type"} == {k: v for k, v in plain.items() if k != "model_type"}
     assert parse_model_config(kimi).family == "kimi_k2"
+
+
+def test_nemotron_h_experts_kept_as_stored_hold_their_up_matrix_once(tmp_path, smollm_tokenizer):
+    """Nemotron-H's relu^2 experts have no gate. Kept as stored (the ggml bank of a Q8_0 file from llama.cpp's
+    converter), the up tensor is held once under both names: the bank's bytes are the file's expert tensors, the
+    native call reads the rows once, and its results are those of a bank holding the gate as a second copy; the
+    device slots hold no gate either."""
+    import gguf
+
+    from moed.experts import ggml_slots
+    from moed.experts.routed_ffn import run_routed
+    from moed.kernels.native_cpu import native
+    from moed.weights.model_loader import load_model
+
+    script = _converter()
+    hf, out = tmp_path / "hf", tmp_path / "nemotron.gguf"
+    build_for_converter("nemotron_h", hf, smollm_tokenizer)
+    done = run_converter(script, "nemotron_h", hf, out, outtype="q8_0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    bank = load_model(out, experts_dtype="ggml").bank
+    assert bank.num_moe_layers > 0 and all(bank.gate_is_up(ml) for ml in range(bank.num_moe_layers))
+    stored = sum(t.n_bytes for t in gguf.GGUFReader(str(out)).tensors if "_exps." in t.name)
+    assert bank.nbytes() == stored == GgufCheckpoint(out).ggml_bank_nbytes()
+    assert "gate" not in ggml_slots.slot_layout(bank) and "gate" not in ggml_slots.layer_source(bank, 0)
+    _device_runs_like_the_cpu(bank)
+    if native() is None:
+        return
+    twice = dataclasses.replace(bank, tensors={k: v.clone() if k.startswith("gate.") else v
+                                               for k, v in bank.tensors.items()})
+    assert not twice.gate_is_up(0)
+    gen = torch.Generator().manual_seed(0)
+    for ml in range(bank.num_moe_layers):
+        x = torch.randn(3, bank.hidden_size, generator=gen)
+        ids = torch.stack([torch.randperm(bank.num_experts, generator=gen)[:2] for _ in range(3)]).int()
+        ids = ids + ml * bank.num_experts
+        once, _ = run_routed(bank, x, ids)
+        copied, _ = run_routed(twice, x, ids)
+        assert torch.equal(once, copied) and float(once.abs().max()) > 0
+
+
+def _device_runs_like_the_cpu(bank) -> None:
+    """The bank through the hybrid executor on the emulated device (hits and fills) equals the CPU executor
+    (both on the torch path: the same float arithmetic)."""
+    from helpers.native_switch import without_native_kernels
+    from moed.devices.emulated import EmulatedDevice
+    from moed.experts.bandwidth_model import BandwidthModel
+    from moed.experts.cpu_executor import CpuExecutor
+    from moed.experts.hybrid_executor import HybridExecutor
+    from moed.experts.policies import make_policy
+
+    executor = HybridExecutor(bank, EmulatedDevice(b_p=float("inf")), num_slots=bank.num_experts,
+                              policy=make_policy("fill-all"), bandwidth=BandwidthModel(16e9, 16e9))
+    reference = CpuExecutor(bank)
+    gen = torch.Generator().manual_seed(1)
+    try:
+        with without_native_kernels():
+            for call in range(4):
+                ml = call % bank.num_moe_layers
+                x = torch.randn(2, bank.hidden_size, generator=gen)
+                ids = torch.stack([torch.randperm(bank.num_experts, generator=gen)[:2] for _ in range(2)])
+                w = torch.full((2, 2), 0.5)
+                got, want = executor.run(ml, x, ids, w), reference.run(ml, x, ids, w)
+                assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), call
+        assert executor.stats.fills > 0
+    finally:
+        executor.close()
