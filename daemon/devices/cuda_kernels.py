@@ -146,17 +146,25 @@ def int4_grouped_matmul_reference(
     return y
 
 
+def _cupy(what: str) -> Any:
+    """cupy, imported only when a CUDA kernel is launched; ``what`` names the kernels in the error."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise RuntimeError(f"{what} need(s) cupy: pip install cupy-cuda12x (or cupy-cuda13x to match your CUDA "
+                           "driver)") from exc
+    return cupy
+
+
+def _index_of(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _kernel(device: torch.device) -> Any:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index_of(device)
     kern = _kernels.get(index)
     if kern is None:
-        try:
-            import cupy
-        except ImportError as exc:
-            raise RuntimeError(
-                "the CUDA int4 expert kernel needs cupy: pip install cupy-cuda12x (or cupy-cuda13x to match "
-                "your CUDA driver)"
-            ) from exc
+        cupy = _cupy("the CUDA int4 expert kernel")
         source = kernel_source_path().read_text()
         with cupy.cuda.Device(index):
             kern = cupy.RawKernel(source, KERNEL_NAME)
@@ -413,16 +421,10 @@ def ggml_kernel_name(ggml_type: int) -> str:
 
 
 def _ggml_module(device: torch.device) -> Any:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index_of(device)
     module = _ggml_modules.get(index)
     if module is None:
-        try:
-            import cupy
-        except ImportError as exc:
-            raise RuntimeError(
-                "the CUDA kernels for GGUF block rows need cupy: pip install cupy-cuda12x (or cupy-cuda13x to match "
-                "your CUDA driver)"
-            ) from exc
+        cupy = _cupy("the CUDA kernels for GGUF block rows")
         path = kernel_source_path(name=GGML_KERNEL_FILE)
         with cupy.cuda.Device(index):
             module = cupy.RawModule(code=path.read_text(), options=(f"-I{path.parent}", "--std=c++14"))

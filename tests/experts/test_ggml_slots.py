@@ -124,6 +124,18 @@ def _routed(gen: torch.Generator, tokens: int, top_k: int = 2):
     return x, ids, weights / weights.sum(-1, keepdim=True)
 
 
+def _decode_calls(executor: HybridExecutor, reference: CpuExecutor, gen: torch.Generator, calls: int, tol: float):
+    """``calls`` decode-sized layer calls cycling over the layers, the cache resized half way (its refill spans
+    layers): each result the CPU executor's within ``tol`` of its scale."""
+    for call in range(calls):
+        if call == calls // 2:
+            executor.resize(14)
+        layer = call % len(LAYERS)
+        x, ids, w = _routed(gen, 1 + call % 3)
+        got, want = executor.run(layer, x, ids, w), reference.run(layer, x, ids, w)
+        assert torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())), (call, layer)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_hybrid_executor_runs_a_ggml_bank_as_the_cpu_does(bias):
     """Hits, fills and CPU experts over many layers, a resize (whose refill spans layers) and a long prefill
@@ -137,13 +149,7 @@ def test_the_hybrid_executor_runs_a_ggml_bank_as_the_cpu_does(bias):
     gen = torch.Generator().manual_seed(1)
     try:
         with without_native_kernels():
-            for call in range(24):
-                if call == 12:
-                    executor.resize(14)
-                layer = call % len(LAYERS)
-                x, ids, w = _routed(gen, 1 + call % 3)
-                got, want = executor.run(layer, x, ids, w), reference.run(layer, x, ids, w)
-                assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), (call, layer)
+            _decode_calls(executor, reference, gen, 24, tol=1e-4)
             executor.begin_step("prefill", [0] * STREAM_MIN_TOKENS, list(range(STREAM_MIN_TOKENS)))
             for layer in range(len(LAYERS)):
                 x, ids, w = _routed(gen, STREAM_MIN_TOKENS)
@@ -198,20 +204,14 @@ def test_on_cuda_the_slots_give_the_cpu_executors_results():
 
     bank = mixed_bank(bias=True)
     device = CudaDevice()
-    report = device.pin_host(list(bank.tensors.values()))
+    report = device.pin_host(bank.storage())
     reference = CpuExecutor(bank)
     executor = HybridExecutor(bank, device, num_slots=10, policy=make_policy("adaptive"),
                               bandwidth=BandwidthModel(16e9, 16e9), on_close=lambda: device.unpin_host(report))
     gen = torch.Generator().manual_seed(3)
     try:
         with without_native_kernels():
-            for call in range(16):
-                if call == 8:
-                    executor.resize(14)
-                layer = call % len(LAYERS)
-                x, ids, w = _routed(gen, 1 + call % 3)
-                got, want = executor.run(layer, x, ids, w), reference.run(layer, x, ids, w)
-                assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max())), (call, layer)
+            _decode_calls(executor, reference, gen, 16, tol=1e-3)
         assert executor.stats.hits > 0 and executor.stats.fills > 0
     finally:
         executor.close()
