@@ -427,7 +427,7 @@ def _ggml_module(device: torch.device) -> Any:
         cupy = _cupy("the CUDA kernels for GGUF block rows")
         path = kernel_source_path(name=GGML_KERNEL_FILE)
         with cupy.cuda.Device(index):
-            module = cupy.RawModule(code=path.read_text(), options=(f"-I{path.parent}", "--std=c++14"))
+            module = cupy.RawModule(code=path.read_text(), options=(f"--include-path={path.parent}", "--std=c++14"))
             module.compile()  # now, so a broken toolchain fails here with its own message
         _ggml_modules[index] = module
     return module

@@ -120,8 +120,13 @@ def attend_row(q: torch.Tensor, read_kv: ReadKV, row: int, start: int, scale: fl
     key_block = key_block or KEY_BLOCK
     j0 = lo
     while j0 < end:
-        # the keys before the new tokens in blocks, then the new tokens' own keys: a causal square
-        j1, causal = (min(start, j0 + key_block), False) if j0 < start else (end, True)
+        # the keys before the new tokens in blocks, then the new tokens' own keys: a causal square; one new token
+        # (decode) sees its own key as it sees the earlier ones, so its blocks run to the end unmasked (at a
+        # short context: one block, no merge)
+        if n == 1:
+            j1, causal = min(end, j0 + key_block), False
+        else:
+            j1, causal = (min(start, j0 + key_block), False) if j0 < start else (end, True)
         k, v = read_kv(row, j0, j1)
         mask = None
         if window is not None or chunk is not None:  # key j is visible to the query at p iff lowest(p) <= j <= p
