@@ -39,7 +39,7 @@ from moed.kernels.ggml_rows_format import row_bytes
 
 KINDS = ("gate", "up", "down")
 BIASES = ("gate_up_bias", "down_bias")  # indexed by flat id in the bank, by slot in the slots
-DEQUANT_CHUNK_BYTES = 256 << 20  # float32 scratch for the decoded matrices of one chunk of slots
+DEQUANT_CHUNK_BYTES = 64 << 20  # float32 decoded matrices of one chunk of slots (the decoders' temporaries: ~3x more)
 _CPU_SLICE = q.DEQUANT_SLICE  # on the CPU (emulated device) decode in cache-sized slices, as the loader does
 _kernel_checked: dict[tuple[int, int], bool] = {}  # (CUDA device index, GGML type) -> the kernel agreed with torch
 
