@@ -89,7 +89,9 @@ def test_a_layers_rows_fill_the_start_of_their_slots_and_leave_the_rest():
 
 
 @pytest.mark.parametrize("layer", range(len(LAYERS)))
-def test_a_grouped_product_is_x_times_the_gguf_decoded_rows(layer):
+@pytest.mark.parametrize("chunk_bytes", [ggml_slots.DEQUANT_CHUNK_BYTES, 1], ids=["one chunk", "a slot a chunk"])
+def test_a_grouped_product_is_x_times_the_gguf_decoded_rows(layer, chunk_bytes, monkeypatch):
+    monkeypatch.setattr(ggml_slots, "DEQUANT_CHUNK_BYTES", chunk_bytes)
     bank = mixed_bank()
     device = EmulatedDevice(b_p=float("inf"))
     slots = device.alloc_slots(8, ggml_slots.slot_layout(bank))
