@@ -239,10 +239,12 @@ class GgufCheckpoint:
         """Whether the ggml bank keeps routed experts that ``default_bank_dtype()`` would re-quantise: every
         expert tensor is a type it keeps, and some do not repack into the default (a Q4_K_M file's Q6_K
         down, a Q5_K_M / Q6_K / Q3_K / IQ4_XS file). Where the default keeps them (Q8_0 -> q8, MXFP4 ->
-        mxfp4, Q4_0/Q4_1/Q4_K -> int4 codes), the default stays: the same bits at least as fast."""
+        mxfp4, Q4_0/Q4_1/Q4_K -> int4 codes), the default stays: the same bits at least as fast; except for
+        non-gated experts (Nemotron-H's relu^2), whose up matrix the ggml bank holds once and the others twice."""
         default = self.default_bank_dtype()
         types = {self.file.tensor(name).ggml_type for names in self._experts.values() for name in (names or ())[:3]}
-        return bool(types) and types <= set(ROW_TYPES) and any(REPACKED_BANK.get(t) != default for t in types)
+        return bool(types) and types <= set(ROW_TYPES) and (
+            self.config.moe.activation == "relu2" or any(REPACKED_BANK.get(t) != default for t in types))
 
     def ggml_bank_nbytes(self) -> int:
         """Bytes of the ggml bank (the expert tensors as stored, plus float32 biases)."""
