@@ -14,6 +14,7 @@ from moed.errors import InvalidRequestError
 from moed.experts.bandwidth_model import BandwidthModel
 from moed.experts.calibration import load_profile
 from moed.experts.cpu_executor import CpuExecutor
+from moed.experts.cpu_layout import interleave_for_cpu
 from moed.experts.cpu_pool import CpuWorkerPool
 from moed.experts.device_ffn import slot_layout_of
 from moed.experts.engine_stats import EngineStats
@@ -70,6 +71,8 @@ def build_executor(bank: ExpertBank, cfg: EngineConfig, *, trace_out: str | Path
             release = lambda: pinned_on.unpin_host(report)  # noqa: E731 - on close: the bank's pages stop being locked
     else:
         stats.pageable_bytes = bank.nbytes()
+    if device.kind == "cpu":  # only the CPU reads the bank: its faster layouts (a device's slots read GGUF rows)
+        interleave_for_cpu(bank)
     if device.kind == "cpu" and trace_out:
         # record routing on the CPU backend too: the hybrid executor with no cache, all on the CPU
         return HybridExecutor(bank, device, num_slots=0, policy=make_policy("cpu-all"),

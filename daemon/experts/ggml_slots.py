@@ -32,6 +32,7 @@ import logging
 import torch
 
 from moed.cache.host_bank import GGML_BANK, ExpertBank
+from moed.kernels.ggml_x8_format import is_x8
 from moed.devices import cuda_kernels as ck
 from moed.devices.cuda_kernels import GEMM_MIN_ROWS_PER_EXPERT, as_index
 from moed.kernels import gguf_quants as q
@@ -82,6 +83,10 @@ def slot_layout(bank: ExpertBank) -> dict[str, tuple[tuple[int, ...], torch.dtyp
     where any layer has one, the biases as stored."""
     if bank.dtype != GGML_BANK:
         raise ValueError(f"a {bank.dtype} bank's slots mirror its tensors; this layout is the ggml bank's")
+    interleaved = sorted(name for name, t in bank.row_types.items() if is_x8(t))
+    if interleaved:
+        raise ValueError(f"ggml bank matrices {', '.join(interleaved[:3])} are interleaved for the CPU kernels "
+                         f"(experts/cpu_layout.py); a device's slots read the GGUF rows: load the bank again")
     layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for kind in KINDS:
         layers = [ml for ml in range(bank.num_moe_layers) if kind in layer_kinds(bank, ml)]

@@ -14,6 +14,7 @@ import torch
 
 from moed.cache.bank_builder import build_expert_bank
 from moed.cache.host_bank import EXPERT_DTYPES, GGML_BANK, ExpertActivation, ExpertBank
+from moed.experts.cpu_layout import interleave_for_cpu
 from moed.experts.routed_ffn import run_routed
 from moed.kernels.native_cpu import native_status
 from moed.kernels.bandwidth import read_sum_kernel
@@ -171,7 +172,8 @@ def bench_kernels(
     figure, and ``ratio`` is against it) and ``read_4k_gbps`` over a torch buffer (4 KiB pages).
     ``paired_ratio`` is the median over the rounds of each expert pass against the reads just
     before and after it (``_alternate``): the steadier figure where the bandwidth moves. One row
-    per case: ``dtype, hidden, intermediate, tokens, experts, bytes_per_expert, us_per_expert,
+    per case: ``dtype, layout`` (a ggml bank's: "x8" where the CPU executor interleaves its rows,
+    experts/cpu_layout.py), ``hidden, intermediate, tokens, experts, bytes_per_expert, us_per_expert,
     weight_gbps, read_gbps, read_4k_gbps, ratio, paired_ratio``.
     """
     if tokens < 1 or trials < 1:
@@ -186,8 +188,10 @@ def bench_kernels(
                 if not ggml_shape_ok(dtype, hidden, inter):
                     continue  # not whole blocks of this type at this shape
                 bank = _random_ggml_bank(hidden, inter, dtype, bank_bytes, seed)
+                x8 = interleave_for_cpu(bank)  # as the CPU executor lays it out
             else:
                 bank = _random_bank(hidden, inter, dtype, bank_bytes, seed)
+                x8 = {}
             x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
             run_routed(bank, x, torch.zeros(tokens, 1, dtype=torch.int32))  # compile / warm up
             per_expert = bank.bytes_per_expert()
@@ -197,6 +201,7 @@ def bench_kernels(
             rows.append(
                 dict(
                     dtype=dtype,
+                    layout="x8" if x8 else "rows",
                     hidden=hidden,
                     intermediate=inter,
                     tokens=tokens,
@@ -300,7 +305,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['dtype']} | {r['hidden']} | {r['intermediate']} | {r['tokens']} | {r['experts']} "
+            f"| {r['dtype']}{' (x8)' if r.get('layout') == 'x8' else ''} | {r['hidden']} | {r['intermediate']} | {r['tokens']} | {r['experts']} "
             f"| {r['bytes_per_expert'] / 1e6:.2f} | {r['us_per_expert']:.1f} | {r['weight_gbps']:.1f} "
             f"| {r['read_gbps']:.1f} | {r['read_4k_gbps']:.1f} | {r['ratio']:.0%} | {r['paired_ratio']:.0%} |"
         )

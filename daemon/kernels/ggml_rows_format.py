@@ -14,6 +14,7 @@ import torch
 
 from moed.kernels.native_cpu_reference import quantize_activations
 from moed.kernels import gguf_quants as q
+from moed.kernels import ggml_x8_format as x8
 
 # the GGUF types the ggml bank keeps (the kernels in native/cpu/ggml_rows.c read each)
 ROW_TYPES: tuple[int, ...] = (q.Q8_0, q.Q4_0, q.Q4_1, q.Q5_0, q.Q5_1, q.Q2_K, q.Q3_K, q.Q4_K, q.Q5_K, q.Q6_K,
@@ -34,12 +35,15 @@ ACT_SPAN: dict[int, int] = {q.Q2_K: 256, q.Q3_K: 256, q.Q4_K: 256, q.Q5_K: 256, 
 
 
 def act_span(ggml_type: int) -> int:
-    """32, or 256 for the types whose kernels take one activation scale per super-block."""
-    return ACT_SPAN.get(int(ggml_type), 32)
+    """32, or 256 for the types whose kernels take one activation scale per super-block (an x8 layout: its
+    GGUF type's)."""
+    return ACT_SPAN.get(x8.base_type(ggml_type), 32)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
-    """Bytes of one row of ``k`` weights of ``ggml_type`` (``k`` whole blocks)."""
+    """Bytes of one row of ``k`` weights of ``ggml_type`` (``k`` whole blocks; an x8 layout's rows are its GGUF
+    type's)."""
+    ggml_type = x8.base_type(ggml_type)
     weights, size = q.block_size(ggml_type)
     if k < 1 or k % weights:
         raise ValueError(f"{q.type_name(ggml_type)} rows need a multiple of {weights} weights, got {k}")
@@ -59,7 +63,10 @@ def check_rows(raw: torch.Tensor, ggml_type: int, k: int, what: str = "rows") ->
 
 
 def dequantize_rows(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-    """``uint8 [rows, row_bytes]`` -> float32 ``[rows, k]``, what gguf.quants decodes."""
+    """``uint8 [rows, row_bytes]`` -> float32 ``[rows, k]``, what gguf.quants decodes (an x8 matrix: its GGUF
+    rows, unpacked by the torch twin of the layout)."""
+    if x8.is_x8(ggml_type):
+        return dequantize_rows(x8.unpack(raw, ggml_type, k), x8.base_type(ggml_type), k)
     rows = check_rows(raw, ggml_type, k)
     return q.dequantize(raw.reshape(-1), ggml_type, (rows, k))
 

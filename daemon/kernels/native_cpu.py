@@ -35,6 +35,7 @@ import torch
 
 from moed.kernels.cpu_threads import cpu_threads
 from moed.kernels.ggml_rows_format import check_rows, row_bytes
+from moed.kernels.ggml_x8_format import base_type, is_x8
 from moed.kernels.rows_format import rows_shapes
 
 ABI_VERSION = 7
@@ -275,6 +276,12 @@ class NativeCpu:
         lib.moed_cpu_ggml_moe.restype = c_int
         lib.moed_cpu_ggml_to_bf16.argtypes = [vp, ctypes.POINTER(_GgmlMatrix), vp]
         lib.moed_cpu_ggml_to_bf16.restype = c_int
+        lib.moed_cpu_ggml_x8_convert.argtypes = [vp, c_int, c_int, vp, c_i64, c_i64, vp]
+        lib.moed_cpu_ggml_x8_convert.restype = c_int
+        lib.moed_ggml_x8_preferred.argtypes = [c_int, c_int]
+        lib.moed_ggml_x8_preferred.restype = c_int
+        lib.moed_ggml_dot8_one.argtypes = [c_int, c_int, vp, c_i64, vp, vp, vp, c_int, vp]
+        lib.moed_ggml_dot8_one.restype = c_int
         lib.moed_ggml_act_span.argtypes = [c_int]
         lib.moed_ggml_act_span.restype = c_int
         lib.moed_ggml_dot_one.argtypes = [c_int, c_int, vp, c_i64, vp, vp, vp, c_int, vp]
@@ -558,9 +565,53 @@ class NativeCpu:
                 ValueError(f"moed_cpu_ggml_rows refused its arguments (rc {rc})")
         return ys
 
+    def ggml_x8_preferred(self, ggml_type: int) -> int:
+        """The x8 layout (kernels/ggml_x8_format.py) whose kernels run ``ggml_type`` faster at the current ISA,
+        or 0 (keep the rows)."""
+        return int(self._lib.moed_ggml_x8_preferred(int(ggml_type), ISA_NAMES.index(self.isa)))
+
+    def ggml_x8_convert(self, raw: torch.Tensor, ggml_type: int, k: int, *, pack: bool,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        """GGUF rows of ``ggml_type`` (``uint8 [..., rows, row_bytes]``, rows a multiple of 8) -> the x8 layout
+        (``pack``), or back, on the pool's threads; into ``out`` (not ``raw``) when given."""
+        ggml_type, rb = base_type(ggml_type), row_bytes(ggml_type, k)
+        if raw.dtype != torch.uint8 or raw.shape[-1] != rb or not raw.is_contiguous() or raw.device.type != "cpu":
+            raise ValueError(f"ggml_x8_convert: contiguous host uint8 [..., rows, {rb}], got {raw.dtype} "
+                             f"{tuple(raw.shape)}")
+        out = torch.empty_like(raw) if out is None else out
+        if out.shape != raw.shape or out.dtype != torch.uint8 or not out.is_contiguous() \
+                or out.data_ptr() == raw.data_ptr():
+            raise ValueError("ggml_x8_convert: out must be another contiguous uint8 tensor of raw's shape")
+        with self._lock:
+            rc = self._lib.moed_cpu_ggml_x8_convert(self._pool, int(ggml_type), int(pack), raw.data_ptr(),
+                                                    raw.numel() // rb, k, out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"moed_cpu_ggml_x8_convert refused its arguments (rc {rc}): rows must be a "
+                             f"multiple of 8 of a type with an x8 layout")
+        return out
+
+    def ggml_dot8_one(self, x8_type: int, isa: str, group: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor,
+                      xsum: torch.Tensor) -> torch.Tensor:
+        """One group of eight x8 rows (``uint8 [8, row_bytes]``) dotted with int8 activations ``xq [T, K]`` by
+        the kernel of one ISA -> float32 ``[T, 8]`` (tests)."""
+        t, k = xq.shape
+        if group.dtype != torch.uint8 or group.numel() != 8 * row_bytes(x8_type, k) or xq.dtype != torch.int8 \
+                or xs.dtype != torch.float32 or xsum.dtype != torch.float32:
+            raise ValueError("ggml_dot8_one: uint8 [8, row_bytes] of an x8 type, int8 xq and float32 xs / xsum")
+        y = torch.empty(t, 8, dtype=torch.float32)
+        args = [c.contiguous() for c in (group, xq, xs, xsum)]
+        rc = self._lib.moed_ggml_dot8_one(x8_type, ISA_NAMES.index(isa), args[0].data_ptr(), k,
+                                          *(a.data_ptr() for a in args[1:]), t, y.data_ptr())
+        if rc != 0:
+            raise ValueError(f"moed_ggml_dot8_one refused its arguments (rc {rc})")
+        return y
+
     def ggml_to_bf16(self, raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
         """Rows of GGUF blocks ``uint8 [rows, row_bytes]`` decoded to bf16 ``[rows, k]`` on the pool's
-        threads: ``dequantize_rows(raw, ggml_type, k)`` rounded to bf16 (for prefill GEMMs)."""
+        threads: ``dequantize_rows(raw, ggml_type, k)`` rounded to bf16 (for prefill GEMMs); an x8 matrix
+        is unpacked to its rows first."""
+        if is_x8(ggml_type):
+            raw, ggml_type = self.ggml_x8_convert(raw.contiguous(), ggml_type, k, pack=False), base_type(ggml_type)
         rows = check_rows(raw, ggml_type, k, "ggml_to_bf16")
         if not raw.is_contiguous() or raw.device.type != "cpu":
             raise ValueError("ggml_to_bf16: the rows must be a contiguous host tensor")

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "ggml_rows.h"
+#include "ggml_x8.h"
 #include "moed_api.h"
 #include "moed_cpu.h"
 #include "moed_pool.h"
@@ -31,6 +32,7 @@ typedef struct {
     const moed_ggml_layer *L;
     moed_ggml_dot_fn dg, du, dd;
     moed_ggml_fdot_fn fg, fu, fd;  /* the FP8 types' float-activation dots (xf, h), else NULL */
+    moed_ggml_dot8_fn g8, u8, d8;  /* the x8 layouts' dots (ggml_x8.h: 8 rows a call), else NULL */
     const run_expert *ex;
     int nex;
     int64_t D, I, rows1, rows3;   /* rows per task in phases 1 and 3 */
@@ -42,6 +44,12 @@ typedef struct {
     float *h; int8_t *hq; float *hs, *hsum;     /* [Tall][I] */
     float *o;                     /* [Tall][D] */
 } job;
+
+/* the GGUF type whose blocks a matrix holds (an x8 layout's, or its own) */
+static int block_type(int type) {
+    const int base = moed_ggml_x8_base(type);
+    return base ? base : type;
+}
 
 static const uint8_t *expert_rows(const moed_ggml_matrix *m, int64_t e) { return m->w + e * m->rows * m->row_bytes; }
 
@@ -57,7 +65,14 @@ static void phase1(void *ctx, int64_t task, int thread) {
     float *out = (up ? j->u : j->g) + e->first * j->I;
     moed_ggml_dot_fn dot = up ? j->du : j->dg;
     moed_ggml_fdot_fn fdot = up ? j->fu : j->fg;
+    moed_ggml_dot8_fn dot8 = up ? j->u8 : j->g8;
     const int64_t G = j->D / 32;
+    if (dot8) {  /* r0 and r1 are multiples of 8 (rows_per_task) */
+        for (int64_t r = r0; r < r1; r += 8)
+            dot8(w + r * m->row_bytes, j->D, j->xq + e->first * j->D, j->xs + e->first * G, j->xsum + e->first * G,
+                 e->T, out + r, j->I);
+        return;
+    }
     if (fdot) {
         for (int64_t r = r0; r < r1; r++) fdot(w + r * m->row_bytes, j->D, j->xf + e->first * j->D, e->T, out + r, j->I);
         return;
@@ -84,7 +99,7 @@ static void phase2(void *ctx, int64_t task, int thread) {
         }
     }
     const int64_t G = j->I / 32;
-    moed_quantize_act_span(j->h + e->first * j->I, e->T, j->I, moed_ggml_act_span(L->down.type),
+    moed_quantize_act_span(j->h + e->first * j->I, e->T, j->I, moed_ggml_act_span(block_type(L->down.type)),
                            j->hq + e->first * j->I, j->hs + e->first * G, j->hsum + e->first * G);
 }
 
@@ -96,6 +111,12 @@ static void phase3(void *ctx, int64_t task, int thread) {
     int64_t r0 = (task % j->t3) * j->rows3, r1 = r0 + j->rows3 < j->D ? r0 + j->rows3 : j->D;
     const uint8_t *w = expert_rows(m, e->expert);
     const int64_t G = j->I / 32;
+    if (j->d8) {
+        for (int64_t r = r0; r < r1; r += 8)
+            j->d8(w + r * m->row_bytes, j->I, j->hq + e->first * j->I, j->hs + e->first * G, j->hsum + e->first * G,
+                  e->T, j->o + e->first * j->D + r, j->D);
+        return;
+    }
     if (j->fd) {
         for (int64_t r = r0; r < r1; r++)
             j->fd(w + r * m->row_bytes, j->I, j->h + e->first * j->I, e->T, j->o + e->first * j->D + r, j->D);
@@ -114,16 +135,22 @@ static void *take(char **p, size_t bytes) {
     return at;
 }
 
+/* ~256 KB of weights per task, a multiple of 8 rows (an x8 group is never split; rows are multiples of 32) */
 static int64_t rows_per_task(int64_t rows, int64_t row_bytes) {
-    int64_t r = (262144 + row_bytes - 1) / row_bytes;  /* ~256 KB of weights per task */
-    return r < rows ? (r < 8 ? 8 : r) : rows;
+    int64_t r = (262144 + row_bytes - 1) / row_bytes;
+    r = (r + 7) / 8 * 8;
+    return r < rows ? r : rows;
 }
 
 static int valid(const moed_ggml_matrix *m, int64_t rows, int64_t K) {
-    int bw = moed_ggml_block_weights(m->type);
+    const int t = block_type(m->type), bw = moed_ggml_block_weights(t);
     return bw && m->w && m->rows == rows && m->K == K && K % bw == 0 &&
-           m->row_bytes == K / bw * moed_ggml_block_bytes(m->type);
+           m->row_bytes == K / bw * moed_ggml_block_bytes(t) && (t == m->type || rows % 8 == 0);
 }
+
+static moed_ggml_dot_fn rows_dot(int type, int isa) { return moed_ggml_x8_base(type) ? NULL : moed_ggml_dot(type, isa); }
+
+static moed_ggml_dot8_fn x8_dot(int type, int isa) { return moed_ggml_x8_base(type) ? moed_ggml_dot8(type, isa) : NULL; }
 
 /* ids [N][A]: the layer's expert of each slot, -1 for a slot not run here. per_slot [N][A][D]
  * (optional) gets each run slot's output; y [N][D] (optional) the weighted sum over the run slots. */
@@ -133,9 +160,10 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
     const int64_t D = L->gate.K, I = L->gate.rows;
     if (D % 32 || I % 32 || !valid(&L->gate, I, D) || !valid(&L->up, I, D) || !valid(&L->down, D, I)) return -1;
     const int isa = moed_cpu_isa();
-    job j = {L, moed_ggml_dot(L->gate.type, isa), moed_ggml_dot(L->up.type, isa), moed_ggml_dot(L->down.type, isa),
-             moed_ggml_fdot(L->gate.type, isa), moed_ggml_fdot(L->up.type, isa), moed_ggml_fdot(L->down.type, isa)};
-    if ((!j.dg && !j.fg) || (!j.du && !j.fu) || (!j.dd && !j.fd)) return -1;
+    job j = {L, rows_dot(L->gate.type, isa), rows_dot(L->up.type, isa), rows_dot(L->down.type, isa),
+             moed_ggml_fdot(L->gate.type, isa), moed_ggml_fdot(L->up.type, isa), moed_ggml_fdot(L->down.type, isa),
+             x8_dot(L->gate.type, isa), x8_dot(L->up.type, isa), x8_dot(L->down.type, isa)};
+    if ((!j.dg && !j.fg && !j.g8) || (!j.du && !j.fu && !j.u8) || (!j.dd && !j.fd && !j.d8)) return -1;
     const int float_x = j.fg || j.fu;
     for (int64_t s = 0; s < (int64_t)N * A; s++)
         if (ids[s] < -1 || ids[s] >= L->E) return -1;
@@ -187,8 +215,8 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
         first += ex[k].T;
         k++;
     }
-    const int x_span = moed_ggml_act_span(L->gate.type) > moed_ggml_act_span(L->up.type) ? moed_ggml_act_span(L->gate.type)
-                                                                                      : moed_ggml_act_span(L->up.type);
+    const int gspan = moed_ggml_act_span(block_type(L->gate.type)), uspan = moed_ggml_act_span(block_type(L->up.type));
+    const int x_span = gspan > uspan ? gspan : uspan;
     for (int64_t s = 0; s < (int64_t)N * A; s++) {
         if (ids[s] < 0) continue;
         int64_t row = next[ids[s]]++;

@@ -1,0 +1,100 @@
+"""GGUF block rows interleaved in groups of eight: the "x8" layouts of a ggml bank on the CPU.
+
+native/cpu/ggml_x8.h describes the layouts and why (one 32-bit lane per row: one activation broadcast
+multiplies eight rows, one conversion and multiply-add serve eight blocks). An x8 matrix holds exactly
+the bytes of its GGUF rows, permuted within each group of eight rows (Q4_K's 6-bit scales re-packed
+bit for bit), under its own type id ``X8_BASE + GGUF type``. This module is the torch twin of the
+native packing (written from the layout description, not from the C): ``unpack`` gives back the GGUF
+rows, so ``dequantize`` of an x8 matrix is gguf's own decode of those rows, the reference its kernels
+are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moed.kernels import gguf_quants as q
+
+X8_BASE = 1100
+X8_OF: dict[int, int] = {q.Q4_0: X8_BASE + q.Q4_0, q.Q4_K: X8_BASE + q.Q4_K}
+BASE_OF: dict[int, int] = {v: k for k, v in X8_OF.items()}
+
+
+def is_x8(ggml_type: int) -> bool:
+    return int(ggml_type) in BASE_OF
+
+
+def base_type(ggml_type: int) -> int:
+    """The GGUF type whose blocks a matrix of ``ggml_type`` holds (itself unless x8)."""
+    return BASE_OF.get(int(ggml_type), int(ggml_type))
+
+
+def type_name(ggml_type: int) -> str:
+    return f"{q.type_name(BASE_OF[ggml_type])}_x8" if is_x8(ggml_type) else q.type_name(ggml_type)
+
+
+def _groups(raw: torch.Tensor, ggml_type: int, k: int) -> tuple[torch.Tensor, int]:
+    """``uint8 [rows, row_bytes]`` (rows a multiple of 8) as ``[groups, 8, blocks, block_bytes]``."""
+    weights, size = q.block_size(ggml_type)
+    rows = raw.shape[0]
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or rows % 8 or k % weights or raw.shape[1] != k // weights * size:
+        raise ValueError(f"x8 {q.type_name(ggml_type)}: rows must be uint8 [8n, {k // weights * size}], "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
+    return raw.reshape(rows // 8, 8, k // weights, size), rows
+
+
+def pack(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """GGUF rows ``uint8 [rows, row_bytes]`` of Q4_0 or Q4_K -> the same bytes in the x8 layout."""
+    g, rows = _groups(raw, ggml_type, k)
+    n, nb = g.shape[0], g.shape[2]
+    if ggml_type == q.Q4_0:
+        d = g[..., 0:2].permute(0, 2, 1, 3).reshape(n, nb, 16)
+        qs = g[..., 2:18].reshape(n, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n, nb, 128)
+        return torch.cat([d, qs], dim=-1).reshape(rows, -1)
+    if ggml_type != q.Q4_K:
+        raise ValueError(f"no x8 layout for {q.type_name(ggml_type)}")
+    b = g.permute(0, 2, 1, 3).to(torch.int32)  # [n, nb, 8 rows, 144]
+    d, dmin = b[..., 0:2].reshape(n, nb, 16), b[..., 2:4].reshape(n, nb, 16)
+    sc, m = _k4_scales(b[..., 4:16])  # [n, nb, 8 rows, 8 sub-blocks]
+    # row r = 4 qr + r_, sub-block s = 4 h + s_
+    sc5, m5 = (t.reshape(n, nb, 2, 4, 2, 4) for t in (sc, m))  # [.., qr, r_, h, s_]
+    lows = ((sc5 & 15) | (m5 & 15) << 4).permute(0, 1, 4, 2, 5, 3).reshape(n, nb, 64)  # h, qr, s_, r_
+    hi = (sc5 >> 4) | (m5 >> 4) << 2  # [.., qr, r_, h, s_]
+    highs = (hi[..., 0, :] | hi[..., 1, :] << 4).permute(0, 1, 2, 4, 3).reshape(n, nb, 32)  # qr, s_, r_
+    qs = b[..., 16:144].reshape(n, nb, 8, 4, 8, 4).permute(0, 1, 3, 4, 2, 5).reshape(n, nb, 1024)  # p, c, r, j
+    return torch.cat([d, dmin, lows, highs, qs], dim=-1).to(torch.uint8).reshape(rows, -1)
+
+
+def unpack(raw: torch.Tensor, x8_type: int, k: int) -> torch.Tensor:
+    """An x8 matrix ``uint8 [rows, row_bytes]`` -> its GGUF rows."""
+    ggml_type = BASE_OF.get(int(x8_type))
+    if ggml_type is None:
+        raise ValueError(f"type {x8_type} is not an x8 layout")
+    g, rows = _groups(raw, ggml_type, k)
+    n, nb = g.shape[0], g.shape[2]
+    blocks = g.reshape(n, nb, -1)  # a group's bytes are its x8 blocks one after the other
+    if ggml_type == q.Q4_0:
+        d = blocks[..., 0:16].reshape(n, nb, 8, 2)
+        qs = blocks[..., 16:144].reshape(n, nb, 4, 8, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 8, 16)
+        out = torch.cat([d, qs], dim=-1)  # [n, nb, 8 rows, 18]
+    else:
+        b = blocks.to(torch.int32)
+        d, dmin = b[..., 0:16].reshape(n, nb, 8, 2), b[..., 16:32].reshape(n, nb, 8, 2)
+        lows = b[..., 32:96].reshape(n, nb, 2, 2, 4, 4)  # h, qr, s_, r_
+        highs = b[..., 96:128].reshape(n, nb, 1, 2, 4, 4)  # qr, s_, r_
+        hi = torch.cat([highs & 15, highs >> 4], dim=2)  # h, qr, s_, r_
+        sc = ((lows & 15) | (hi & 3) << 4).permute(0, 1, 3, 5, 2, 4).reshape(n, nb, 8, 8)  # [row, sub-block]
+        m = ((lows >> 4) | (hi >> 2) << 4).permute(0, 1, 3, 5, 2, 4).reshape(n, nb, 8, 8)
+        s6 = torch.cat([sc[..., :4] | (sc[..., 4:] >> 4) << 6, m[..., :4] | (m[..., 4:] >> 4) << 6,
+                        (sc[..., 4:] & 15) | (m[..., 4:] & 15) << 4], dim=-1)
+        qs = b[..., 128:1152].reshape(n, nb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(n, nb, 8, 128)
+        out = torch.cat([d, dmin, s6, qs], dim=-1).to(torch.uint8)  # [n, nb, 8 rows, 144]
+    return out.permute(0, 2, 1, 3).reshape(rows, -1)
+
+
+def _k4_scales(s12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 scale bytes (int32 ``[..., 12]``) -> the 6-bit scales and mins ``[..., 8]`` (gguf's get_scale_min)."""
+    lo_sc, lo_m, mix = s12[..., 0:4], s12[..., 4:8], s12[..., 8:12]
+    sc = torch.cat([lo_sc & 63, (mix & 15) | (lo_sc >> 6) << 4], dim=-1)
+    m = torch.cat([lo_m & 63, (mix >> 4) | (lo_m >> 6) << 4], dim=-1)
+    return sc, m

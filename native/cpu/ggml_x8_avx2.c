@@ -1,0 +1,160 @@
+/* AVX2 kernels of the x8 layouts (ggml_x8.h): eight rows per call, one 32-bit lane per row.
+ *
+ * Per 32-byte load: 4 codes of each of 8 rows in the low nibbles and 4 more in the high ones; each half
+ * times one broadcast of 4 activations (vpmaddubsw: unsigned codes 0..15 times int8, pairs summed to
+ * int16), eight such products summed in int16 (8 * 2 * 15 * 127 < 2^15) and widened once per 32
+ * weights by vpmaddwd against 1 (Q4_0) or against the sub-block's integer scale (Q4_K). Q4_0 then takes
+ * one conversion and two multiply-adds per 8 rows x 32 weights; Q4_K one of each per 8 rows x 256
+ * weights, its mins summed in integers against the activations' sub-block sums. */
+#include <string.h>
+
+#include "ggml_rows.h"
+#include "ggml_x8.h"
+#include "moed_cpu.h"
+
+#if MOED_X86
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+#ifndef GGML_X8_PF
+#define GGML_X8_PF 8192
+#endif
+
+static inline void prefetch(const uint8_t *p, int bytes) {
+    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)p + GGML_X8_PF + l, _MM_HINT_T1);
+}
+
+/* four int8 activations as every 32-bit lane */
+static inline __m256i act4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* the int16 pair sums of 32 bytes of nibbles: low nibbles times a4lo, high nibbles times a4hi, added to lo / hi */
+static inline void nibble_products(const uint8_t *p, __m256i a4lo, __m256i a4hi, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *lo = _mm256_add_epi16(*lo, _mm256_maddubs_epi16(_mm256_and_si256(v, m4), a4lo));
+    *hi = _mm256_add_epi16(*hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), a4hi));
+}
+
+static void dot8_q4_0(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    const int64_t nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * nb, *su = xsum + (int64_t)t * nb;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *o = g + b * 144;
+            const int8_t *x = q + 32 * b;
+            if (t == 0) prefetch(o, 144);
+            __m256i lo = _mm256_setzero_si256(), hi = lo;
+            for (int c = 0; c < 4; c++) nibble_products(o + 16 + 32 * c, act4(x + 4 * c), act4(x + 16 + 4 * c), &lo, &hi);
+            /* d * (xs * sum(code * xq) - 8 * xsum): w = d * (code - 8) */
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones));
+            const __m256 inner = _mm256_fmadd_ps(isum, _mm256_broadcast_ss(s + b), _mm256_set1_ps(-8.0f * su[b]));
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+            if (b & 1) acc1 = _mm256_fmadd_ps(d, inner, acc1);
+            else acc0 = _mm256_fmadd_ps(d, inner, acc0);
+        }
+        _mm256_storeu_ps(y + (int64_t)t * ldy, _mm256_add_ps(acc0, acc1));
+    }
+}
+
+/* vpshufb masks (the same in both 128-bit halves, rows 0-3 and 4-7): the scale of sub-block s_ (bytes
+ * 4 s_ + r_ of a 16-byte half) into both 16-bit halves of lane r_, and the mins of sub-blocks s_, s_ + 1
+ * into the low / high 16 bits */
+static inline __m256i scale_mask(int s_) {
+    const char a = (char)(4 * s_);
+    return _mm256_setr_epi8(a, -1, a, -1, a + 1, -1, a + 1, -1, a + 2, -1, a + 2, -1, a + 3, -1, a + 3, -1,
+                            a, -1, a, -1, a + 1, -1, a + 1, -1, a + 2, -1, a + 2, -1, a + 3, -1, a + 3, -1);
+}
+
+static inline __m256i min_pair_mask(int s_) {
+    const char a = (char)(4 * s_), b = (char)(4 * s_ + 4);
+    return _mm256_setr_epi8(a, -1, b, -1, a + 1, -1, b + 1, -1, a + 2, -1, b + 2, -1, a + 3, -1, b + 3, -1,
+                            a, -1, b, -1, a + 1, -1, b + 1, -1, a + 2, -1, b + 2, -1, a + 3, -1, b + 3, -1);
+}
+
+static void dot8_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    const int64_t nsb = K / 256, groups = K / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
+                  m48 = _mm256_set1_epi8(48);
+    const __m256i sm0 = scale_mask(0), sm1 = scale_mask(1), sm2 = scale_mask(2), sm3 = scale_mask(3);
+    const __m256i mp0 = min_pair_mask(0), mp2 = min_pair_mask(2);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *B = g + sb * 1152;
+            if (t == 0) prefetch(B, 1152);
+            /* the 6-bit scales and mins of 8 rows x 8 sub-blocks, one byte each */
+            const __m256i A0 = _mm256_loadu_si256((const __m256i *)(B + 32)),
+                          A1 = _mm256_loadu_si256((const __m256i *)(B + 64)),
+                          H = _mm256_loadu_si256((const __m256i *)(B + 96));
+            const __m256i sc_a = _mm256_or_si256(_mm256_and_si256(A0, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
+            const __m256i sc_b = _mm256_or_si256(_mm256_and_si256(A1, m4), _mm256_and_si256(H, m48));
+            const __m256i mn_a = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A0, 4), m4),
+                                                 _mm256_slli_epi16(_mm256_and_si256(H, m12), 2));
+            const __m256i mn_b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A1, 4), m4),
+                                                 _mm256_and_si256(_mm256_srli_epi16(H, 2), m48));
+            /* the activations' integer sums per sub-block (xsum / xs: one scale per 256 values), as int16
+             * pairs (sub-blocks 2i, 2i + 1) */
+            const float xs0 = s[8 * sb];
+            const __m256 inv = _mm256_set1_ps(xs0 > 0.0f ? 1.0f / xs0 : 0.0f);
+            const __m256i bs = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(su + 8 * sb), inv));
+            const __m256i bp = _mm256_packs_epi32(bs, bs); /* per half: b0 b1 b2 b3 b0 b1 b2 b3 | b4 .. b7 .. */
+            const __m256i msum = _mm256_add_epi32(
+                _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_a, mp0), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(0))),
+                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_a, mp2), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(1)))),
+                _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_b, mp0), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(4))),
+                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_b, mp2), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(5)))));
+            /* sum over sub-blocks of scale * sum(code * xq) */
+            __m256i isum = _mm256_setzero_si256();
+            for (int p = 0; p < 4; p++) {
+                const uint8_t *Q = B + 128 + 256 * p;
+                const int8_t *x = q + 256 * sb + 64 * p;
+                __m256i lo = _mm256_setzero_si256(), hi = lo;
+                for (int c = 0; c < 8; c++) nibble_products(Q + 32 * c, act4(x + 4 * c), act4(x + 32 + 4 * c), &lo, &hi);
+                const __m256i sc = p < 2 ? sc_a : sc_b;
+                const __m256i slo = _mm256_shuffle_epi8(sc, (p & 1) ? sm2 : sm0),
+                              shi = _mm256_shuffle_epi8(sc, (p & 1) ? sm3 : sm1);
+                isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(lo, slo), _mm256_madd_epi16(hi, shi)));
+            }
+            const __m256 xv = _mm256_set1_ps(xs0);
+            const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)B)), xv);
+            const __m256 dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(B + 16))), xv);
+            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
+            acc = _mm256_fnmadd_ps(dm, _mm256_cvtepi32_ps(msum), acc);
+        }
+        _mm256_storeu_ps(y + (int64_t)t * ldy, acc);
+    }
+}
+
+#pragma GCC pop_options
+
+moed_ggml_dot8_fn moed_ggml_dot8_avx2(int x8type) {
+    switch (x8type) {
+    case MOED_GGML_Q4_0_X8: return dot8_q4_0;
+    case MOED_GGML_Q4_K_X8: return dot8_q4_k;
+    default: return NULL;
+    }
+}
+
+#else
+
+moed_ggml_dot8_fn moed_ggml_dot8_avx2(int x8type) {
+    (void)x8type;
+    return NULL;
+}
+
+#endif
