@@ -16,7 +16,7 @@ import torch
 from moed.kernels import gguf_quants as q
 
 X8_BASE = 1100
-X8_OF: dict[int, int] = {q.Q4_0: X8_BASE + q.Q4_0, q.Q4_K: X8_BASE + q.Q4_K}
+X8_OF: dict[int, int] = {t: X8_BASE + t for t in (q.Q4_0, q.Q4_K, q.MXFP4)}
 BASE_OF: dict[int, int] = {v: k for k, v in X8_OF.items()}
 
 
@@ -44,12 +44,13 @@ def _groups(raw: torch.Tensor, ggml_type: int, k: int) -> tuple[torch.Tensor, in
 
 
 def pack(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-    """GGUF rows ``uint8 [rows, row_bytes]`` of Q4_0 or Q4_K -> the same bytes in the x8 layout."""
+    """GGUF rows ``uint8 [rows, row_bytes]`` of Q4_0, Q4_K or MXFP4 -> the same bytes in the x8 layout."""
     g, rows = _groups(raw, ggml_type, k)
     n, nb = g.shape[0], g.shape[2]
-    if ggml_type == q.Q4_0:
-        d = g[..., 0:2].permute(0, 2, 1, 3).reshape(n, nb, 16)
-        qs = g[..., 2:18].reshape(n, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n, nb, 128)
+    if ggml_type in (q.Q4_0, q.MXFP4):
+        head = 2 if ggml_type == q.Q4_0 else 1  # the scale: fp16 d, or an E8M0 byte
+        d = g[..., 0:head].permute(0, 2, 1, 3).reshape(n, nb, 8 * head)
+        qs = g[..., head:head + 16].reshape(n, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n, nb, 128)
         return torch.cat([d, qs], dim=-1).reshape(rows, -1)
     if ggml_type != q.Q4_K:
         raise ValueError(f"no x8 layout for {q.type_name(ggml_type)}")
@@ -73,10 +74,11 @@ def unpack(raw: torch.Tensor, x8_type: int, k: int) -> torch.Tensor:
     g, rows = _groups(raw, ggml_type, k)
     n, nb = g.shape[0], g.shape[2]
     blocks = g.reshape(n, nb, -1)  # a group's bytes are its x8 blocks one after the other
-    if ggml_type == q.Q4_0:
-        d = blocks[..., 0:16].reshape(n, nb, 8, 2)
-        qs = blocks[..., 16:144].reshape(n, nb, 4, 8, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 8, 16)
-        out = torch.cat([d, qs], dim=-1)  # [n, nb, 8 rows, 18]
+    if ggml_type in (q.Q4_0, q.MXFP4):
+        head = 2 if ggml_type == q.Q4_0 else 1
+        d = blocks[..., 0:8 * head].reshape(n, nb, 8, head)
+        qs = blocks[..., 8 * head:8 * head + 128].reshape(n, nb, 4, 8, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 8, 16)
+        out = torch.cat([d, qs], dim=-1)  # [n, nb, 8 rows, block bytes]
     else:
         b = blocks.to(torch.int32)
         d, dmin = b[..., 0:16].reshape(n, nb, 8, 2), b[..., 16:32].reshape(n, nb, 8, 2)

@@ -11,11 +11,12 @@
 #include "moed_pool.h"
 
 int moed_ggml_x8_of(int type) {
-    return type == MOED_GGML_Q4_0 || type == MOED_GGML_Q4_K ? MOED_GGML_X8_BASE + type : 0;
+    return type == MOED_GGML_Q4_0 || type == MOED_GGML_Q4_K || type == MOED_GGML_MXFP4 ? MOED_GGML_X8_BASE + type : 0;
 }
 
 int moed_ggml_x8_base(int type) {
-    return type == MOED_GGML_Q4_0_X8 || type == MOED_GGML_Q4_K_X8 ? type - MOED_GGML_X8_BASE : 0;
+    return type == MOED_GGML_Q4_0_X8 || type == MOED_GGML_Q4_K_X8 || type == MOED_GGML_MXFP4_X8
+               ? type - MOED_GGML_X8_BASE : 0;
 }
 
 moed_ggml_dot8_fn moed_ggml_dot8_avx2(int x8type);  /* ggml_x8_avx2.c: NULL where it has none */
@@ -44,6 +45,22 @@ static void q4_0_unpack(const uint8_t *o, uint8_t *const rows[8]) {
     for (int r = 0; r < 8; r++) {
         memcpy(rows[r], o + 2 * r, 2);
         for (int c = 0; c < 4; c++) memcpy(rows[r] + 2 + 4 * c, o + 16 + 32 * c + 4 * r, 4);
+    }
+}
+
+/* ---- MXFP4: 8 x 17-byte blocks <-> one 136-byte x8 block (Q4_0's, with one E8M0 byte a row) ---- */
+
+static void mxfp4_pack(const uint8_t *const rows[8], uint8_t *o) {
+    for (int r = 0; r < 8; r++) {
+        o[r] = rows[r][0];
+        for (int c = 0; c < 4; c++) memcpy(o + 8 + 32 * c + 4 * r, rows[r] + 1 + 4 * c, 4);
+    }
+}
+
+static void mxfp4_unpack(const uint8_t *o, uint8_t *const rows[8]) {
+    for (int r = 0; r < 8; r++) {
+        rows[r][0] = o[r];
+        for (int c = 0; c < 4; c++) memcpy(rows[r] + 1 + 4 * c, o + 8 + 32 * c + 4 * r, 4);
     }
 }
 
@@ -117,11 +134,13 @@ static void x8_convert(int type, const uint8_t *src, int64_t rows, int64_t K, ui
                 const uint8_t *rp[8];
                 for (int r = 0; r < 8; r++) rp[r] = gs + r * rb + b * bb;
                 if (type == MOED_GGML_Q4_0) q4_0_pack(rp, gd + 8 * b * bb);
+                else if (type == MOED_GGML_MXFP4) mxfp4_pack(rp, gd + 8 * b * bb);
                 else q4_k_pack(rp, gd + 8 * b * bb);
             } else {
                 uint8_t *rp[8];
                 for (int r = 0; r < 8; r++) rp[r] = gd + r * rb + b * bb;
                 if (type == MOED_GGML_Q4_0) q4_0_unpack(gs + 8 * b * bb, rp);
+                else if (type == MOED_GGML_MXFP4) mxfp4_unpack(gs + 8 * b * bb, rp);
                 else q4_k_unpack(gs + 8 * b * bb, rp);
             }
         }
@@ -167,6 +186,11 @@ static void dot8_rows_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const 
     dot8_rows(MOED_GGML_Q4_K, g, K, xq, xs, xsum, T, y, ldy);
 }
 
+static void dot8_rows_mxfp4(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                            float *y, int64_t ldy) {
+    dot8_rows(MOED_GGML_MXFP4, g, K, xq, xs, xsum, T, y, ldy);
+}
+
 moed_ggml_dot8_fn moed_ggml_dot8(int x8type, int isa) {
     if (isa >= MOED_ISA_AVX2) {
         moed_ggml_dot8_fn fast = moed_ggml_dot8_avx2(x8type);
@@ -175,6 +199,7 @@ moed_ggml_dot8_fn moed_ggml_dot8(int x8type, int isa) {
     switch (x8type) {
     case MOED_GGML_Q4_0_X8: return dot8_rows_q4_0;
     case MOED_GGML_Q4_K_X8: return dot8_rows_q4_k;
+    case MOED_GGML_MXFP4_X8: return dot8_rows_mxfp4;
     default: return NULL;
     }
 }

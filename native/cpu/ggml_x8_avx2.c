@@ -5,7 +5,8 @@
  * int16), eight such products summed in int16 (8 * 2 * 15 * 127 < 2^15) and widened once per 32
  * weights by vpmaddwd against 1 (Q4_0) or against the sub-block's integer scale (Q4_K). Q4_0 then takes
  * one conversion and two multiply-adds per 8 rows x 32 weights; Q4_K one of each per 8 rows x 256
- * weights, its mins summed in integers against the activations' sub-block sums. */
+ * weights, its mins summed in integers against the activations' sub-block sums. MXFP4 is Q4_0's with its
+ * codes through a table and its E8M0 scales made in integers. */
 #include <string.h>
 
 #include "ggml_rows.h"
@@ -61,6 +62,48 @@ static void dot8_q4_0(const uint8_t *g, int64_t K, const int8_t *xq, const float
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
             if (b & 1) acc1 = _mm256_fmadd_ps(d, inner, acc1);
             else acc0 = _mm256_fmadd_ps(d, inner, acc0);
+        }
+        _mm256_storeu_ps(y + (int64_t)t * ldy, _mm256_add_ps(acc0, acc1));
+    }
+}
+
+/* MXFP4: the codes are E2M1 values doubled plus 12 through a table (unsigned 0..24: vpmaddubsw's unsigned
+ * side; the 12 comes back as a min term), four products of a half summed in int16 (4 * 2 * 24 * 127 < 2^15),
+ * the scale 2^(e - 128) (with the 1/2 of the doubled codes) made from the 8 exponent bytes in integers */
+static inline __m256 e8m0_half8(const uint8_t *e8) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e8));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);  /* e = 0, 1: 2^-128, 2^-127 */
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+}
+
+static void dot8_mxfp4(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                       float *y, int64_t ldy) {
+    const int64_t nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i e2m1u = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                           12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * nb, *su = xsum + (int64_t)t * nb;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *o = g + b * 136;
+            const int8_t *x = q + 32 * b;
+            if (t == 0) prefetch(o, 136);
+            __m256i lo = _mm256_setzero_si256(), hi = lo;
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(o + 8 + 32 * c));
+                lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_shuffle_epi8(e2m1u, _mm256_and_si256(v, m4)),
+                                                               act4(x + 4 * c)));
+                hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(
+                                              _mm256_shuffle_epi8(e2m1u, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)),
+                                              act4(x + 16 + 4 * c)));
+            }
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones)));
+            const __m256 inner = _mm256_fmadd_ps(isum, _mm256_broadcast_ss(s + b), _mm256_set1_ps(-12.0f * su[b]));
+            if (b & 1) acc1 = _mm256_fmadd_ps(e8m0_half8(o), inner, acc1);
+            else acc0 = _mm256_fmadd_ps(e8m0_half8(o), inner, acc0);
         }
         _mm256_storeu_ps(y + (int64_t)t * ldy, _mm256_add_ps(acc0, acc1));
     }
@@ -146,6 +189,7 @@ moed_ggml_dot8_fn moed_ggml_dot8_avx2(int x8type) {
     switch (x8type) {
     case MOED_GGML_Q4_0_X8: return dot8_q4_0;
     case MOED_GGML_Q4_K_X8: return dot8_q4_k;
+    case MOED_GGML_MXFP4_X8: return dot8_mxfp4;
     default: return NULL;
     }
 }

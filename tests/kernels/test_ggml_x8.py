@@ -22,7 +22,7 @@ from moed.kernels.ggml_rows_format import act_span, dequantize_rows, row_bytes, 
 from moed.kernels.native_cpu import native
 from moed.kernels.native_cpu_reference import quantize_activations
 
-X8_TYPES = [T.Q4_0, T.Q4_K]
+X8_TYPES = [T.Q4_0, T.Q4_K, T.MXFP4]
 
 
 def _lib():
@@ -34,13 +34,17 @@ def _lib():
 
 def _rows(qtype: T, rows: int, k: int, seed: int = 0) -> torch.Tensor:
     data = random_blocks(qtype, (rows, k), np.random.default_rng(seed))
+    if qtype == T.MXFP4:  # exponents near 2^0 as real files have, and the subnormal two (0, 1)
+        data = data.reshape(-1, 17)
+        data[:, 0] = np.random.default_rng(seed).integers(118, 130, size=data.shape[0])
+        data[:2, 0] = (0, 1)
     return torch.from_numpy(np.ascontiguousarray(data).reshape(rows, -1))
 
 
 @pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
 def test_packing_is_a_lossless_permutation_and_native_matches_the_twin(qtype):
     lib = _lib()
-    for k in ((32, 96, 224) if qtype == T.Q4_0 else (256, 768)):
+    for k in ((256, 768) if qtype == T.Q4_K else (32, 96, 224)):
         valid = _rows(qtype, 24, k)
         noise = torch.randint(0, 256, valid.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(k))
         for raw in (valid, noise):  # any bytes: Q4_K's 6-bit scales re-packed bit for bit
@@ -74,7 +78,7 @@ def test_bad_packing_arguments_are_refused():
 def test_x8_kernels_match_the_torch_twin_at_every_isa(qtype):
     lib = _lib()
     x8_type = x8.X8_OF[int(qtype)]
-    for k in ((32, 160, 2080) if qtype == T.Q4_0 else (256, 1280)):
+    for k in ((256, 1280) if qtype == T.Q4_K else (32, 160, 2080)):
         raw = _rows(qtype, 16, k, seed=k)
         x = torch.randn(3, k) * torch.linspace(0.1, 3.0, k)
         want, bound = rows_product_reference(raw, int(qtype), k, x)
@@ -118,13 +122,15 @@ def test_a_bank_laid_out_for_the_cpu_runs_as_stored(monkeypatch):
     lib = _lib()
     if not lib.ggml_x8_preferred(int(T.Q4_K)):
         pytest.skip("the x8 kernels are not this CPU's faster ones")
-    # layer 0: Q4_K gate/up with a Q6_K down (a Q4_K_M file's mix: the down stays rows); layer 1: Q4_0 / Q4_K
-    stored = _bank({"Q4_K": T.Q6_K, "Q4_0": T.Q4_K})
+    # layer 0: Q4_K gate/up with a Q6_K down (a Q4_K_M file's mix: the down stays rows); layer 1: Q4_0 / Q4_K;
+    # layer 2: MXFP4 (gpt-oss)
+    stored = _bank({"Q4_K": T.Q6_K, "Q4_0": T.Q4_K, "MXFP4": T.MXFP4})
     bank = _clone(stored)
     converted = interleave_for_cpu(bank)
     assert converted == {"gate.0": x8.X8_OF[int(T.Q4_K)], "up.0": x8.X8_OF[int(T.Q4_K)],
                          "gate.1": x8.X8_OF[int(T.Q4_0)], "up.1": x8.X8_OF[int(T.Q4_0)],
-                         "down.1": x8.X8_OF[int(T.Q4_K)]}
+                         "down.1": x8.X8_OF[int(T.Q4_K)], "gate.2": x8.X8_OF[int(T.MXFP4)],
+                         "up.2": x8.X8_OF[int(T.MXFP4)], "down.2": x8.X8_OF[int(T.MXFP4)]}
     assert bank.row_types["down.0"] == int(T.Q6_K)
     assert interleave_for_cpu(bank) == {}  # already laid out
     for name, t in bank.tensors.items():
@@ -134,7 +140,7 @@ def test_a_bank_laid_out_for_the_cpu_runs_as_stored(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     for n in (1, 3, 40):  # decode rows; the int8 kernels on several tokens; the bf16 prefill GEMMs
         hidden = torch.randn(n, bank.hidden_size, generator=gen)
-        for layer in range(2):
+        for layer in range(3):
             ids = torch.randint(0, bank.num_experts, (n, 4), generator=gen, dtype=torch.int32) + layer * bank.num_experts
             ids[0, 3] = -1  # a slot not run here
             weights = torch.rand(n, 4, generator=gen)
