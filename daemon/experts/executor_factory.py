@@ -71,8 +71,6 @@ def build_executor(bank: ExpertBank, cfg: EngineConfig, *, trace_out: str | Path
             release = lambda: pinned_on.unpin_host(report)  # noqa: E731 - on close: the bank's pages stop being locked
     else:
         stats.pageable_bytes = bank.nbytes()
-    if device.kind == "cpu":  # only the CPU reads the bank: its faster layouts (a device's slots read GGUF rows)
-        interleave_for_cpu(bank)
     if device.kind == "cpu" and trace_out:
         # record routing on the CPU backend too: the hybrid executor with no cache, all on the CPU
         return HybridExecutor(bank, device, num_slots=0, policy=make_policy("cpu-all"),
@@ -80,6 +78,7 @@ def build_executor(bank: ExpertBank, cfg: EngineConfig, *, trace_out: str | Path
                               cpu_pool=CpuWorkerPool(cfg.cpu_kernel_threads),
                               trace=RoutingTraceWriter(trace_out), stats=stats)
     if device.kind == "cpu":
+        interleave_for_cpu(bank)  # only the CPU reads the bank: its faster layouts (a device's slots read GGUF rows)
         executor = CpuExecutor(bank)
         executor.stats.pinned_bytes, executor.stats.pageable_bytes = stats.pinned_bytes, stats.pageable_bytes
         executor.stats.pin_note = stats.pin_note
