@@ -2,7 +2,7 @@
 
 The bank loads with each matrix as its GGUF file stores it. When only the CPU runs the experts, the
 types that have an x8 layout (kernels/ggml_x8_format.py) faster than their rows at this machine's ISA
-are permuted in place into it, a few experts at a time; the device path keeps the GGUF rows (its
+are permuted in place into it (a group of eight rows at a time, on the pool); the device path keeps the GGUF rows (its
 slots and kernels read them). ``MOED_GGML_X8=0`` keeps the rows (A/B measurements, a suspected kernel).
 """
 
@@ -16,8 +16,6 @@ from moed.kernels.ggml_x8_format import is_x8, type_name
 from moed.kernels.native_cpu import native
 
 X8_ENV = "MOED_GGML_X8"
-CHUNK_BYTES = 64 << 20  # the temporary of one conversion
-
 log = logging.getLogger(__name__)
 
 
@@ -39,10 +37,7 @@ def interleave_for_cpu(bank: ExpertBank) -> dict[str, int]:
         if not x8 or t.dim() != 3 or t.shape[1] % 8 or not t.is_contiguous():
             continue
         k = bank.hidden_size if name.split(".")[0] in ("gate", "up") else bank.intermediate_size
-        step = max(1, CHUNK_BYTES // max(1, t[0].numel()))
-        for e0 in range(0, t.shape[0], step):
-            part = t[e0:e0 + step]
-            part.copy_(lib.ggml_x8_convert(part, ggml_type, k, pack=True))
+        lib.ggml_x8_convert(t, ggml_type, k, pack=True, out=t)  # in place, a group at a time
         done[id(t)] = bank.row_types[name] = converted[name] = x8
     if converted:
         kinds = sorted({type_name(v) for v in converted.values()})

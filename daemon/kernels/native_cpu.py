@@ -573,15 +573,14 @@ class NativeCpu:
     def ggml_x8_convert(self, raw: torch.Tensor, ggml_type: int, k: int, *, pack: bool,
                         out: torch.Tensor | None = None) -> torch.Tensor:
         """GGUF rows of ``ggml_type`` (``uint8 [..., rows, row_bytes]``, rows a multiple of 8) -> the x8 layout
-        (``pack``), or back, on the pool's threads; into ``out`` (not ``raw``) when given."""
+        (``pack``), or back, on the pool's threads; into ``out`` when given (``raw`` itself: in place)."""
         ggml_type, rb = base_type(ggml_type), row_bytes(ggml_type, k)
         if raw.dtype != torch.uint8 or raw.shape[-1] != rb or not raw.is_contiguous() or raw.device.type != "cpu":
             raise ValueError(f"ggml_x8_convert: contiguous host uint8 [..., rows, {rb}], got {raw.dtype} "
                              f"{tuple(raw.shape)}")
         out = torch.empty_like(raw) if out is None else out
-        if out.shape != raw.shape or out.dtype != torch.uint8 or not out.is_contiguous() \
-                or out.data_ptr() == raw.data_ptr():
-            raise ValueError("ggml_x8_convert: out must be another contiguous uint8 tensor of raw's shape")
+        if out.shape != raw.shape or out.dtype != torch.uint8 or not out.is_contiguous():
+            raise ValueError("ggml_x8_convert: out must be a contiguous uint8 tensor of raw's shape")
         with self._lock:
             rc = self._lib.moed_cpu_ggml_x8_convert(self._pool, int(ggml_type), int(pack), raw.data_ptr(),
                                                     raw.numel() // rb, k, out.data_ptr())

@@ -119,9 +119,10 @@ static void q4_k_unpack(const uint8_t *o, uint8_t *const rows[8]) {
     }
 }
 
-static int x8_args(int type, const uint8_t *src, int64_t rows, int64_t K, const uint8_t *dst) {
+static int x8_args(int type, const uint8_t *src, int64_t rows, int64_t K, const uint8_t *dst, int same_ok) {
     const int bw = moed_ggml_block_weights(type);
-    return moed_ggml_x8_of(type) && src && dst && src != dst && rows > 0 && rows % 8 == 0 && K > 0 && K % bw == 0;
+    return moed_ggml_x8_of(type) && src && dst && (same_ok || src != dst) && rows > 0 && rows % 8 == 0 && K > 0
+        && K % bw == 0;
 }
 
 static void x8_convert(int type, const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst, int pack) {
@@ -148,13 +149,13 @@ static void x8_convert(int type, const uint8_t *src, int64_t rows, int64_t K, ui
 }
 
 int moed_ggml_x8_pack(int type, const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst) {
-    if (!x8_args(type, src, rows, K, dst)) return -1;
+    if (!x8_args(type, src, rows, K, dst, 0)) return -1;
     x8_convert(type, src, rows, K, dst, 1);
     return 0;
 }
 
 int moed_ggml_x8_unpack(int type, const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst) {
-    if (!x8_args(type, src, rows, K, dst)) return -1;
+    if (!x8_args(type, src, rows, K, dst, 0)) return -1;
     x8_convert(type, src, rows, K, dst, 0);
     return 0;
 }
@@ -213,17 +214,29 @@ typedef struct {
     int64_t K, row_bytes, groups_per_task, groups;
 } convert_job;
 
+/* in place (src == dst): each group converted into a buffer of its size (in L1/L2) and copied back, so the
+ * bank is read and written once, with no second copy of it */
 static void convert_task(void *ctx, int64_t task, int thread) {
     (void)thread;
     const convert_job *j = (const convert_job *)ctx;
     const int64_t g0 = task * j->groups_per_task, g1 = g0 + j->groups_per_task < j->groups ? g0 + j->groups_per_task
                                                                                            : j->groups;
-    const int64_t off = g0 * 8 * j->row_bytes;
-    x8_convert(j->type, j->src + off, 8 * (g1 - g0), j->K, j->dst + off, j->pack);
+    const int64_t off = g0 * 8 * j->row_bytes, group = 8 * j->row_bytes;
+    if (j->src != j->dst) {
+        x8_convert(j->type, j->src + off, 8 * (g1 - g0), j->K, j->dst + off, j->pack);
+        return;
+    }
+    uint8_t *tmp = (uint8_t *)malloc((size_t)group);
+    if (!tmp) return;  /* checked by the caller before the run: cannot happen for a group this size */
+    for (int64_t g = g0; g < g1; g++) {
+        x8_convert(j->type, j->src + g * group, 8, j->K, tmp, j->pack);
+        memcpy(j->dst + g * group, tmp, (size_t)group);
+    }
+    free(tmp);
 }
 
 int moed_cpu_ggml_x8_convert(void *h, int type, int pack, const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst) {
-    if (!h || !x8_args(type, src, rows, K, dst)) return -1;
+    if (!h || !x8_args(type, src, rows, K, dst, 1)) return -1;
     const int64_t rb = K / moed_ggml_block_weights(type) * moed_ggml_block_bytes(type);
     convert_job j = {type, pack != 0, src, dst, K, rb, 0, rows / 8};
     j.groups_per_task = (1 << 20) / (8 * rb) + 1;  /* ~1 MB a task */

@@ -46,7 +46,8 @@ int moed_ggml_x8_preferred(int type, int isa);
 int moed_ggml_x8_pack(int type, const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst);
 int moed_ggml_x8_unpack(int type, const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst);
 
-/* the same over the pool `h` (pack 1: rows -> x8, 0: back), a bank tensor at a time; 0, or -1 */
+/* the same over the pool `h` (pack 1: rows -> x8, 0: back), a bank tensor at a time, in place where dst is
+ * src (a group at a time through a buffer of its size); 0, or -1 */
 int moed_cpu_ggml_x8_convert(void *h, int type, int pack, const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst);
 
 /* one group of eight x8 rows dotted with T tokens' int8 activations (ggml_rows.h's form and span):

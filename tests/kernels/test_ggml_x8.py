@@ -69,9 +69,22 @@ def test_bad_packing_arguments_are_refused():
         lib.ggml_x8_convert(raw, int(T.Q4_0), 64, pack=True)
     with pytest.raises(ValueError, match="x8 layout"):
         x8.pack(_rows(T.Q6_K, 8, 256), int(T.Q6_K), 256)
-    with pytest.raises(ValueError, match="another contiguous"):
-        r8 = _rows(T.Q4_0, 8, 64)
-        lib.ggml_x8_convert(r8, int(T.Q4_0), 64, pack=True, out=r8)
+    with pytest.raises(ValueError, match="contiguous uint8 tensor"):
+        r8 = _rows(T.Q4_0, 16, 64)
+        lib.ggml_x8_convert(r8, int(T.Q4_0), 64, pack=True, out=r8[::2])
+
+
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
+def test_in_place_conversion_equals_the_copy(qtype):
+    lib = _lib()
+    k = 256 if qtype == T.Q4_K else 96
+    raw = _rows(qtype, 8 * 3000, k)  # more than one task (~1 MB each) of groups
+    want = x8.pack(raw, int(qtype), k)
+    t = raw.clone()
+    assert lib.ggml_x8_convert(t, int(qtype), k, pack=True, out=t) is t
+    assert torch.equal(t, want)
+    lib.ggml_x8_convert(t, x8.X8_OF[int(qtype)], k, pack=False, out=t)
+    assert torch.equal(t, raw)
 
 
 @pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
