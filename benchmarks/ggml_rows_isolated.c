@@ -6,6 +6,9 @@
  *   /tmp/ggml_rows_isolated TYPE_ID [ISA 0-5] [K 2048]      # e.g. 12 (Q4_K) 3 (AVX-512 VNNI)
  *   (ISA 4 / 5: the 256-bit / 512-bit VNNI kernels whatever moed_cpu_vector_bits() prefers)
  *
+ * Where the type has an x8 layout (native/cpu/ggml_x8.h: Q4_0, Q4_K, MXFP4) and the ISA an x8 kernel, a second
+ * line gives the same two rates for the rows interleaved in eights.
+ *
  * Random bytes (with denormals flushed) stand in for the blocks: only the time is read. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -14,6 +17,7 @@
 #include <time.h>
 
 #include "ggml_rows.h"
+#include "ggml_x8.h"
 #include "moed_api.h"
 #include "moed_cpu.h"
 
@@ -29,6 +33,15 @@ static double rate(moed_ggml_dot_fn f, const uint8_t *w, int64_t rows, int64_t r
     double t0 = now();
     for (int k = 0; k < reps; k++)
         for (int64_t r = 0; r < rows; r++) f(w + r * rb, K, xq, xs, xsum, 1, y + r, 1);
+    return (double)rows * (double)rb * reps / (now() - t0) / 1e9;
+}
+
+static double rate8(moed_ggml_dot8_fn f, const uint8_t *w, int64_t rows, int64_t rb, int64_t K, const int8_t *xq,
+                    const float *xs, const float *xsum, float *y, int reps) {
+    for (int64_t r = 0; r < rows; r += 8) f(w + r * rb, K, xq, xs, xsum, 1, y + r, 8);
+    double t0 = now();
+    for (int k = 0; k < reps; k++)
+        for (int64_t r = 0; r < rows; r += 8) f(w + r * rb, K, xq, xs, xsum, 1, y + r, 8);
     return (double)rows * (double)rb * reps / (now() - t0) / 1e9;
 }
 
@@ -58,5 +71,13 @@ int main(int argc, char **argv) {
     moed_quantize_act_span(x, 1, K, moed_ggml_act_span(type), xq, xs, xsum);
     printf("type %d, ISA %d, K %lld: in L2 %.1f GB/s, from DRAM %.1f GB/s (one thread)\n", type, isa, (long long)K,
            rate(f, w, hot, rb, K, xq, xs, xsum, y, 2000), rate(f, w, cold, rb, K, xq, xs, xsum, y, 2));
+    const int x8 = moed_ggml_x8_of(type);
+    moed_ggml_dot8_fn f8 = x8 && isa >= MOED_ISA_AVX2 && isa <= moed_cpu_detected_isa() ? moed_ggml_dot8(x8, isa) : NULL;
+    if (f8) {
+        uint8_t *wi = malloc((size_t)(rb * cold));
+        if (!wi || moed_ggml_x8_pack(type, w, cold / 8 * 8, K, wi)) return 1;
+        printf("type %d x8, ISA %d, K %lld: in L2 %.1f GB/s, from DRAM %.1f GB/s (one thread)\n", type, isa, (long long)K,
+               rate8(f8, wi, hot, rb, K, xq, xs, xsum, y, 2000), rate8(f8, wi, cold / 8 * 8, rb, K, xq, xs, xsum, y, 2));
+    }
     return 0;
 }
