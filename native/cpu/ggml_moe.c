@@ -136,8 +136,11 @@ static void *take(char **p, size_t bytes) {
 }
 
 /* ~256 KB of weights per task, a multiple of 8 rows (an x8 group is never split; rows are multiples of 32) */
+#ifndef GGML_MOE_TASK_BYTES
+#define GGML_MOE_TASK_BYTES 262144
+#endif
 static int64_t rows_per_task(int64_t rows, int64_t row_bytes) {
-    int64_t r = (262144 + row_bytes - 1) / row_bytes;
+    int64_t r = (GGML_MOE_TASK_BYTES + row_bytes - 1) / row_bytes;
     r = (r + 7) / 8 * 8;
     return r < rows ? r : rows;
 }

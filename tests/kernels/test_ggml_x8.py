@@ -15,6 +15,7 @@ from moed.config import EngineConfig
 from moed.experts import cpu_layout
 from moed.experts.cpu_layout import interleave_for_cpu
 from moed.experts.executor_factory import build_executor
+from moed.experts.expert_ffn import ggml_expert_gemm
 from moed.experts.ggml_slots import slot_layout
 from moed.experts.routed_ffn import run_routed
 from moed.kernels import ggml_x8_format as x8
@@ -160,6 +161,10 @@ def test_a_bank_laid_out_for_the_cpu_runs_as_stored(monkeypatch):
             _, want = run_routed(stored, hidden, ids, weights)
             _, got = run_routed(bank, hidden, ids, weights)
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (n, layer)
+    # the bf16 prefill GEMMs (CPUs with native bf16: rows decoded once per expert): the same decoded rows
+    x = torch.randn(20, bank.hidden_size, generator=gen)
+    for fid in (0, bank.num_experts + 1, 2 * bank.num_experts + 2):
+        assert torch.equal(ggml_expert_gemm(bank, fid, x), ggml_expert_gemm(stored, fid, x))
     # a device's slots read GGUF rows: an interleaved bank is refused with the way out
     with pytest.raises(ValueError, match="interleaved for the CPU kernels"):
         slot_layout(bank)
