@@ -42,31 +42,6 @@ static inline void nibble_products(const uint8_t *p, __m256i a4lo, __m256i a4hi,
     *hi = _mm256_add_epi16(*hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), a4hi));
 }
 
-static void dot8_q4_0(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                      float *y, int64_t ldy) {
-    const int64_t nb = K / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int t = 0; t < T; t++) {
-        const int8_t *q = xq + (int64_t)t * K;
-        const float *s = xs + (int64_t)t * nb, *su = xsum + (int64_t)t * nb;
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *o = g + b * 144;
-            const int8_t *x = q + 32 * b;
-            if (t == 0) prefetch(o, 144);
-            __m256i lo = _mm256_setzero_si256(), hi = lo;
-            for (int c = 0; c < 4; c++) nibble_products(o + 16 + 32 * c, act4(x + 4 * c), act4(x + 16 + 4 * c), &lo, &hi);
-            /* d * (xs * sum(code * xq) - 8 * xsum): w = d * (code - 8) */
-            const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones));
-            const __m256 inner = _mm256_fmadd_ps(isum, _mm256_broadcast_ss(s + b), _mm256_set1_ps(-8.0f * su[b]));
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
-            if (b & 1) acc1 = _mm256_fmadd_ps(d, inner, acc1);
-            else acc0 = _mm256_fmadd_ps(d, inner, acc0);
-        }
-        _mm256_storeu_ps(y + (int64_t)t * ldy, _mm256_add_ps(acc0, acc1));
-    }
-}
-
 /* MXFP4: the codes are E2M1 values doubled plus 12 through a table (unsigned 0..24: vpmaddubsw's unsigned
  * side; the 12 comes back as a min term), four products of a half summed in int16 (4 * 2 * 24 * 127 < 2^15),
  * the scale 2^(e - 128) (with the 1/2 of the doubled codes) made from the 8 exponent bytes in integers */
@@ -77,9 +52,13 @@ static inline __m256 e8m0_half8(const uint8_t *e8) {
     return _mm256_castsi256_ps(_mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
 }
 
-static void dot8_mxfp4(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                       float *y, int64_t ldy) {
+/* the 32-weight types, Q4_0 (mx 0) and MXFP4 (mx 1): per 8 rows x 32 weights, d * (xs * sum(code * xq) + min *
+ * xsum) with w = d * (code + min), min -8 (Q4_0) or -12 (MXFP4's offset codes) */
+static inline void dot8_b32(int mx, const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum,
+                            int T, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
+    const int bytes = mx ? 136 : 144, head = mx ? 8 : 16;
+    const float min = mx ? -12.0f : -8.0f;
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
     const __m256i e2m1u = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                            12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
@@ -88,25 +67,43 @@ static void dot8_mxfp4(const uint8_t *g, int64_t K, const int8_t *xq, const floa
         const float *s = xs + (int64_t)t * nb, *su = xsum + (int64_t)t * nb;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *o = g + b * 136;
+            const uint8_t *o = g + b * bytes;
             const int8_t *x = q + 32 * b;
-            if (t == 0) prefetch(o, 136);
+            if (t == 0) prefetch(o, bytes);
             __m256i lo = _mm256_setzero_si256(), hi = lo;
             for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(o + 8 + 32 * c));
+                if (!mx) {
+                    nibble_products(o + head + 32 * c, act4(x + 4 * c), act4(x + 16 + 4 * c), &lo, &hi);
+                    continue;
+                }
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(o + head + 32 * c));
                 lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_shuffle_epi8(e2m1u, _mm256_and_si256(v, m4)),
                                                                act4(x + 4 * c)));
                 hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(
                                               _mm256_shuffle_epi8(e2m1u, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)),
                                               act4(x + 16 + 4 * c)));
             }
-            const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones)));
-            const __m256 inner = _mm256_fmadd_ps(isum, _mm256_broadcast_ss(s + b), _mm256_set1_ps(-12.0f * su[b]));
-            if (b & 1) acc1 = _mm256_fmadd_ps(e8m0_half8(o), inner, acc1);
-            else acc0 = _mm256_fmadd_ps(e8m0_half8(o), inner, acc0);
+            /* Q4_0's eight products fit int16 together (8 * 2 * 15 * 127), MXFP4's four per half */
+            const __m256i sum = mx ? _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
+                                   : _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones);
+            const __m256 inner = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(s + b),
+                                                 _mm256_set1_ps(min * su[b]));
+            const __m256 d = mx ? e8m0_half8(o) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+            if (b & 1) acc1 = _mm256_fmadd_ps(d, inner, acc1);
+            else acc0 = _mm256_fmadd_ps(d, inner, acc0);
         }
         _mm256_storeu_ps(y + (int64_t)t * ldy, _mm256_add_ps(acc0, acc1));
     }
+}
+
+static void dot8_q4_0(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    dot8_b32(0, g, K, xq, xs, xsum, T, y, ldy);
+}
+
+static void dot8_mxfp4(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                       float *y, int64_t ldy) {
+    dot8_b32(1, g, K, xq, xs, xsum, T, y, ldy);
 }
 
 /* vpshufb masks (the same in both 128-bit halves, rows 0-3 and 4-7): the scale of sub-block s_ (bytes
