@@ -282,6 +282,11 @@ class NativeCpu:
         lib.moed_ggml_x8_preferred.restype = c_int
         lib.moed_ggml_dot8_one.argtypes = [c_int, c_int, vp, c_i64, vp, vp, vp, c_int, vp]
         lib.moed_ggml_dot8_one.restype = c_int
+        lib.moed_quantize_act_span_isa.argtypes = [c_int, vp, c_int, c_i64, c_int, vp, vp, vp]
+        lib.moed_quantize_act_span_isa.restype = None
+        lib.moed_activate_row_isa.argtypes = [c_int, c_int, vp, vp, c_i64, ctypes.c_float, ctypes.c_float, vp, vp,
+                                              ctypes.c_float, ctypes.c_float, vp]
+        lib.moed_activate_row_isa.restype = None
         lib.moed_ggml_act_span.argtypes = [c_int]
         lib.moed_ggml_act_span.restype = c_int
         lib.moed_ggml_dot_one.argtypes = [c_int, c_int, vp, c_i64, vp, vp, vp, c_int, vp]
@@ -621,6 +626,37 @@ class NativeCpu:
         if rc != 0:
             raise ValueError(f"moed_cpu_ggml_to_bf16 refused its arguments (rc {rc})")
         return out
+
+    def quantize_act_span(self, x: torch.Tensor, span: int, isa: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` float32 ``[T, K]`` -> int8 activations ``(xq [T, K], xs [T, K/32], xsum [T, K/32])`` with one
+        scale per ``span`` values, by the code of one ISA (tests: native_cpu_reference.quantize_activations is
+        the twin)."""
+        t, k = x.shape
+        if x.dtype != torch.float32 or span not in (32, 256) or k % span:
+            raise ValueError(f"quantize_act_span: float32 [T, K] with K a multiple of the span (32 or 256), "
+                             f"got {x.dtype} {tuple(x.shape)} and span {span}")
+        x = x.contiguous()
+        xq = torch.empty(t, k, dtype=torch.int8)
+        xs, xsum = torch.empty(t, k // 32), torch.empty(t, k // 32)
+        self._lib.moed_quantize_act_span_isa(ISA_NAMES.index(isa), x.data_ptr(), t, k, span, xq.data_ptr(),
+                                             xs.data_ptr(), xsum.data_ptr())
+        return xq, xs, xsum
+
+    def activate_row(self, kind: int, g: torch.Tensor, u: torch.Tensor, isa: str, *, sg: float = 1.0, su: float = 1.0,
+                     bg: torch.Tensor | None = None, bu: torch.Tensor | None = None, alpha: float = 1.0,
+                     limit: float = 7.0) -> torch.Tensor:
+        """The experts' activation of one row, ``act(g * sg + bg, u * su + bu)`` (``ExpertActivation``'s kinds),
+        by the code of one ISA (tests: the scalar code, libm's expf and tanhf, is the twin)."""
+        vecs = [v for v in (g, u, bg, bu) if v is not None]
+        if any(v.dtype != torch.float32 or v.dim() != 1 or v.numel() != g.numel() for v in vecs):
+            raise ValueError("activate_row: float32 vectors of one length")
+        g, u = g.contiguous(), u.contiguous()
+        bg, bu = (None if v is None else v.contiguous() for v in (bg, bu))
+        h = torch.empty_like(g)
+        self._lib.moed_activate_row_isa(ISA_NAMES.index(isa), int(kind), g.data_ptr(), u.data_ptr(), g.numel(), sg, su,
+                                        None if bg is None else bg.data_ptr(), None if bu is None else bu.data_ptr(),
+                                        alpha, limit, h.data_ptr())
+        return h
 
     def ggml_act_span(self, ggml_type: int) -> int:
         """Values per activation scale the kernels of ``ggml_type`` take (ggml_rows_format.act_span)."""

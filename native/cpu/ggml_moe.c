@@ -9,8 +9,17 @@
  *   phase 2  per expert: scales, biases, activation -> h_e [T_e][I], quantised to int8 (the down rows' span)
  *   phase 3  tasks (expert, a stretch of down rows) -> o_e [T_e][D] (x scale, + bias), scattered to the slots
  *   merge    y[t] = sum over a ascending of weight[t][a] * out[t][a] over the slots run
- * A task's rows are one contiguous stretch of memory (one stream for the prefetchers). */
+ * A task's rows are one contiguous stretch of memory (one stream for the prefetchers).
+ *
+ * The three phases are one job on the pool, not three: its tasks are every expert's phase-1 tasks, then every
+ * expert's phase-3 tasks. The thread that finishes an expert's last phase-1 task runs its phase 2 and marks it
+ * ready; a phase-3 task waits for its expert's mark (by then long set, but for the last experts or a single
+ * one). Three jobs had each thread wait at two barriers for the other's last task (half a task, ~10 us at
+ * decode, twice per layer) and woke the pool three times. */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +52,8 @@ typedef struct {
     float *g, *u;                 /* [Tall][I] */
     float *h; int8_t *hq; float *hs, *hsum;     /* [Tall][I] */
     float *o;                     /* [Tall][D] */
+    atomic_int *left1;            /* per expert: phase-1 tasks not yet finished */
+    atomic_int *ready;            /* per expert: phase 2 done (h, hq, hs, hsum written) */
 } job;
 
 /* the GGUF type whose blocks a matrix holds (an x8 layout's, or its own) */
@@ -92,11 +103,8 @@ static void phase2(void *ctx, int64_t task, int thread) {
     const float *ur = j->gate_is_up ? j->g : j->u;
     for (int t = 0; t < e->T; t++) {
         const int64_t row = (e->first + t) * j->I;
-        for (int64_t i = 0; i < j->I; i++) {
-            float g = j->g[row + i] * sg, u = ur[row + i] * su;
-            if (b) { g += b[i]; u += b[j->I + i]; }
-            j->h[row + i] = moed_activate(L->act_kind, g, u, L->alpha, L->limit);
-        }
+        moed_activate_row(L->act_kind, j->g + row, ur + row, j->I, sg, su, b, b ? b + j->I : NULL, L->alpha, L->limit,
+                          j->h + row);
     }
     const int64_t G = j->I / 32;
     moed_quantize_act_span(j->h + e->first * j->I, e->T, j->I, moed_ggml_act_span(block_type(L->down.type)),
@@ -125,6 +133,29 @@ static void phase3(void *ctx, int64_t task, int thread) {
     for (int64_t r = r0; r < r1; r++)
         j->dd(w + r * m->row_bytes, j->I, j->hq + e->first * j->I, j->hs + e->first * G, j->hsum + e->first * G, e->T,
               j->o + e->first * j->D + r, j->D);
+}
+
+/* phase-1 tasks [0, nex t1), then phase-3 tasks (see the top of the file) */
+static void fused(void *ctx, int64_t task, int thread) {
+    job *j = (job *)ctx;
+    const int64_t n1 = (int64_t)j->nex * j->t1;
+    if (task < n1) {
+        phase1(ctx, task, thread);
+        const int64_t e = task / j->t1;
+        if (atomic_fetch_sub(&j->left1[e], 1) == 1) {  /* the expert's last: its gate and up are all written */
+            phase2(ctx, e, thread);
+            atomic_store_explicit(&j->ready[e], 1, memory_order_release);
+        }
+        return;
+    }
+    const int64_t t3 = task - n1, e = t3 / j->t3;
+    for (int spins = 1; !atomic_load_explicit(&j->ready[e], memory_order_acquire); spins++) {
+#if MOED_X86
+        __builtin_ia32_pause();
+#endif
+        if (spins % 1024 == 0) sched_yield();  /* the thread finishing it may share this core with another program */
+    }
+    phase3(ctx, t3, thread);
 }
 
 /* the next 64-byte aligned piece of the scratch (the kernels' 512-bit activation loads stay within
@@ -189,7 +220,8 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
                    + 3 * sizeof(float) * (size_t)total * (size_t)I                          /* g, u, h */
                    + (size_t)total * (size_t)I + 2 * sizeof(float) * (size_t)total * (size_t)GI  /* hq, hs, hsum */
                    + sizeof(float) * (size_t)total * (size_t)D * (size_t)(1 + float_x)      /* o, xf */
-                   + 16 * 64;                                                               /* alignment */
+                   + 2 * sizeof(atomic_int) * (size_t)nex                                   /* left1, ready */
+                   + 18 * 64;                                                               /* alignment */
     char *p = (char *)moed_pool_scratch((moed_pool *)h, bytes);
     if (!p) { free(count); return -2; }
     run_expert *ex = (run_expert *)take(&p, sizeof(run_expert) * (size_t)nex);
@@ -205,6 +237,8 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
     int8_t *xq = (int8_t *)take(&p, (size_t)(total * D));
     int8_t *hq = (int8_t *)take(&p, (size_t)(total * I));
     float *xf = float_x ? (float *)take(&p, sizeof(float) * (size_t)(total * D)) : NULL;
+    atomic_int *left1 = (atomic_int *)take(&p, sizeof(atomic_int) * (size_t)nex);
+    atomic_int *ready = (atomic_int *)take(&p, sizeof(atomic_int) * (size_t)nex);
     /* gather: rows in expert order, tokens ascending within an expert */
     int64_t *next = count;  /* reused: the next row of each expert */
     int64_t first = 0;
@@ -220,11 +254,21 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
     }
     const int gspan = moed_ggml_act_span(block_type(L->gate.type)), uspan = moed_ggml_act_span(block_type(L->up.type));
     const int x_span = gspan > uspan ? gspan : uspan;
+    /* a token is quantised once, for its first run slot; its other slots copy that row */
+    int64_t done_row = -1, done_token = -1;
     for (int64_t s = 0; s < (int64_t)N * A; s++) {
         if (ids[s] < 0) continue;
         int64_t row = next[ids[s]]++;
         slot_of[row] = s;
-        moed_quantize_act_span(x + (s / A) * D, 1, D, x_span, xq + row * D, xs + row * GD, xsum + row * GD);
+        if (s / A == done_token) {
+            memcpy(xq + row * D, xq + done_row * D, (size_t)D);
+            memcpy(xs + row * GD, xs + done_row * GD, sizeof(float) * (size_t)GD);
+            memcpy(xsum + row * GD, xsum + done_row * GD, sizeof(float) * (size_t)GD);
+        } else {
+            moed_quantize_act_span(x + (s / A) * D, 1, D, x_span, xq + row * D, xs + row * GD, xsum + row * GD);
+            done_row = row;
+            done_token = s / A;
+        }
         if (xf) memcpy(xf + row * D, x + (s / A) * D, sizeof(float) * (size_t)D);
     }
     free(count);
@@ -240,10 +284,13 @@ int moed_cpu_ggml_moe(void *h, const moed_ggml_layer *L, const float *x, int N, 
     j.t3 = (D + j.rows3 - 1) / j.rows3;
     j.xq = xq; j.xs = xs; j.xsum = xsum; j.xf = xf;
     j.g = g; j.u = u; j.h = hh; j.hq = hq; j.hs = hs; j.hsum = hsum; j.o = o;
-    moed_pool *pool = (moed_pool *)h;
-    moed_pool_run(pool, phase1, &j, (int64_t)nex * j.t1);
-    moed_pool_run(pool, phase2, &j, nex);
-    moed_pool_run(pool, phase3, &j, (int64_t)nex * j.t3);
+    for (int i = 0; i < nex; i++) {
+        atomic_init(&left1[i], (int)j.t1);
+        atomic_init(&ready[i], 0);
+    }
+    j.left1 = left1;
+    j.ready = ready;
+    moed_pool_run((moed_pool *)h, fused, &j, (int64_t)nex * (j.t1 + j.t3));
     /* down scale and bias, scatter to the slots */
     for (int i = 0; i < nex; i++) {
         const float *b = L->down_bias ? L->down_bias + ex[i].expert * D : NULL;

@@ -323,13 +323,10 @@ static void activation_task(void *ctx, int64_t task, int thread) {
     const float *bias = b->gu_bias ? b->gu_bias + (int64_t)e->flat_id * 2 * I : NULL;
     for (int t = 0; t < e->T; t++) {
         float *h = e->h + (int64_t)t * I;
-        for (int64_t col = 0; col < I; col++) {
-            const float *p = e->gu_part + (int64_t)t * 2 * I + col;
-            float g = p[0], u = p[I];
-            for (int64_t c = 1; c < j->c1.count; c++) { g += p[c * stride]; u += p[c * stride + I]; }
-            if (bias) { g += bias[col]; u += bias[I + col]; }
-            h[col] = moed_activate(b->act_kind, g, u, b->alpha, b->limit);
-        }
+        float *p = e->gu_part + (int64_t)t * 2 * I;  /* block 0's gate and up, the other blocks added in */
+        for (int64_t c = 1; c < j->c1.count; c++)
+            for (int64_t col = 0; col < 2 * I; col++) p[col] += p[c * stride + col];
+        moed_activate_row(b->act_kind, p, p + I, I, 1.0f, 1.0f, bias, bias ? bias + I : NULL, b->alpha, b->limit, h);
     }
     to_blocks(e->h, e->mid.x, sizeof(float), e->T, I, j->c2.rows);
     if (j->quant) {

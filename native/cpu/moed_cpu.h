@@ -109,6 +109,9 @@ void moed_quantize_act(const float *x, int T, int64_t K, int8_t *xq, float *xs, 
  * xs: llama.cpp's Q8_K form for the K-quant kernels, which multiply a super-block's integer sums by its
  * integer scales before one float multiply (ggml_rows.h) */
 void moed_quantize_act_span(const float *x, int T, int64_t K, int span, int8_t *xq, float *xs, float *xsum);
+/* the same by the code of one ISA (AVX2 and up: eight values at a time; the same bytes as the scalar code) */
+void moed_quantize_act_span_isa(int isa, const float *x, int T, int64_t K, int span, int8_t *xq, float *xs,
+                                float *xsum);
 
 /* the expert activation of gate g and up u: 0 silu(g) * u; 1 gpt-oss's clamped SwiGLU */
 /* kind 0: SwiGLU; 1: gpt-oss's (gate <= limit, |up| <= limit, sigmoid(alpha g) gate, up + 1); 2: DeepSeek-V4's
@@ -124,6 +127,13 @@ static inline float moed_activate(int kind, float g, float u, float alpha, float
     if (kind == 2) return g / (1.0f + expf(-g)) * u;
     return (u + 1.0f) * (g / (1.0f + expf(-g * alpha)));
 }
+
+/* h[i] = moed_activate(kind, g[i] * sg + bg[i], u[i] * su + bu[i]) for i < n (bg, bu may be NULL): activate.c,
+ * eight values at a time at AVX2 and up (a polynomial exp, within a few ulp of the scalar code) */
+void moed_activate_row(int kind, const float *g, const float *u, int64_t n, float sg, float su, const float *bg,
+                       const float *bu, float alpha, float limit, float *h);
+void moed_activate_row_isa(int isa, int kind, const float *g, const float *u, int64_t n, float sg, float su,
+                           const float *bg, const float *bu, float alpha, float limit, float *h);
 
 static inline float moed_bf16_to_f32(uint16_t b) {
     union { uint32_t u; float f; } v = { (uint32_t)b << 16 };
