@@ -389,8 +389,8 @@ int moed_cpu_moe(void *h, const moed_bank *b, const float *x, int N, int A, cons
     int64_t used = 0;
     for (int64_t s = 0; s < nsl; s++) {
         int32_t fid = flat_ids[s];
+        if (fid < -1 || fid >= b->num_slots) { free(order); return -1; }
         if (fid < 0) continue;
-        if (fid >= b->num_slots) { free(order); return -1; }
         order[2 * used] = fid;
         order[2 * used + 1] = (int32_t)s;
         used++;
