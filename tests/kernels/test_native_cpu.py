@@ -365,6 +365,8 @@ def test_moe_skips_slots_marked_minus_one_and_refuses_bad_ids():
     assert torch.equal(y[0], per_slot[0, 0] * 0.5)
     with pytest.raises(ValueError, match="out of range"):
         LIB.moe(desc, x, torch.tensor([[bank.num_slots, 0], [0, 0]], dtype=torch.int32), w)
+    with pytest.raises(ValueError, match="out of range"):  # -1 is "not run here", below it is an error
+        LIB.moe(desc, x, torch.tensor([[-2, 0], [0, 0]], dtype=torch.int32), w)
 
 
 def test_without_the_library_the_numba_kernels_run_and_say_so():
