@@ -15,8 +15,9 @@ import torch
 from moed.cache.bank_builder import build_expert_bank
 from moed.cache.host_bank import EXPERT_DTYPES, GGML_BANK, ExpertActivation, ExpertBank
 from moed.experts.cpu_layout import interleave_for_cpu
-from moed.experts.routed_ffn import run_routed
-from moed.kernels.native_cpu import native_status
+from moed.experts.routed_ffn import PREFILL_TOKENS, run_routed, uses_native
+from moed.kernels.native_cpu import descriptor_of, native, native_status
+from moed.experts.expert_ffn import ggml_gemm_prefill
 from moed.kernels.bandwidth import read_sum_kernel
 from moed.kernels.expert_matmul import launch_guard, threading_layer
 
@@ -110,7 +111,12 @@ def random_rows(name: str, lead: tuple[int, ...], k: int, gen: torch.Generator, 
 
 
 def _read_pass(buf: np.ndarray) -> float:
-    """Seconds for one parallel read of ``buf``."""
+    """Seconds for one parallel read of ``buf``: on the native kernels' own threads where they are built
+    (read_bw.c; numba's OpenMP threads spin on after each read and took the two cores from the kernel pass
+    that followed), else numba's."""
+    lib = native()
+    if lib is not None:
+        return lib.read_pass(torch.from_numpy(buf))
     with launch_guard():
         nparts = numba.get_num_threads()
         t0 = time.perf_counter()
@@ -142,12 +148,20 @@ def _alternate(one_pass: Callable[[], float], buf: np.ndarray, buf_4k: np.ndarra
 
 def _expert_pass(bank: ExpertBank, x: torch.Tensor, per_call: int) -> float:
     """Seconds to run every expert of ``bank`` once, ``per_call`` distinct experts per MoE call (a
-    decode step's layer: each token routed to all of them), as the executors call them."""
-    t0 = time.perf_counter()
+    decode step's layer: each token routed to all of them). Where the native MoE call runs the tokens, the
+    calls follow each other as the decode chain makes them, with no Python between (``moe_ggml_calls``);
+    otherwise as the executors call them (``run_routed``)."""
     ones = torch.full((x.shape[0], per_call), 1.0 / per_call)
-    for start in range(0, bank.num_slots - per_call + 1, per_call):
-        ids = torch.arange(start, start + per_call, dtype=torch.int32).expand(x.shape[0], per_call)
-        run_routed(bank, x, ids, ones)
+    ids = [torch.arange(start, start + per_call, dtype=torch.int32).expand(x.shape[0], per_call).contiguous()
+           for start in range(0, bank.num_slots - per_call + 1, per_call)]
+    lib = native()
+    if uses_native(bank, x.shape[0]) and x.shape[0] <= PREFILL_TOKENS and not ggml_gemm_prefill(x.shape[0]):
+        if bank.dtype == GGML_BANK:  # a one-layer bench bank: its flat ids are the layer's expert numbers
+            return lib.moe_ggml_calls(bank, 0, x, ids, ones)
+        return lib.moe_calls(descriptor_of(bank), x, ids, ones)
+    t0 = time.perf_counter()
+    for i in ids:
+        run_routed(bank, x, i, ones)
     return time.perf_counter() - t0
 
 
@@ -255,7 +269,6 @@ def bench_dense(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str] = DENSE
     with read-bandwidth passes like ``bench_kernels``. Rows as ``bench_kernels``'s with ``hidden`` =
     K, ``intermediate`` = N, ``experts`` = matrices, ``dtype`` prefixed ``dense ``. Needs the native
     library (ValueError otherwise)."""
-    from moed.kernels.native_cpu import native
 
     lib = native()
     if lib is None:

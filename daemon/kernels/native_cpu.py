@@ -27,6 +27,7 @@ import glob
 import math
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,6 +301,8 @@ class NativeCpu:
         lib.moed_ggml_x8_preferred.restype = c_int
         lib.moed_ggml_dot8_one.argtypes = [c_int, c_int, vp, c_i64, vp, vp, vp, c_int, vp]
         lib.moed_ggml_dot8_one.restype = c_int
+        lib.moed_cpu_read_pass.argtypes = [vp, vp, c_i64]
+        lib.moed_cpu_read_pass.restype = ctypes.c_uint64
         lib.moed_quantize_act_span_isa.argtypes = [c_int, vp, c_int, c_i64, c_int, vp, vp, vp]
         lib.moed_quantize_act_span_isa.restype = None
         lib.moed_activate_row_isa.argtypes = [c_int, c_int, vp, vp, c_i64, ctypes.c_float, ctypes.c_float, vp, vp,
@@ -644,6 +647,52 @@ class NativeCpu:
         if rc != 0:
             raise ValueError(f"moed_cpu_ggml_to_bf16 refused its arguments (rc {rc})")
         return out
+
+    def read_pass(self, buf: torch.Tensor) -> float:
+        """Seconds for one read of the contiguous host tensor ``buf`` on the pool's threads (read_bw.c)."""
+        if not buf.is_contiguous() or buf.device.type != "cpu":
+            raise ValueError("read_pass: a contiguous host tensor")
+        with self._lock:
+            t0 = time.perf_counter()
+            self._lib.moed_cpu_read_pass(self._pool, buf.data_ptr(), buf.numel() * buf.element_size())
+            return time.perf_counter() - t0
+
+    def moe_ggml_calls(self, bank, moe_layer: int, x: torch.Tensor, ids: list[torch.Tensor],
+                       weights: torch.Tensor) -> float:
+        """Seconds for ``moe_ggml`` calls one after another, one per ``ids [N, A]`` of the list, with nothing
+        between them but the call (as the decode chain runs a step's layers): ``moed bench kernels``'s expert
+        passes. Each call's Python around the library (~60-200 us, its cache misses included) would otherwise
+        be timed with the kernel."""
+        y = torch.empty(x.shape[0], bank.hidden_size)
+        args = []
+        for i in ids:
+            x_, i_, w_, _ = _moe_args(x, i, weights, None, True, bank.hidden_size, bank.num_experts, "expert ids")
+            args.append((x_, i_, w_))
+        layer = ggml_layer(bank, moe_layer)
+        calls = [(self._pool, ctypes.byref(layer), x_.data_ptr(), i_.shape[0], i_.shape[1], i_.data_ptr(),
+                  w_.data_ptr(), None, y.data_ptr()) for x_, i_, w_ in args]
+        fn = self._lib.moed_cpu_ggml_moe
+        with self._lock:
+            t0 = time.perf_counter()
+            for c in calls:
+                if fn(*c) != 0:
+                    raise ValueError("moed_cpu_ggml_moe refused its arguments")
+            return time.perf_counter() - t0
+
+    def moe_calls(self, desc: "BankDescriptor", x: torch.Tensor, ids: list[torch.Tensor], weights: torch.Tensor) -> float:
+        """``moe_ggml_calls`` for a converted bank (``moe``)."""
+        bank = desc.struct
+        y = torch.empty(x.shape[0], bank.D)
+        args = [_moe_args(x, i, weights, None, True, bank.D, bank.num_slots, "flat ids")[:3] for i in ids]
+        calls = [(self._pool, ctypes.byref(bank), x_.data_ptr(), i_.shape[0], i_.shape[1], i_.data_ptr(),
+                  w_.data_ptr(), None, y.data_ptr()) for x_, i_, w_ in args]
+        fn = self._lib.moed_cpu_moe
+        with self._lock:
+            t0 = time.perf_counter()
+            for c in calls:
+                if fn(*c) != 0:
+                    raise ValueError("moed_cpu_moe refused its arguments")
+            return time.perf_counter() - t0
 
     def quantize_act_span(self, x: torch.Tensor, span: int, isa: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` float32 ``[T, K]`` -> int8 activations ``(xq [T, K], xs [T, K/32], xsum [T, K/32])`` with one

@@ -43,5 +43,8 @@ int moed_sigmoid_scale(const float *z, int64_t rows, int64_t D, float *y);
 int moed_route_select(float *logits, int64_t N, int64_t E, int kind, int top_k, int renormalise, int64_t *ids,
                       float *weights);
 int moed_cpu_attn_decode(void *h, const moed_attn_decode_args *a);
+/* one read of `bytes` at buf on the pool (read_bw.c): the read bandwidth `moed bench kernels` compares with;
+ * returns a sum of the bytes read */
+uint64_t moed_cpu_read_pass(void *h, const void *buf, int64_t bytes);
 
 #endif

@@ -39,11 +39,11 @@ int moed_add_rms_norm(const float *x, const float *delta, const void *w, int w_b
     return 0;
 }
 
-/* SwiGLU of a few rows (decode; dense MLPs and shared experts): h = silu(g) * u = g / (1 + e^-g) * u, the
- * arithmetic of the MoE kernel's activation (moe.c), so both give the same bits for the same inputs. */
+/* SwiGLU of a few rows (decode; dense MLPs and shared experts): h = silu(g) * u = g / (1 + e^-g) * u, by the
+ * MoE kernels' activation code (activate.c), so both give the same bits for the same inputs. */
 int moed_swiglu(const float *g, const float *u, int64_t n, float *h) {
     if (!g || !u || !h || n < 0) return -1;
-    for (int64_t i = 0; i < n; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    moed_activate_row(0, g, u, n, 1.0f, 1.0f, NULL, NULL, 0.0f, 0.0f, h);
     return 0;
 }
 
