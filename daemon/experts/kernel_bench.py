@@ -116,7 +116,7 @@ def _read_pass(buf: np.ndarray) -> float:
     that followed), else numba's."""
     lib = native()
     if lib is not None:
-        return lib.read_pass(torch.from_numpy(buf))
+        return lib.read_pass(torch.from_numpy(buf))[0]
     with launch_guard():
         nparts = numba.get_num_threads()
         t0 = time.perf_counter()

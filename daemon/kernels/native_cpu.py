@@ -648,14 +648,15 @@ class NativeCpu:
             raise ValueError(f"moed_cpu_ggml_to_bf16 refused its arguments (rc {rc})")
         return out
 
-    def read_pass(self, buf: torch.Tensor) -> float:
-        """Seconds for one read of the contiguous host tensor ``buf`` on the pool's threads (read_bw.c)."""
+    def read_pass(self, buf: torch.Tensor) -> tuple[float, int]:
+        """One read of the contiguous host tensor ``buf`` on the pool's threads (read_bw.c): ``(seconds, sum)``,
+        the sum (mod 2^64) of its little-endian 8-byte words and then of the bytes past the last whole word."""
         if not buf.is_contiguous() or buf.device.type != "cpu":
             raise ValueError("read_pass: a contiguous host tensor")
         with self._lock:
             t0 = time.perf_counter()
-            self._lib.moed_cpu_read_pass(self._pool, buf.data_ptr(), buf.numel() * buf.element_size())
-            return time.perf_counter() - t0
+            total = self._lib.moed_cpu_read_pass(self._pool, buf.data_ptr(), buf.numel() * buf.element_size())
+            return time.perf_counter() - t0, int(total)
 
     def moe_ggml_calls(self, bank, moe_layer: int, x: torch.Tensor, ids: list[torch.Tensor],
                        weights: torch.Tensor) -> float:

@@ -44,7 +44,7 @@ int moed_route_select(float *logits, int64_t N, int64_t E, int kind, int top_k, 
                       float *weights);
 int moed_cpu_attn_decode(void *h, const moed_attn_decode_args *a);
 /* one read of `bytes` at buf on the pool (read_bw.c): the read bandwidth `moed bench kernels` compares with;
- * returns a sum of the bytes read */
+ * returns the sum (mod 2^64) of the little-endian 8-byte words of buf's whole words, plus its last bytes */
 uint64_t moed_cpu_read_pass(void *h, const void *buf, int64_t bytes);
 
 #endif

@@ -20,8 +20,21 @@ typedef struct {
     uint64_t sums[64];  /* per thread, so the reads are not optimised away */
 } read_job;
 
+/* the sum of the 8-byte words (little-endian, mod 2^64) and then of the bytes past the last whole word */
+static uint64_t sum_scalar(const uint8_t *p, int64_t n) {
+    uint64_t s = 0, w;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __builtin_memcpy(&w, p + i, 8);
+        s += w;
+    }
+    for (; i < n; i++) s += p[i];
+    return s;
+}
+
 #if MOED_X86
 #include <immintrin.h>
+/* the same sum */
 __attribute__((target("avx2"))) static uint64_t sum_avx2(const uint8_t *p, int64_t n) {
     __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
     int64_t i = 0;
@@ -33,22 +46,9 @@ __attribute__((target("avx2"))) static uint64_t sum_avx2(const uint8_t *p, int64
     }
     uint64_t out[4];
     _mm256_storeu_si256((__m256i *)out, _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d)));
-    uint64_t s = out[0] + out[1] + out[2] + out[3];
-    for (; i < n; i++) s += p[i];
-    return s;
+    return out[0] + out[1] + out[2] + out[3] + sum_scalar(p + i, n - i);
 }
 #endif
-
-static uint64_t sum_scalar(const uint8_t *p, int64_t n) {
-    uint64_t s = 0, w;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __builtin_memcpy(&w, p + i, 8);
-        s += w;
-    }
-    for (; i < n; i++) s += p[i];
-    return s;
-}
 
 static void read_task(void *ctx, int64_t task, int thread) {
     read_job *j = (read_job *)ctx;

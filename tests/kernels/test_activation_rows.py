@@ -91,3 +91,4 @@ def test_the_activation_without_biases_and_scales():
     for isa in lib.available_isas():
         h = lib.activate_row(ACT_CODES["silu"], g, u, isa)
         torch.testing.assert_close(h, torch.nn.functional.silu(g) * u, rtol=4e-6, atol=1e-6)
+
