@@ -16,7 +16,7 @@ import torch
 from moed.kernels import gguf_quants as q
 
 X8_BASE = 1100
-X8_OF: dict[int, int] = {t: X8_BASE + t for t in (q.Q4_0, q.Q4_K, q.MXFP4)}
+X8_OF: dict[int, int] = {t: X8_BASE + t for t in (q.Q4_0, q.Q8_0, q.Q4_K, q.MXFP4)}
 BASE_OF: dict[int, int] = {v: k for k, v in X8_OF.items()}
 
 
@@ -44,13 +44,14 @@ def _groups(raw: torch.Tensor, ggml_type: int, k: int) -> tuple[torch.Tensor, in
 
 
 def pack(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-    """GGUF rows ``uint8 [rows, row_bytes]`` of Q4_0, Q4_K or MXFP4 -> the same bytes in the x8 layout."""
+    """GGUF rows ``uint8 [rows, row_bytes]`` of Q4_0, Q8_0, Q4_K or MXFP4 -> the same bytes in the x8 layout."""
     g, rows = _groups(raw, ggml_type, k)
     n, nb = g.shape[0], g.shape[2]
-    if ggml_type in (q.Q4_0, q.MXFP4):
-        head = 2 if ggml_type == q.Q4_0 else 1  # the scale: fp16 d, or an E8M0 byte
+    if ggml_type in (q.Q4_0, q.Q8_0, q.MXFP4):
+        head = 1 if ggml_type == q.MXFP4 else 2  # the scale: an E8M0 byte, or fp16 d
+        codes = g.shape[3] - head  # 16 bytes of nibbles, or Q8_0's 32 int8 codes
         d = g[..., 0:head].permute(0, 2, 1, 3).reshape(n, nb, 8 * head)
-        qs = g[..., head:head + 16].reshape(n, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n, nb, 128)
+        qs = g[..., head:].reshape(n, 8, nb, codes // 4, 4).permute(0, 2, 3, 1, 4).reshape(n, nb, 8 * codes)
         return torch.cat([d, qs], dim=-1).reshape(rows, -1)
     if ggml_type != q.Q4_K:
         raise ValueError(f"no x8 layout for {q.type_name(ggml_type)}")
@@ -74,10 +75,11 @@ def unpack(raw: torch.Tensor, x8_type: int, k: int) -> torch.Tensor:
     g, rows = _groups(raw, ggml_type, k)
     n, nb = g.shape[0], g.shape[2]
     blocks = g.reshape(n, nb, -1)  # a group's bytes are its x8 blocks one after the other
-    if ggml_type in (q.Q4_0, q.MXFP4):
-        head = 2 if ggml_type == q.Q4_0 else 1
+    if ggml_type in (q.Q4_0, q.Q8_0, q.MXFP4):
+        head = 1 if ggml_type == q.MXFP4 else 2
+        codes = g.shape[3] - head
         d = blocks[..., 0:8 * head].reshape(n, nb, 8, head)
-        qs = blocks[..., 8 * head:8 * head + 128].reshape(n, nb, 4, 8, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 8, 16)
+        qs = blocks[..., 8 * head:].reshape(n, nb, codes // 4, 8, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 8, codes)
         out = torch.cat([d, qs], dim=-1)  # [n, nb, 8 rows, block bytes]
     else:
         b = blocks.to(torch.int32)

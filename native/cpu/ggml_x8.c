@@ -11,11 +11,13 @@
 #include "moed_pool.h"
 
 int moed_ggml_x8_of(int type) {
-    return type == MOED_GGML_Q4_0 || type == MOED_GGML_Q4_K || type == MOED_GGML_MXFP4 ? MOED_GGML_X8_BASE + type : 0;
+    return type == MOED_GGML_Q4_0 || type == MOED_GGML_Q8_0 || type == MOED_GGML_Q4_K || type == MOED_GGML_MXFP4
+               ? MOED_GGML_X8_BASE + type : 0;
 }
 
 int moed_ggml_x8_base(int type) {
-    return type == MOED_GGML_Q4_0_X8 || type == MOED_GGML_Q4_K_X8 || type == MOED_GGML_MXFP4_X8
+    return type == MOED_GGML_Q4_0_X8 || type == MOED_GGML_Q8_0_X8 || type == MOED_GGML_Q4_K_X8
+                   || type == MOED_GGML_MXFP4_X8
                ? type - MOED_GGML_X8_BASE : 0;
 }
 
@@ -32,19 +34,19 @@ int moed_ggml_x8_preferred(int type, int isa) {
     return x8;
 }
 
-/* ---- Q4_0: 8 x 18-byte blocks <-> one 144-byte x8 block ---- */
+/* ---- Q4_0 and Q8_0: 8 x (2 + qs)-byte blocks <-> one x8 block (144 or 272 bytes), qs 16 or 32 ---- */
 
-static void q4_0_pack(const uint8_t *const rows[8], uint8_t *o) {
+static void d16_pack(const uint8_t *const rows[8], uint8_t *o, int qs) {
     for (int r = 0; r < 8; r++) {
         memcpy(o + 2 * r, rows[r], 2);
-        for (int c = 0; c < 4; c++) memcpy(o + 16 + 32 * c + 4 * r, rows[r] + 2 + 4 * c, 4);
+        for (int c = 0; c < qs / 4; c++) memcpy(o + 16 + 32 * c + 4 * r, rows[r] + 2 + 4 * c, 4);
     }
 }
 
-static void q4_0_unpack(const uint8_t *o, uint8_t *const rows[8]) {
+static void d16_unpack(const uint8_t *o, uint8_t *const rows[8], int qs) {
     for (int r = 0; r < 8; r++) {
         memcpy(rows[r], o + 2 * r, 2);
-        for (int c = 0; c < 4; c++) memcpy(rows[r] + 2 + 4 * c, o + 16 + 32 * c + 4 * r, 4);
+        for (int c = 0; c < qs / 4; c++) memcpy(rows[r] + 2 + 4 * c, o + 16 + 32 * c + 4 * r, 4);
     }
 }
 
@@ -134,13 +136,13 @@ static void x8_convert(int type, const uint8_t *src, int64_t rows, int64_t K, ui
             if (pack) {
                 const uint8_t *rp[8];
                 for (int r = 0; r < 8; r++) rp[r] = gs + r * rb + b * bb;
-                if (type == MOED_GGML_Q4_0) q4_0_pack(rp, gd + 8 * b * bb);
+                if (type == MOED_GGML_Q4_0 || type == MOED_GGML_Q8_0) d16_pack(rp, gd + 8 * b * bb, (int)bb - 2);
                 else if (type == MOED_GGML_MXFP4) mxfp4_pack(rp, gd + 8 * b * bb);
                 else q4_k_pack(rp, gd + 8 * b * bb);
             } else {
                 uint8_t *rp[8];
                 for (int r = 0; r < 8; r++) rp[r] = gd + r * rb + b * bb;
-                if (type == MOED_GGML_Q4_0) q4_0_unpack(gs + 8 * b * bb, rp);
+                if (type == MOED_GGML_Q4_0 || type == MOED_GGML_Q8_0) d16_unpack(gs + 8 * b * bb, rp, (int)bb - 2);
                 else if (type == MOED_GGML_MXFP4) mxfp4_unpack(gs + 8 * b * bb, rp);
                 else q4_k_unpack(gs + 8 * b * bb, rp);
             }
@@ -182,6 +184,11 @@ static void dot8_rows_q4_0(const uint8_t *g, int64_t K, const int8_t *xq, const 
     dot8_rows(MOED_GGML_Q4_0, g, K, xq, xs, xsum, T, y, ldy);
 }
 
+static void dot8_rows_q8_0(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                           float *y, int64_t ldy) {
+    dot8_rows(MOED_GGML_Q8_0, g, K, xq, xs, xsum, T, y, ldy);
+}
+
 static void dot8_rows_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
                            float *y, int64_t ldy) {
     dot8_rows(MOED_GGML_Q4_K, g, K, xq, xs, xsum, T, y, ldy);
@@ -199,6 +206,7 @@ moed_ggml_dot8_fn moed_ggml_dot8(int x8type, int isa) {
     }
     switch (x8type) {
     case MOED_GGML_Q4_0_X8: return dot8_rows_q4_0;
+    case MOED_GGML_Q8_0_X8: return dot8_rows_q8_0;
     case MOED_GGML_Q4_K_X8: return dot8_rows_q4_k;
     case MOED_GGML_MXFP4_X8: return dot8_rows_mxfp4;
     default: return NULL;

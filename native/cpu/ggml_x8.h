@@ -18,6 +18,9 @@
  *     16 + 32 c + 4 r + j  (c < 4, r < 8, j < 4)   row r's qs[4 c + j]  (low nibble weight 4c+j, high 16+4c+j)
  *   MXFP4 (136 bytes per 8 rows x 32 weights): Q4_0's with the E8M0 byte of rows 0..7 in [0, 8):
  *     8 + 32 c + 4 r + j                row r's qs[4 c + j]
+ *   Q8_0 (272 bytes per 8 rows x 32 weights): Q4_0's with eight 4-byte chunks of int8 codes a row:
+ *     [0, 16)    d of rows 0..7 (fp16)
+ *     16 + 32 c + 4 r + j  (c < 8)      row r's qs[4 c + j]  (weight 4c+j)
  *   Q4_K (1152 bytes per 8 rows x 256 weights):
  *     [0, 16)    d of rows 0..7, [16, 32) dmin of rows 0..7 (fp16)
  *     with q = r / 4, r_ = r % 4 and sub-block s = 4 h + s_ (h < 2, s_ < 4), the 6-bit scale sc and min m:
@@ -33,7 +36,8 @@
 
 #include <stdint.h>
 
-enum { MOED_GGML_X8_BASE = 1100, MOED_GGML_Q4_0_X8 = 1102, MOED_GGML_Q4_K_X8 = 1112, MOED_GGML_MXFP4_X8 = 1139 };
+enum { MOED_GGML_X8_BASE = 1100, MOED_GGML_Q4_0_X8 = 1102, MOED_GGML_Q8_0_X8 = 1108, MOED_GGML_Q4_K_X8 = 1112,
+       MOED_GGML_MXFP4_X8 = 1139 };
 
 /* the x8 type of a GGUF type (0: none), and the GGUF type of an x8 type (0: not one) */
 int moed_ggml_x8_of(int type);

@@ -106,6 +106,39 @@ static void dot8_mxfp4(const uint8_t *g, int64_t K, const int8_t *xq, const floa
     dot8_b32(1, g, K, xq, xs, xsum, T, y, ldy);
 }
 
+/* Q8_0: per 8 rows x 32 weights, d * xs * sum(code * xq); the signed codes through vpmaddubsw as |code| times
+ * the activation with the code's sign (|code| <= 128, |xq| <= 127: a pair sum fits int16) */
+static void dot8_q8_0(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * nb;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *o = g + b * 272;
+            const int8_t *x = q + 32 * b;
+            if (t == 0) prefetch(o, 272);
+            __m256i sum0 = _mm256_setzero_si256(), sum1 = sum0;
+            for (int c = 0; c < 8; c += 2) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(o + 16 + 32 * c)),
+                              w1 = _mm256_loadu_si256((const __m256i *)(o + 48 + 32 * c));
+                sum0 = _mm256_add_epi32(sum0, _mm256_madd_epi16(
+                                                  _mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(act4(x + 4 * c), w0)), ones));
+                sum1 = _mm256_add_epi32(sum1, _mm256_madd_epi16(
+                                                  _mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(act4(x + 4 * c + 4), w1)), ones));
+            }
+            const __m256 inner = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum0, sum1)), _mm256_broadcast_ss(s + b));
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+            if (b & 1) acc1 = _mm256_fmadd_ps(d, inner, acc1);
+            else acc0 = _mm256_fmadd_ps(d, inner, acc0);
+        }
+        _mm256_storeu_ps(y + (int64_t)t * ldy, _mm256_add_ps(acc0, acc1));
+    }
+}
+
 /* vpshufb masks (the same in both 128-bit halves, rows 0-3 and 4-7): the scale of sub-block s_ (bytes
  * 4 s_ + r_ of a 16-byte half) into both 16-bit halves of lane r_, and the mins of sub-blocks s_, s_ + 1
  * into the low / high 16 bits */
@@ -185,6 +218,7 @@ static void dot8_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const float
 moed_ggml_dot8_fn moed_ggml_dot8_avx2(int x8type) {
     switch (x8type) {
     case MOED_GGML_Q4_0_X8: return dot8_q4_0;
+    case MOED_GGML_Q8_0_X8: return dot8_q8_0;
     case MOED_GGML_Q4_K_X8: return dot8_q4_k;
     case MOED_GGML_MXFP4_X8: return dot8_mxfp4;
     default: return NULL;

@@ -23,7 +23,7 @@ from moed.kernels.ggml_rows_format import act_span, dequantize_rows, row_bytes, 
 from moed.kernels.native_cpu import native
 from moed.kernels.native_cpu_reference import quantize_activations
 
-X8_TYPES = [T.Q4_0, T.Q4_K, T.MXFP4]
+X8_TYPES = [T.Q4_0, T.Q8_0, T.Q4_K, T.MXFP4]
 
 
 def _lib():
