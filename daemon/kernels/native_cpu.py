@@ -670,29 +670,26 @@ class NativeCpu:
             x_, i_, w_, _ = _moe_args(x, i, weights, None, True, bank.hidden_size, bank.num_experts, "expert ids")
             args.append((x_, i_, w_))
         layer = ggml_layer(bank, moe_layer)
-        calls = [(self._pool, ctypes.byref(layer), x_.data_ptr(), i_.shape[0], i_.shape[1], i_.data_ptr(),
-                  w_.data_ptr(), None, y.data_ptr()) for x_, i_, w_ in args]
-        fn = self._lib.moed_cpu_ggml_moe
-        with self._lock:
-            t0 = time.perf_counter()
-            for c in calls:
-                if fn(*c) != 0:
-                    raise ValueError("moed_cpu_ggml_moe refused its arguments")
-            return time.perf_counter() - t0
+        return self._timed_calls("moed_cpu_ggml_moe", ctypes.byref(layer), args, y)
 
     def moe_calls(self, desc: "BankDescriptor", x: torch.Tensor, ids: list[torch.Tensor], weights: torch.Tensor) -> float:
         """``moe_ggml_calls`` for a converted bank (``moe``)."""
         bank = desc.struct
         y = torch.empty(x.shape[0], bank.D)
         args = [_moe_args(x, i, weights, None, True, bank.D, bank.num_slots, "flat ids")[:3] for i in ids]
-        calls = [(self._pool, ctypes.byref(bank), x_.data_ptr(), i_.shape[0], i_.shape[1], i_.data_ptr(),
-                  w_.data_ptr(), None, y.data_ptr()) for x_, i_, w_ in args]
-        fn = self._lib.moed_cpu_moe
+        return self._timed_calls("moed_cpu_moe", ctypes.byref(bank), args, y)
+
+    def _timed_calls(self, name: str, layer, args: list, y: torch.Tensor) -> float:
+        """Seconds for the library's MoE call ``name`` on each checked ``(x, ids, weights)`` of ``args``, back to
+        back under the lock, outputs merged into ``y``."""
+        calls = [(self._pool, layer, x_.data_ptr(), i_.shape[0], i_.shape[1], i_.data_ptr(), w_.data_ptr(), None,
+                  y.data_ptr()) for x_, i_, w_ in args]
+        fn = getattr(self._lib, name)
         with self._lock:
             t0 = time.perf_counter()
             for c in calls:
                 if fn(*c) != 0:
-                    raise ValueError("moed_cpu_moe refused its arguments")
+                    raise ValueError(f"{name} refused its arguments")
             return time.perf_counter() - t0
 
     def quantize_act_span(self, x: torch.Tensor, span: int, isa: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
