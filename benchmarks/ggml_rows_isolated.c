@@ -6,7 +6,7 @@
  *   /tmp/ggml_rows_isolated TYPE_ID [ISA 0-5] [K 2048]      # e.g. 12 (Q4_K) 3 (AVX-512 VNNI)
  *   (ISA 4 / 5: the 256-bit / 512-bit VNNI kernels whatever moed_cpu_vector_bits() prefers)
  *
- * Where the type has an x8 layout (native/cpu/ggml_x8.h: Q4_0, Q8_0, Q4_K, Q6_K, MXFP4) and the ISA an x8 kernel, a second
+ * Where the type has an x8 layout (native/cpu/ggml_x8.h: Q4_0, Q4_K, MXFP4) and the ISA an x8 kernel, a second
  * line gives the same two rates for the rows interleaved in eights.
  *
  * Random bytes (with denormals flushed) stand in for the blocks: only the time is read. */

@@ -16,7 +16,7 @@ import torch
 from moed.kernels import gguf_quants as q
 
 X8_BASE = 1100
-X8_OF: dict[int, int] = {t: X8_BASE + t for t in (q.Q4_0, q.Q8_0, q.Q4_K, q.Q6_K, q.MXFP4)}
+X8_OF: dict[int, int] = {t: X8_BASE + t for t in (q.Q4_0, q.Q8_0, q.Q4_K, q.MXFP4)}
 BASE_OF: dict[int, int] = {v: k for k, v in X8_OF.items()}
 
 
@@ -44,7 +44,7 @@ def _groups(raw: torch.Tensor, ggml_type: int, k: int) -> tuple[torch.Tensor, in
 
 
 def pack(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-    """GGUF rows ``uint8 [rows, row_bytes]`` of Q4_0, Q8_0, Q4_K, Q6_K or MXFP4 -> the same bytes in the x8 layout."""
+    """GGUF rows ``uint8 [rows, row_bytes]`` of Q4_0, Q8_0, Q4_K or MXFP4 -> the same bytes in the x8 layout."""
     g, rows = _groups(raw, ggml_type, k)
     n, nb = g.shape[0], g.shape[2]
     if ggml_type in (q.Q4_0, q.Q8_0, q.MXFP4):
@@ -53,13 +53,6 @@ def pack(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
         d = g[..., 0:head].permute(0, 2, 1, 3).reshape(n, nb, 8 * head)
         qs = g[..., head:].reshape(n, 8, nb, codes // 4, 4).permute(0, 2, 3, 1, 4).reshape(n, nb, 8 * codes)
         return torch.cat([d, qs], dim=-1).reshape(rows, -1)
-    if ggml_type == q.Q6_K:
-        b = g.permute(0, 2, 1, 3)  # [n, nb, 8 rows, 210]: ql, qh, scales, d
-        ql = b[..., 0:128].reshape(n, nb, 8, 32, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 1024)  # c, r, j
-        qh = b[..., 128:192].reshape(n, nb, 8, 16, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 512)
-        sc = b[..., 192:208].permute(0, 1, 3, 2).reshape(n, nb, 128)  # s, r
-        d = b[..., 208:210].reshape(n, nb, 16)
-        return torch.cat([ql, qh, sc, d], dim=-1).reshape(rows, -1)
     if ggml_type != q.Q4_K:
         raise ValueError(f"no x8 layout for {q.type_name(ggml_type)}")
     b = g.permute(0, 2, 1, 3).to(torch.int32)  # [n, nb, 8 rows, 144]
@@ -88,12 +81,6 @@ def unpack(raw: torch.Tensor, x8_type: int, k: int) -> torch.Tensor:
         d = blocks[..., 0:8 * head].reshape(n, nb, 8, head)
         qs = blocks[..., 8 * head:].reshape(n, nb, codes // 4, 8, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 8, codes)
         out = torch.cat([d, qs], dim=-1)  # [n, nb, 8 rows, block bytes]
-    elif ggml_type == q.Q6_K:
-        ql = blocks[..., 0:1024].reshape(n, nb, 32, 8, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 8, 128)
-        qh = blocks[..., 1024:1536].reshape(n, nb, 16, 8, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 8, 64)
-        sc = blocks[..., 1536:1664].reshape(n, nb, 16, 8).permute(0, 1, 3, 2)
-        d = blocks[..., 1664:1680].reshape(n, nb, 8, 2)
-        out = torch.cat([ql, qh, sc, d], dim=-1)  # [n, nb, 8 rows, 210]
     else:
         b = blocks.to(torch.int32)
         d, dmin = b[..., 0:16].reshape(n, nb, 8, 2), b[..., 16:32].reshape(n, nb, 8, 2)

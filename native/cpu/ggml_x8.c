@@ -11,14 +11,13 @@
 #include "moed_pool.h"
 
 int moed_ggml_x8_of(int type) {
-    return type == MOED_GGML_Q4_0 || type == MOED_GGML_Q8_0 || type == MOED_GGML_Q4_K || type == MOED_GGML_Q6_K
-                   || type == MOED_GGML_MXFP4
+    return type == MOED_GGML_Q4_0 || type == MOED_GGML_Q8_0 || type == MOED_GGML_Q4_K || type == MOED_GGML_MXFP4
                ? MOED_GGML_X8_BASE + type : 0;
 }
 
 int moed_ggml_x8_base(int type) {
     return type == MOED_GGML_Q4_0_X8 || type == MOED_GGML_Q8_0_X8 || type == MOED_GGML_Q4_K_X8
-                   || type == MOED_GGML_Q6_K_X8 || type == MOED_GGML_MXFP4_X8
+                   || type == MOED_GGML_MXFP4_X8
                ? type - MOED_GGML_X8_BASE : 0;
 }
 
@@ -122,28 +121,6 @@ static void q4_k_unpack(const uint8_t *o, uint8_t *const rows[8]) {
     }
 }
 
-/* ---- Q6_K: 8 x 210-byte super-blocks <-> one 1680-byte x8 super-block ---- */
-
-static void q6_k_pack(const uint8_t *const rows[8], uint8_t *o) {
-    for (int r = 0; r < 8; r++) {
-        const uint8_t *b = rows[r];
-        for (int c = 0; c < 32; c++) memcpy(o + 32 * c + 4 * r, b + 4 * c, 4);
-        for (int c = 0; c < 16; c++) memcpy(o + 1024 + 32 * c + 4 * r, b + 128 + 4 * c, 4);
-        for (int s = 0; s < 16; s++) o[1536 + 8 * s + r] = b[192 + s];
-        memcpy(o + 1664 + 2 * r, b + 208, 2);
-    }
-}
-
-static void q6_k_unpack(const uint8_t *o, uint8_t *const rows[8]) {
-    for (int r = 0; r < 8; r++) {
-        uint8_t *b = rows[r];
-        for (int c = 0; c < 32; c++) memcpy(b + 4 * c, o + 32 * c + 4 * r, 4);
-        for (int c = 0; c < 16; c++) memcpy(b + 128 + 4 * c, o + 1024 + 32 * c + 4 * r, 4);
-        for (int s = 0; s < 16; s++) b[192 + s] = o[1536 + 8 * s + r];
-        memcpy(b + 208, o + 1664 + 2 * r, 2);
-    }
-}
-
 static int x8_args(int type, const uint8_t *src, int64_t rows, int64_t K, const uint8_t *dst, int same_ok) {
     const int bw = moed_ggml_block_weights(type);
     return moed_ggml_x8_of(type) && src && dst && (same_ok || src != dst) && rows > 0 && rows % 8 == 0 && K > 0
@@ -161,14 +138,12 @@ static void x8_convert(int type, const uint8_t *src, int64_t rows, int64_t K, ui
                 for (int r = 0; r < 8; r++) rp[r] = gs + r * rb + b * bb;
                 if (type == MOED_GGML_Q4_0 || type == MOED_GGML_Q8_0) d16_pack(rp, gd + 8 * b * bb, (int)bb - 2);
                 else if (type == MOED_GGML_MXFP4) mxfp4_pack(rp, gd + 8 * b * bb);
-                else if (type == MOED_GGML_Q6_K) q6_k_pack(rp, gd + 8 * b * bb);
                 else q4_k_pack(rp, gd + 8 * b * bb);
             } else {
                 uint8_t *rp[8];
                 for (int r = 0; r < 8; r++) rp[r] = gd + r * rb + b * bb;
                 if (type == MOED_GGML_Q4_0 || type == MOED_GGML_Q8_0) d16_unpack(gs + 8 * b * bb, rp, (int)bb - 2);
                 else if (type == MOED_GGML_MXFP4) mxfp4_unpack(gs + 8 * b * bb, rp);
-                else if (type == MOED_GGML_Q6_K) q6_k_unpack(gs + 8 * b * bb, rp);
                 else q4_k_unpack(gs + 8 * b * bb, rp);
             }
         }
@@ -219,11 +194,6 @@ static void dot8_rows_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const 
     dot8_rows(MOED_GGML_Q4_K, g, K, xq, xs, xsum, T, y, ldy);
 }
 
-static void dot8_rows_q6_k(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                           float *y, int64_t ldy) {
-    dot8_rows(MOED_GGML_Q6_K, g, K, xq, xs, xsum, T, y, ldy);
-}
-
 static void dot8_rows_mxfp4(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
                             float *y, int64_t ldy) {
     dot8_rows(MOED_GGML_MXFP4, g, K, xq, xs, xsum, T, y, ldy);
@@ -237,7 +207,6 @@ moed_ggml_dot8_fn moed_ggml_dot8(int x8type, int isa) {
     switch (x8type) {
     case MOED_GGML_Q4_0_X8: return dot8_rows_q4_0;
     case MOED_GGML_Q8_0_X8: return dot8_rows_q8_0;
-    case MOED_GGML_Q6_K_X8: return dot8_rows_q6_k;
     case MOED_GGML_Q4_K_X8: return dot8_rows_q4_k;
     case MOED_GGML_MXFP4_X8: return dot8_rows_mxfp4;
     default: return NULL;

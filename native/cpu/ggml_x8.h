@@ -21,11 +21,6 @@
  *   Q8_0 (272 bytes per 8 rows x 32 weights): Q4_0's with eight 4-byte chunks of int8 codes a row:
  *     [0, 16)    d of rows 0..7 (fp16)
  *     16 + 32 c + 4 r + j  (c < 8)      row r's qs[4 c + j]  (weight 4c+j)
- *   Q6_K (1680 bytes per 8 rows x 256 weights):
- *     32 c + 4 r + j         (c < 32)   row r's ql[4 c + j]
- *     1024 + 32 c + 4 r + j  (c < 16)   row r's qh[4 c + j]
- *     1536 + 8 s + r         (s < 16)   row r's scales[s]
- *     [1664, 1680)                      d of rows 0..7 (fp16)
  *   Q4_K (1152 bytes per 8 rows x 256 weights):
  *     [0, 16)    d of rows 0..7, [16, 32) dmin of rows 0..7 (fp16)
  *     with q = r / 4, r_ = r % 4 and sub-block s = 4 h + s_ (h < 2, s_ < 4), the 6-bit scale sc and min m:
@@ -42,7 +37,7 @@
 #include <stdint.h>
 
 enum { MOED_GGML_X8_BASE = 1100, MOED_GGML_Q4_0_X8 = 1102, MOED_GGML_Q8_0_X8 = 1108, MOED_GGML_Q4_K_X8 = 1112,
-       MOED_GGML_Q6_K_X8 = 1114, MOED_GGML_MXFP4_X8 = 1139 };
+       MOED_GGML_MXFP4_X8 = 1139 };
 
 /* the x8 type of a GGUF type (0: none), and the GGUF type of an x8 type (0: not one) */
 int moed_ggml_x8_of(int type);

@@ -213,82 +213,6 @@ static void dot8_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const float
     }
 }
 
-/* Q6_K: codes c = low 4 bits (ql) | high 2 bits (qh) << 4 taken unsigned (0..63: vpmaddubsw's unsigned side), the
- * -32 of w = d * scale * (c - 32) as -32 * scale * (the sub-block's activation sum) per row, in integers. Two
- * chunks' products share an int16 sum (2 * 2 * 63 * 127 < 2^15); per 16-weight sub-block, the row scales as
- * (sc, sc) int16 pairs for vpmaddwd. */
-static inline __m256i k6_scale(const uint8_t *sc8) {
-    const __m256i dup = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
-                                         0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
-    return _mm256_shuffle_epi8(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc8)), dup);
-}
-
-/* the 16 sums of 16 int8 activations of a super-block, each as (sum, 0) int16 pairs, at out[k6_sum_at(s)] */
-static inline void k6_act_sums(const int8_t *x, int32_t out[16]) {
-    const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1), low16 = _mm256_set1_epi32(0xFFFF);
-    __m256i v[8];
-    for (int c = 0; c < 8; c++)  /* lanes 0-3: sub-block 2c in sums of four, lanes 4-7: 2c + 1 */
-        v[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(one8, _mm256_loadu_si256((const __m256i *)(x + 32 * c))), one16);
-    const __m256i r0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i r1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    _mm256_storeu_si256((__m256i *)out, _mm256_and_si256(r0, low16));        /* s0 s2 s4 s6 | s1 s3 s5 s7 */
-    _mm256_storeu_si256((__m256i *)(out + 8), _mm256_and_si256(r1, low16));  /* s8 .. s14 | s9 .. s15 */
-}
-
-static inline int k6_sum_at(int s) { return (s / 8) * 8 + (s % 2) * 4 + (s % 8) / 2; }
-
-static void dot8_q6_k(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                      float *y, int64_t ldy) {
-    (void)xsum;
-    const int64_t nsb = K / 256, groups = K / 32;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    for (int t = 0; t < T; t++) {
-        const int8_t *q = xq + (int64_t)t * K;
-        const float *s = xs + (int64_t)t * groups;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t sb = 0; sb < nsb; sb++) {
-            const uint8_t *B = g + sb * 1680;
-            const int8_t *x = q + 256 * sb;
-            if (t == 0) prefetch(B, 1680);
-            int32_t sums[16] __attribute__((aligned(32)));
-            k6_act_sums(x, sums);
-            __m256i isum = _mm256_setzero_si256(), corr = isum;
-            for (int n = 0; n < 2; n++) {
-                for (int is = 0; is < 2; is++) {
-                    __m256i p[4][2];
-                    for (int m = 0; m < 4; m++) p[m][0] = p[m][1] = _mm256_setzero_si256();
-                    for (int k = 0; k < 4; k++) {
-                        const int cp = 4 * is + k;
-                        const __m256i A = _mm256_loadu_si256((const __m256i *)(B + 32 * (16 * n + cp))),
-                                      Q = _mm256_loadu_si256((const __m256i *)(B + 32 * (16 * n + 8 + cp))),
-                                      H = _mm256_loadu_si256((const __m256i *)(B + 1024 + 32 * (8 * n + cp)));
-                        const __m256i c[4] = {
-                            _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30)),
-                            _mm256_or_si256(_mm256_and_si256(Q, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30)),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(H, m30)),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(Q, 4), m4),
-                                            _mm256_and_si256(_mm256_srli_epi16(H, 2), m30))};
-                        const int8_t *xb = x + 128 * n + 4 * cp;
-                        for (int m = 0; m < 4; m++)
-                            p[m][k >> 1] = _mm256_add_epi16(p[m][k >> 1], _mm256_maddubs_epi16(c[m], act4(xb + 32 * m)));
-                    }
-                    for (int m = 0; m < 4; m++) {
-                        const int sub = 8 * n + 2 * m + is;
-                        const __m256i sc = k6_scale(B + 1536 + 8 * sub);
-                        isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(p[m][0], sc),
-                                                                       _mm256_madd_epi16(p[m][1], sc)));
-                        corr = _mm256_add_epi32(corr, _mm256_madd_epi16(sc, _mm256_set1_epi32(sums[k6_sum_at(sub)])));
-                    }
-                }
-            }
-            const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(B + 1664))),
-                                           _mm256_set1_ps(s[8 * sb]));
-            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, _mm256_slli_epi32(corr, 5))), acc);
-        }
-        _mm256_storeu_ps(y + (int64_t)t * ldy, acc);
-    }
-}
-
 #pragma GCC pop_options
 
 moed_ggml_dot8_fn moed_ggml_dot8_avx2(int x8type) {
@@ -296,7 +220,6 @@ moed_ggml_dot8_fn moed_ggml_dot8_avx2(int x8type) {
     case MOED_GGML_Q4_0_X8: return dot8_q4_0;
     case MOED_GGML_Q8_0_X8: return dot8_q8_0;
     case MOED_GGML_Q4_K_X8: return dot8_q4_k;
-    case MOED_GGML_Q6_K_X8: return dot8_q6_k;
     case MOED_GGML_MXFP4_X8: return dot8_mxfp4;
     default: return NULL;
     }

@@ -23,7 +23,7 @@ from moed.kernels.ggml_rows_format import act_span, dequantize_rows, row_bytes, 
 from moed.kernels.native_cpu import native
 from moed.kernels.native_cpu_reference import quantize_activations
 
-X8_TYPES = [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4]
+X8_TYPES = [T.Q4_0, T.Q8_0, T.Q4_K, T.MXFP4]
 
 
 def _lib():
@@ -45,7 +45,7 @@ def _rows(qtype: T, rows: int, k: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
 def test_packing_is_a_lossless_permutation_and_native_matches_the_twin(qtype):
     lib = _lib()
-    for k in ((256, 768) if qtype in (T.Q4_K, T.Q6_K) else (32, 96, 224)):
+    for k in ((256, 768) if qtype == T.Q4_K else (32, 96, 224)):
         valid = _rows(qtype, 24, k)
         noise = torch.randint(0, 256, valid.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(k))
         for raw in (valid, noise):  # any bytes: Q4_K's 6-bit scales re-packed bit for bit
@@ -69,7 +69,7 @@ def test_bad_packing_arguments_are_refused():
     with pytest.raises(ValueError, match="multiple of 8"):
         lib.ggml_x8_convert(raw, int(T.Q4_0), 64, pack=True)
     with pytest.raises(ValueError, match="x8 layout"):
-        x8.pack(_rows(T.Q5_K, 8, 256), int(T.Q5_K), 256)
+        x8.pack(_rows(T.Q6_K, 8, 256), int(T.Q6_K), 256)
     with pytest.raises(ValueError, match="contiguous uint8 tensor"):
         r8 = _rows(T.Q4_0, 16, 64)
         lib.ggml_x8_convert(r8, int(T.Q4_0), 64, pack=True, out=r8[::2])
@@ -78,7 +78,7 @@ def test_bad_packing_arguments_are_refused():
 @pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
 def test_in_place_conversion_equals_the_copy(qtype):
     lib = _lib()
-    k = 256 if qtype in (T.Q4_K, T.Q6_K) else 96
+    k = 256 if qtype == T.Q4_K else 96
     raw = _rows(qtype, 8 * 3000, k)  # more than one task (~1 MB each) of groups
     want = x8.pack(raw, int(qtype), k)
     t = raw.clone()
@@ -92,7 +92,7 @@ def test_in_place_conversion_equals_the_copy(qtype):
 def test_x8_kernels_match_the_torch_twin_at_every_isa(qtype):
     lib = _lib()
     x8_type = x8.X8_OF[int(qtype)]
-    for k in ((256, 1280) if qtype in (T.Q4_K, T.Q6_K) else (32, 160, 2080)):
+    for k in ((256, 1280) if qtype == T.Q4_K else (32, 160, 2080)):
         raw = _rows(qtype, 16, k, seed=k)
         x = torch.randn(3, k) * torch.linspace(0.1, 3.0, k)
         want, bound = rows_product_reference(raw, int(qtype), k, x)
@@ -136,15 +136,16 @@ def test_a_bank_laid_out_for_the_cpu_runs_as_stored(monkeypatch):
     lib = _lib()
     if not lib.ggml_x8_preferred(int(T.Q4_K)):
         pytest.skip("the x8 kernels are not this CPU's faster ones")
-    # layer 0: Q4_K gate/up with a Q6_K down (a Q4_K_M file's mix); layer 1: Q4_0 / Q4_K; layer 2: MXFP4 (gpt-oss)
+    # layer 0: Q4_K gate/up with a Q6_K down (a Q4_K_M file's mix: the down stays rows); layer 1: Q4_0 / Q4_K;
+    # layer 2: MXFP4 (gpt-oss)
     stored = _bank({"Q4_K": T.Q6_K, "Q4_0": T.Q4_K, "MXFP4": T.MXFP4})
     bank = _clone(stored)
     converted = interleave_for_cpu(bank)
     assert converted == {"gate.0": x8.X8_OF[int(T.Q4_K)], "up.0": x8.X8_OF[int(T.Q4_K)],
-                         "down.0": x8.X8_OF[int(T.Q6_K)],
                          "gate.1": x8.X8_OF[int(T.Q4_0)], "up.1": x8.X8_OF[int(T.Q4_0)],
                          "down.1": x8.X8_OF[int(T.Q4_K)], "gate.2": x8.X8_OF[int(T.MXFP4)],
                          "up.2": x8.X8_OF[int(T.MXFP4)], "down.2": x8.X8_OF[int(T.MXFP4)]}
+    assert bank.row_types["down.0"] == int(T.Q6_K)
     assert interleave_for_cpu(bank) == {}  # already laid out
     for name, t in bank.tensors.items():
         k = bank.hidden_size if not name.startswith("down") else bank.intermediate_size
