@@ -11,14 +11,17 @@
 #include "moed_pool.h"
 
 int moed_ggml_x8_of(int type) {
-    return type == MOED_GGML_Q4_0 || type == MOED_GGML_Q8_0 || type == MOED_GGML_Q4_K || type == MOED_GGML_MXFP4
-               ? MOED_GGML_X8_BASE + type : 0;
+    switch (type) {
+    case MOED_GGML_Q4_0: case MOED_GGML_Q4_1: case MOED_GGML_Q8_0: case MOED_GGML_Q4_K: case MOED_GGML_Q5_K:
+    case MOED_GGML_IQ4_NL: case MOED_GGML_IQ4_XS: case MOED_GGML_MXFP4:
+        return MOED_GGML_X8_BASE + type;
+    default: return 0;
+    }
 }
 
 int moed_ggml_x8_base(int type) {
-    return type == MOED_GGML_Q4_0_X8 || type == MOED_GGML_Q8_0_X8 || type == MOED_GGML_Q4_K_X8
-                   || type == MOED_GGML_MXFP4_X8
-               ? type - MOED_GGML_X8_BASE : 0;
+    return type > MOED_GGML_X8_BASE && moed_ggml_x8_of(type - MOED_GGML_X8_BASE) == type ? type - MOED_GGML_X8_BASE
+                                                                                         : 0;
 }
 
 moed_ggml_dot8_fn moed_ggml_dot8_avx2(int x8type);  /* ggml_x8_avx2.c: NULL where it has none */
@@ -34,35 +37,74 @@ int moed_ggml_x8_preferred(int type, int isa) {
     return x8;
 }
 
-/* ---- Q4_0 and Q8_0: 8 x (2 + qs)-byte blocks <-> one x8 block (144 or 272 bytes), qs 16 or 32 ---- */
+/* ---- the 32-weight types: 8 x (head + qs)-byte blocks <-> one x8 block. The head is one scale field (MXFP4's
+ * E8M0 byte; Q4_0, Q8_0 and IQ4_NL's fp16 d) or two (Q4_1's d and m), each field of rows 0..7 together; then
+ * the qs (16 or 32 bytes) four bytes a row ---- */
 
-static void d16_pack(const uint8_t *const rows[8], uint8_t *o, int qs) {
+static void b32_fields(int type, int *head, int *field) {
+    *head = type == MOED_GGML_MXFP4 ? 1 : type == MOED_GGML_Q4_1 ? 4 : 2;
+    *field = type == MOED_GGML_MXFP4 ? 1 : 2;
+}
+
+static void b32_pack(int type, const uint8_t *const rows[8], uint8_t *o, int qs) {
+    int head, field;
+    b32_fields(type, &head, &field);
     for (int r = 0; r < 8; r++) {
-        memcpy(o + 2 * r, rows[r], 2);
-        for (int c = 0; c < qs / 4; c++) memcpy(o + 16 + 32 * c + 4 * r, rows[r] + 2 + 4 * c, 4);
+        for (int f = 0; f < head / field; f++) memcpy(o + 8 * field * f + field * r, rows[r] + field * f, (size_t)field);
+        for (int c = 0; c < qs / 4; c++) memcpy(o + 8 * head + 32 * c + 4 * r, rows[r] + head + 4 * c, 4);
     }
 }
 
-static void d16_unpack(const uint8_t *o, uint8_t *const rows[8], int qs) {
+static void b32_unpack(int type, const uint8_t *o, uint8_t *const rows[8], int qs) {
+    int head, field;
+    b32_fields(type, &head, &field);
     for (int r = 0; r < 8; r++) {
-        memcpy(rows[r], o + 2 * r, 2);
-        for (int c = 0; c < qs / 4; c++) memcpy(rows[r] + 2 + 4 * c, o + 16 + 32 * c + 4 * r, 4);
+        for (int f = 0; f < head / field; f++) memcpy(rows[r] + field * f, o + 8 * field * f + field * r, (size_t)field);
+        for (int c = 0; c < qs / 4; c++) memcpy(rows[r] + head + 4 * c, o + 8 * head + 32 * c + 4 * r, 4);
     }
 }
 
-/* ---- MXFP4: 8 x 17-byte blocks <-> one 136-byte x8 block (Q4_0's, with one E8M0 byte a row) ---- */
+/* ---- IQ4_XS: 8 x 136-byte super-blocks <-> one 1088-byte x8 super-block ---- */
 
-static void mxfp4_pack(const uint8_t *const rows[8], uint8_t *o) {
+static int iq4xs_ls(const uint8_t *b, int s) {
+    const int sh = b[2] | b[3] << 8;
+    return ((b[4 + s / 2] >> (4 * (s % 2))) & 15) | ((sh >> (2 * s)) & 3) << 4;
+}
+
+static void iq4_xs_pack(const uint8_t *const rows[8], uint8_t *o) {
+    memset(o + 16, 0, 48);
     for (int r = 0; r < 8; r++) {
-        o[r] = rows[r][0];
-        for (int c = 0; c < 4; c++) memcpy(o + 8 + 32 * c + 4 * r, rows[r] + 1 + 4 * c, 4);
+        const uint8_t *b = rows[r];
+        const int q = r / 4, r_ = r % 4;
+        memcpy(o + 2 * r, b, 2);
+        for (int s = 0; s < 8; s++) {
+            const int ls = iq4xs_ls(b, s), h = s / 4, s_ = s % 4;
+            o[16 + 16 * q + 4 * s_ + r_] |= (uint8_t)((ls & 15) << (4 * h));
+            o[48 + 4 * s_ + r_] |= (uint8_t)((ls >> 4) << (2 * (2 * q + h)));
+        }
+        for (int s = 0; s < 8; s++)
+            for (int c = 0; c < 4; c++) memcpy(o + 64 + 128 * s + 32 * c + 4 * r, b + 8 + 16 * s + 4 * c, 4);
     }
 }
 
-static void mxfp4_unpack(const uint8_t *o, uint8_t *const rows[8]) {
+static void iq4_xs_unpack(const uint8_t *o, uint8_t *const rows[8]) {
     for (int r = 0; r < 8; r++) {
-        rows[r][0] = o[r];
-        for (int c = 0; c < 4; c++) memcpy(rows[r] + 1 + 4 * c, o + 8 + 32 * c + 4 * r, 4);
+        uint8_t *b = rows[r];
+        const int q = r / 4, r_ = r % 4;
+        int sh = 0;
+        memcpy(b, o + 2 * r, 2);
+        memset(b + 4, 0, 4);
+        for (int s = 0; s < 8; s++) {
+            const int h = s / 4, s_ = s % 4;
+            const int lo = (o[16 + 16 * q + 4 * s_ + r_] >> (4 * h)) & 15;
+            const int hi = (o[48 + 4 * s_ + r_] >> (2 * (2 * q + h))) & 3;
+            b[4 + s / 2] |= (uint8_t)(lo << (4 * (s % 2)));
+            sh |= hi << (2 * s);
+        }
+        b[2] = (uint8_t)(sh & 255);
+        b[3] = (uint8_t)(sh >> 8);
+        for (int s = 0; s < 8; s++)
+            for (int c = 0; c < 4; c++) memcpy(b + 8 + 16 * s + 4 * c, o + 64 + 128 * s + 32 * c + 4 * r, 4);
     }
 }
 
@@ -78,7 +120,10 @@ static void k4_scale_min(const uint8_t *s, int j, int *sc, int *m) {
     }
 }
 
-static void q4_k_pack(const uint8_t *const rows[8], uint8_t *o) {
+/* Q5_K (1408 bytes per 8 rows x 256 weights): Q4_K's head [0, 128), then the qh bytes four a row
+ * (128 + 32 c + 4 r + j: row r's qh[4 c + j]), then Q4_K's codes at 384 */
+static void q4_k_pack(const uint8_t *const rows[8], uint8_t *o, int five) {
+    const int qs = five ? 48 : 16, at = five ? 384 : 128;
     memset(o + 96, 0, 32);
     for (int r = 0; r < 8; r++) {
         const uint8_t *b = rows[r];
@@ -92,12 +137,15 @@ static void q4_k_pack(const uint8_t *const rows[8], uint8_t *o) {
             o[32 + 32 * h + 16 * q + 4 * s_ + r_] = (uint8_t)((sc & 15) | (m & 15) << 4);
             o[96 + 16 * q + 4 * s_ + r_] |= (uint8_t)(((sc >> 4) | (m >> 4) << 2) << (4 * h));
         }
+        if (five)
+            for (int c = 0; c < 8; c++) memcpy(o + 128 + 32 * c + 4 * r, b + 16 + 4 * c, 4);
         for (int p = 0; p < 4; p++)
-            for (int c = 0; c < 8; c++) memcpy(o + 128 + 256 * p + 32 * c + 4 * r, b + 16 + 32 * p + 4 * c, 4);
+            for (int c = 0; c < 8; c++) memcpy(o + at + 256 * p + 32 * c + 4 * r, b + qs + 32 * p + 4 * c, 4);
     }
 }
 
-static void q4_k_unpack(const uint8_t *o, uint8_t *const rows[8]) {
+static void q4_k_unpack(const uint8_t *o, uint8_t *const rows[8], int five) {
+    const int qs = five ? 48 : 16, at = five ? 384 : 128;
     for (int r = 0; r < 8; r++) {
         uint8_t *b = rows[r];
         const int q = r / 4, r_ = r % 4;
@@ -116,8 +164,10 @@ static void q4_k_unpack(const uint8_t *o, uint8_t *const rows[8]) {
             s6[j + 4] = (uint8_t)(m[j] | (m[j + 4] >> 4) << 6);
             s6[j + 8] = (uint8_t)((sc[j + 4] & 15) | (m[j + 4] & 15) << 4);
         }
+        if (five)
+            for (int c = 0; c < 8; c++) memcpy(b + 16 + 4 * c, o + 128 + 32 * c + 4 * r, 4);
         for (int p = 0; p < 4; p++)
-            for (int c = 0; c < 8; c++) memcpy(b + 16 + 32 * p + 4 * c, o + 128 + 256 * p + 32 * c + 4 * r, 4);
+            for (int c = 0; c < 8; c++) memcpy(b + qs + 32 * p + 4 * c, o + at + 256 * p + 32 * c + 4 * r, 4);
     }
 }
 
@@ -133,18 +183,21 @@ static void x8_convert(int type, const uint8_t *src, int64_t rows, int64_t K, ui
         const uint8_t *gs = src + g * 8 * rb;
         uint8_t *gd = dst + g * 8 * rb;
         for (int64_t b = 0; b < nb; b++) {
+            const int k_quant = type == MOED_GGML_Q4_K || type == MOED_GGML_Q5_K;
+            int head, field;
+            b32_fields(type, &head, &field);
             if (pack) {
                 const uint8_t *rp[8];
                 for (int r = 0; r < 8; r++) rp[r] = gs + r * rb + b * bb;
-                if (type == MOED_GGML_Q4_0 || type == MOED_GGML_Q8_0) d16_pack(rp, gd + 8 * b * bb, (int)bb - 2);
-                else if (type == MOED_GGML_MXFP4) mxfp4_pack(rp, gd + 8 * b * bb);
-                else q4_k_pack(rp, gd + 8 * b * bb);
+                if (k_quant) q4_k_pack(rp, gd + 8 * b * bb, type == MOED_GGML_Q5_K);
+                else if (type == MOED_GGML_IQ4_XS) iq4_xs_pack(rp, gd + 8 * b * bb);
+                else b32_pack(type, rp, gd + 8 * b * bb, (int)bb - head);
             } else {
                 uint8_t *rp[8];
                 for (int r = 0; r < 8; r++) rp[r] = gd + r * rb + b * bb;
-                if (type == MOED_GGML_Q4_0 || type == MOED_GGML_Q8_0) d16_unpack(gs + 8 * b * bb, rp, (int)bb - 2);
-                else if (type == MOED_GGML_MXFP4) mxfp4_unpack(gs + 8 * b * bb, rp);
-                else q4_k_unpack(gs + 8 * b * bb, rp);
+                if (k_quant) q4_k_unpack(gs + 8 * b * bb, rp, type == MOED_GGML_Q5_K);
+                else if (type == MOED_GGML_IQ4_XS) iq4_xs_unpack(gs + 8 * b * bb, rp);
+                else b32_unpack(type, gs + 8 * b * bb, rp, (int)bb - head);
             }
         }
     }
@@ -179,36 +232,35 @@ static void dot8_rows(int type, const uint8_t *group, int64_t K, const int8_t *x
     free(rows);
 }
 
-static void dot8_rows_q4_0(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                           float *y, int64_t ldy) {
-    dot8_rows(MOED_GGML_Q4_0, g, K, xq, xs, xsum, T, y, ldy);
-}
-
-static void dot8_rows_q8_0(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                           float *y, int64_t ldy) {
-    dot8_rows(MOED_GGML_Q8_0, g, K, xq, xs, xsum, T, y, ldy);
-}
-
-static void dot8_rows_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                           float *y, int64_t ldy) {
-    dot8_rows(MOED_GGML_Q4_K, g, K, xq, xs, xsum, T, y, ldy);
-}
-
-static void dot8_rows_mxfp4(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                            float *y, int64_t ldy) {
-    dot8_rows(MOED_GGML_MXFP4, g, K, xq, xs, xsum, T, y, ldy);
-}
+/* the fallback of each x8 type (a kernel pointer carries no type: one wrapper per type) */
+#define DOT8_ROWS(name, type)                                                                                        \
+    static void name(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,     \
+                     float *y, int64_t ldy) {                                                                        \
+        dot8_rows(type, g, K, xq, xs, xsum, T, y, ldy);                                                              \
+    }
+DOT8_ROWS(dot8_rows_q4_0, MOED_GGML_Q4_0)
+DOT8_ROWS(dot8_rows_q4_1, MOED_GGML_Q4_1)
+DOT8_ROWS(dot8_rows_q8_0, MOED_GGML_Q8_0)
+DOT8_ROWS(dot8_rows_q4_k, MOED_GGML_Q4_K)
+DOT8_ROWS(dot8_rows_q5_k, MOED_GGML_Q5_K)
+DOT8_ROWS(dot8_rows_iq4_nl, MOED_GGML_IQ4_NL)
+DOT8_ROWS(dot8_rows_iq4_xs, MOED_GGML_IQ4_XS)
+DOT8_ROWS(dot8_rows_mxfp4, MOED_GGML_MXFP4)
 
 moed_ggml_dot8_fn moed_ggml_dot8(int x8type, int isa) {
     if (isa >= MOED_ISA_AVX2) {
         moed_ggml_dot8_fn fast = moed_ggml_dot8_avx2(x8type);
         if (fast) return fast;
     }
-    switch (x8type) {
-    case MOED_GGML_Q4_0_X8: return dot8_rows_q4_0;
-    case MOED_GGML_Q8_0_X8: return dot8_rows_q8_0;
-    case MOED_GGML_Q4_K_X8: return dot8_rows_q4_k;
-    case MOED_GGML_MXFP4_X8: return dot8_rows_mxfp4;
+    switch (x8type - MOED_GGML_X8_BASE) {
+    case MOED_GGML_Q4_0: return dot8_rows_q4_0;
+    case MOED_GGML_Q4_1: return dot8_rows_q4_1;
+    case MOED_GGML_Q8_0: return dot8_rows_q8_0;
+    case MOED_GGML_Q4_K: return dot8_rows_q4_k;
+    case MOED_GGML_Q5_K: return dot8_rows_q5_k;
+    case MOED_GGML_IQ4_NL: return dot8_rows_iq4_nl;
+    case MOED_GGML_IQ4_XS: return dot8_rows_iq4_xs;
+    case MOED_GGML_MXFP4: return dot8_rows_mxfp4;
     default: return NULL;
     }
 }

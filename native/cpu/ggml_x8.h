@@ -18,9 +18,19 @@
  *     16 + 32 c + 4 r + j  (c < 4, r < 8, j < 4)   row r's qs[4 c + j]  (low nibble weight 4c+j, high 16+4c+j)
  *   MXFP4 (136 bytes per 8 rows x 32 weights): Q4_0's with the E8M0 byte of rows 0..7 in [0, 8):
  *     8 + 32 c + 4 r + j                row r's qs[4 c + j]
+ *   IQ4_NL (144 bytes): Q4_0's (its codes are levels of a table)
+ *   Q4_1 (160 bytes): Q4_0's with the m of rows 0..7 in [16, 32):
+ *     32 + 32 c + 4 r + j               row r's qs[4 c + j]
  *   Q8_0 (272 bytes per 8 rows x 32 weights): Q4_0's with eight 4-byte chunks of int8 codes a row:
  *     [0, 16)    d of rows 0..7 (fp16)
  *     16 + 32 c + 4 r + j  (c < 8)      row r's qs[4 c + j]  (weight 4c+j)
+ *   IQ4_XS (1088 bytes per 8 rows x 256 weights): with q = r / 4, r_ = r % 4 and sub-block s = 4 h + s_, the
+ *   6-bit ls of (r, s) (w = d (ls - 32) level):
+ *     [0, 16)    d of rows 0..7 (fp16)
+ *     16 + 16 q + 4 s_ + r_             ls & 15 of (r, s_) | the same of (r, s_ + 4) << 4
+ *     48 + 4 s_ + r_                    ls >> 4 of (r, 4 h + s_) at bits 2 (2 q + h)
+ *     64 + 128 s + 32 c + 4 r + j       (c < 4) row r's qs[16 s + 4 c + j] (low nibble weight 32 s + 4 c + j,
+ *                                       high 32 s + 16 + 4 c + j)
  *   Q4_K (1152 bytes per 8 rows x 256 weights):
  *     [0, 16)    d of rows 0..7, [16, 32) dmin of rows 0..7 (fp16)
  *     with q = r / 4, r_ = r % 4 and sub-block s = 4 h + s_ (h < 2, s_ < 4), the 6-bit scale sc and min m:
@@ -28,6 +38,9 @@
  *     96 + 16 q + 4 s_ + r_             sc >> 4 | (m >> 4) << 2 of (r, s_), the same << 4 of (r, s_ + 4)
  *     128 + 256 p + 32 c + 4 r + j      (p < 4, c < 8, j < 4)  row r's qs[32 p + 4 c + j]
  *                                       (low nibble: sub-block 2p weight 4c+j; high: sub-block 2p+1)
+ *   Q5_K (1408 bytes per 8 rows x 256 weights): Q4_K's [0, 128), then its qh and Q4_K's codes moved up:
+ *     128 + 32 c + 4 r + j              (c < 8)  row r's qh[4 c + j] (bit 2p of qh[i]: weight i of sub-block 2p)
+ *     384 + 256 p + 32 c + 4 r + j      Q4_K's qs placement
  *
  * The torch twin of each layout is moed.kernels.ggml_x8_format (a byte permutation written from this
  * description); the tests check the two against each other and the kernels against the per-row ones. */
@@ -36,7 +49,8 @@
 
 #include <stdint.h>
 
-enum { MOED_GGML_X8_BASE = 1100, MOED_GGML_Q4_0_X8 = 1102, MOED_GGML_Q8_0_X8 = 1108, MOED_GGML_Q4_K_X8 = 1112,
+enum { MOED_GGML_X8_BASE = 1100, MOED_GGML_Q4_0_X8 = 1102, MOED_GGML_Q4_1_X8 = 1103, MOED_GGML_Q8_0_X8 = 1108,
+       MOED_GGML_Q4_K_X8 = 1112, MOED_GGML_Q5_K_X8 = 1113, MOED_GGML_IQ4_NL_X8 = 1120, MOED_GGML_IQ4_XS_X8 = 1123,
        MOED_GGML_MXFP4_X8 = 1139 };
 
 /* the x8 type of a GGUF type (0: none), and the GGUF type of an x8 type (0: not one) */

@@ -6,7 +6,10 @@
  * weights by vpmaddwd against 1 (Q4_0) or against the sub-block's integer scale (Q4_K). Q4_0 then takes
  * one conversion and two multiply-adds per 8 rows x 32 weights; Q4_K one of each per 8 rows x 256
  * weights, its mins summed in integers against the activations' sub-block sums. MXFP4 is Q4_0's with its
- * codes through a table and its E8M0 scales made in integers. */
+ * codes through a table and its E8M0 scales made in integers; Q4_1 Q4_0's with its m times the activation
+ * sums; Q5_K Q4_K's with the fifth bits OR-ed in (four products a sum). The signed codes (Q8_0, the IQ4
+ * levels) go through vpmaddubsw as |code| times the activation with the code's sign, each product widened
+ * (IQ4_XS against its sub-block scale). */
 #include <string.h>
 
 #include "ggml_rows.h"
@@ -52,13 +55,15 @@ static inline __m256 e8m0_half8(const uint8_t *e8) {
     return _mm256_castsi256_ps(_mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
 }
 
-/* the 32-weight types, Q4_0 (mx 0) and MXFP4 (mx 1): per 8 rows x 32 weights, d * (xs * sum(code * xq) + min *
- * xsum) with w = d * (code + min), min -8 (Q4_0) or -12 (MXFP4's offset codes) */
-static inline void dot8_b32(int mx, const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum,
-                            int T, float *y, int64_t ldy) {
+/* the 32-weight types with unsigned codes, Q4_0 (kind 0), MXFP4 (1) and Q4_1 (2): per 8 rows x 32 weights,
+ * d * (xs * sum(code * xq) + min * xsum) + m * xsum with w = d * (code + min) + m: min -8 (Q4_0), -12 (MXFP4's
+ * offset codes) or 0, m Q4_1's */
+static inline void dot8_b32(int kind, const uint8_t *g, int64_t K, const int8_t *xq, const float *xs,
+                            const float *xsum, int T, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
-    const int bytes = mx ? 136 : 144, head = mx ? 8 : 16;
-    const float min = mx ? -12.0f : -8.0f;
+    const int mx = kind == 1, q41 = kind == 2;
+    const int bytes = mx ? 136 : q41 ? 160 : 144, head = mx ? 8 : q41 ? 32 : 16;
+    const float min = mx ? -12.0f : q41 ? 0.0f : -8.0f;
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
     const __m256i e2m1u = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                            12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
@@ -89,6 +94,52 @@ static inline void dot8_b32(int mx, const uint8_t *g, int64_t K, const int8_t *x
             const __m256 inner = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(s + b),
                                                  _mm256_set1_ps(min * su[b]));
             const __m256 d = mx ? e8m0_half8(o) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+            if (b & 1) acc1 = _mm256_fmadd_ps(d, inner, acc1);
+            else acc0 = _mm256_fmadd_ps(d, inner, acc0);
+            if (q41) acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16))),
+                                            _mm256_set1_ps(su[b]), acc1);
+        }
+        _mm256_storeu_ps(y + (int64_t)t * ldy, _mm256_add_ps(acc0, acc1));
+    }
+}
+
+static void dot8_q4_1(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    dot8_b32(2, g, K, xq, xs, xsum, T, y, ldy);
+}
+
+/* the signed products of 32 bytes of IQ4 nibbles through the level table, low nibbles times a4lo and high
+ * times a4hi, widened against w16 (ones, or IQ4_XS's sub-block scale) and added to sum: |level| times the
+ * activation with the level's sign (a pair sum fits int16, two do not: each is widened) */
+static inline __m256i iq4_products(const uint8_t *p, __m256i a4lo, __m256i a4hi, __m256i w16, __m256i sum) {
+    const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                            -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(v, m4)),
+                  hi = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(a4lo, lo)), w16));
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(a4hi, hi)), w16));
+}
+
+/* IQ4_NL: Q4_0's layout, w = d * level(code) */
+static void dot8_iq4_nl(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                        float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * nb;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *o = g + b * 144;
+            const int8_t *x = q + 32 * b;
+            if (t == 0) prefetch(o, 144);
+            __m256i sum = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) sum = iq4_products(o + 16 + 32 * c, act4(x + 4 * c), act4(x + 16 + 4 * c), ones, sum);
+            const __m256 inner = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(s + b));
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
             if (b & 1) acc1 = _mm256_fmadd_ps(d, inner, acc1);
             else acc0 = _mm256_fmadd_ps(d, inner, acc0);
         }
@@ -154,9 +205,58 @@ static inline __m256i min_pair_mask(int s_) {
                             a, -1, b, -1, a + 1, -1, b + 1, -1, a + 2, -1, b + 2, -1, a + 3, -1, b + 3, -1);
 }
 
-static void dot8_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                      float *y, int64_t ldy) {
+/* IQ4_XS: per sub-block of 8 rows x 32 weights, its products widened against (ls - 32) of each row, converted
+ * and times the sub-block's activation scale; d once per super-block */
+static void dot8_iq4_xs(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                        float *y, int64_t ldy) {
+    (void)xsum;
     const int64_t nsb = K / 256, groups = K / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
+                  k32 = _mm256_set1_epi16(32), half_shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m256i sm[4] = {scale_mask(0), scale_mask(1), scale_mask(2), scale_mask(3)};
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * groups;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *B = g + sb * 1088;
+            if (t == 0) prefetch(B, 1088);
+            /* the 6-bit ls of 8 rows x 8 sub-blocks, a byte each: sub-blocks 0-3 in lo, 4-7 in hi */
+            const __m256i L = _mm256_loadu_si256((const __m256i *)(B + 16));
+            const __m256i H = _mm256_srlv_epi32(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(B + 48))),
+                                                half_shift);
+            const __m256i ls_lo = _mm256_or_si256(_mm256_and_si256(L, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
+            const __m256i ls_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), m4),
+                                                  _mm256_slli_epi16(_mm256_and_si256(H, m12), 2));
+            const int8_t *x = q + 256 * sb;
+            __m256 part = _mm256_setzero_ps();
+#pragma GCC unroll 8
+            for (int sub = 0; sub < 8; sub++) {
+                const __m256i sc = _mm256_sub_epi16(_mm256_shuffle_epi8(sub < 4 ? ls_lo : ls_hi, sm[sub & 3]), k32);
+                const uint8_t *Q = B + 64 + 128 * sub;
+                const int8_t *xx = x + 32 * sub;
+                __m256i sum = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) sum = iq4_products(Q + 32 * c, act4(xx + 4 * c), act4(xx + 16 + 4 * c), sc, sum);
+                part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(s + 8 * sb + sub), part);
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)B)), part, acc);
+        }
+        _mm256_storeu_ps(y + (int64_t)t * ldy, acc);
+    }
+}
+
+/* Q5_K's fifth bit: bit `bit` of each qh byte as 16 */
+static inline __m256i fifth_bit(__m256i qh, int bit) {
+    const __m256i m16 = _mm256_set1_epi8(16);
+    if (bit < 4) return _mm256_and_si256(_mm256_slli_epi16(qh, 4 - bit), m16);
+    return _mm256_and_si256(_mm256_srli_epi16(qh, bit - 4), m16);
+}
+
+/* Q4_K (five 0) and Q5_K (five 1): w = d sc code - dmin m per sub-block of 32, one activation scale per 256 */
+static inline void dot8_k(int five, const uint8_t *g, int64_t K, const int8_t *xq, const float *xs,
+                          const float *xsum, int T, float *y, int64_t ldy) {
+    const int64_t nsb = K / 256, groups = K / 32;
+    const int64_t bytes = five ? 1408 : 1152, at = five ? 384 : 128;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
                   m48 = _mm256_set1_epi8(48);
     const __m256i sm0 = scale_mask(0), sm1 = scale_mask(1), sm2 = scale_mask(2), sm3 = scale_mask(3);
@@ -166,8 +266,8 @@ static void dot8_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const float
         const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
         __m256 acc = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < nsb; sb++) {
-            const uint8_t *B = g + sb * 1152;
-            if (t == 0) prefetch(B, 1152);
+            const uint8_t *B = g + sb * bytes;
+            if (t == 0) prefetch(B, (int)bytes);
             /* the 6-bit scales and mins of 8 rows x 8 sub-blocks, one byte each */
             const __m256i A0 = _mm256_loadu_si256((const __m256i *)(B + 32)),
                           A1 = _mm256_loadu_si256((const __m256i *)(B + 64)),
@@ -193,15 +293,33 @@ static void dot8_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const float
                     _mm256_madd_epi16(_mm256_shuffle_epi8(mn_b, mp2), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(5)))));
             /* sum over sub-blocks of scale * sum(code * xq) */
             __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 4
             for (int p = 0; p < 4; p++) {
-                const uint8_t *Q = B + 128 + 256 * p;
+                const uint8_t *Q = B + at + 256 * p;
                 const int8_t *x = q + 256 * sb + 64 * p;
-                __m256i lo = _mm256_setzero_si256(), hi = lo;
-                for (int c = 0; c < 8; c++) nibble_products(Q + 32 * c, act4(x + 4 * c), act4(x + 32 + 4 * c), &lo, &hi);
                 const __m256i sc = p < 2 ? sc_a : sc_b;
                 const __m256i slo = _mm256_shuffle_epi8(sc, (p & 1) ? sm2 : sm0),
                               shi = _mm256_shuffle_epi8(sc, (p & 1) ? sm3 : sm1);
-                isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(lo, slo), _mm256_madd_epi16(hi, shi)));
+                if (!five) {  /* eight products of 4-bit codes fit int16 (8 * 2 * 15 * 127) */
+                    __m256i lo = _mm256_setzero_si256(), hi = lo;
+                    for (int c = 0; c < 8; c++) nibble_products(Q + 32 * c, act4(x + 4 * c), act4(x + 32 + 4 * c), &lo, &hi);
+                    isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(lo, slo), _mm256_madd_epi16(hi, shi)));
+                    continue;
+                }
+                /* 5-bit codes: four products a sum (4 * 2 * 31 * 127 < 2^15) */
+                for (int c0 = 0; c0 < 8; c0 += 4) {
+                    __m256i lo = _mm256_setzero_si256(), hi = lo;
+                    for (int c = c0; c < c0 + 4; c++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(Q + 32 * c)),
+                                      qh = _mm256_loadu_si256((const __m256i *)(B + 128 + 32 * c));
+                        const __m256i l5 = _mm256_or_si256(_mm256_and_si256(v, m4), fifth_bit(qh, 2 * p)),
+                                      h5 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                                           fifth_bit(qh, 2 * p + 1));
+                        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(l5, act4(x + 4 * c)));
+                        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(h5, act4(x + 32 + 4 * c)));
+                    }
+                    isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(lo, slo), _mm256_madd_epi16(hi, shi)));
+                }
             }
             const __m256 xv = _mm256_set1_ps(xs0);
             const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)B)), xv);
@@ -213,13 +331,27 @@ static void dot8_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const float
     }
 }
 
+static void dot8_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    dot8_k(0, g, K, xq, xs, xsum, T, y, ldy);
+}
+
+static void dot8_q5_k(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    dot8_k(1, g, K, xq, xs, xsum, T, y, ldy);
+}
+
 #pragma GCC pop_options
 
 moed_ggml_dot8_fn moed_ggml_dot8_avx2(int x8type) {
     switch (x8type) {
     case MOED_GGML_Q4_0_X8: return dot8_q4_0;
+    case MOED_GGML_Q4_1_X8: return dot8_q4_1;
     case MOED_GGML_Q8_0_X8: return dot8_q8_0;
     case MOED_GGML_Q4_K_X8: return dot8_q4_k;
+    case MOED_GGML_Q5_K_X8: return dot8_q5_k;
+    case MOED_GGML_IQ4_NL_X8: return dot8_iq4_nl;
+    case MOED_GGML_IQ4_XS_X8: return dot8_iq4_xs;
     case MOED_GGML_MXFP4_X8: return dot8_mxfp4;
     default: return NULL;
     }
