@@ -17,10 +17,10 @@ from moed.kernels import gguf_quants as q
 
 X8_BASE = 1100
 X8_OF: dict[int, int] = {t: X8_BASE + t for t in (q.Q4_0, q.Q4_1, q.Q8_0, q.Q4_K, q.Q5_K, q.IQ4_NL, q.IQ4_XS,
-                                                   q.MXFP4)}
-# the 32-weight types: bytes of scale fields before the codes, and the size of one field
+                                                   q.MXFP4, q.NVFP4)}
+# the 32-weight types and NVFP4 (64): bytes of scale fields before the codes, and the size of one field
 _B32_HEAD: dict[int, tuple[int, int]] = {q.Q4_0: (2, 2), q.Q8_0: (2, 2), q.IQ4_NL: (2, 2), q.Q4_1: (4, 2),
-                                         q.MXFP4: (1, 1)}
+                                         q.MXFP4: (1, 1), q.NVFP4: (4, 1)}
 BASE_OF: dict[int, int] = {v: k for k, v in X8_OF.items()}
 
 

@@ -13,7 +13,7 @@
 int moed_ggml_x8_of(int type) {
     switch (type) {
     case MOED_GGML_Q4_0: case MOED_GGML_Q4_1: case MOED_GGML_Q8_0: case MOED_GGML_Q4_K: case MOED_GGML_Q5_K:
-    case MOED_GGML_IQ4_NL: case MOED_GGML_IQ4_XS: case MOED_GGML_MXFP4:
+    case MOED_GGML_IQ4_NL: case MOED_GGML_IQ4_XS: case MOED_GGML_MXFP4: case MOED_GGML_NVFP4:
         return MOED_GGML_X8_BASE + type;
     default: return 0;
     }
@@ -37,13 +37,13 @@ int moed_ggml_x8_preferred(int type, int isa) {
     return x8;
 }
 
-/* ---- the 32-weight types: 8 x (head + qs)-byte blocks <-> one x8 block. The head is one scale field (MXFP4's
- * E8M0 byte; Q4_0, Q8_0 and IQ4_NL's fp16 d) or two (Q4_1's d and m), each field of rows 0..7 together; then
- * the qs (16 or 32 bytes) four bytes a row ---- */
+/* ---- the 32-weight types (and NVFP4's 64): 8 x (head + qs)-byte blocks <-> one x8 block. The head is one
+ * scale field (MXFP4's E8M0 byte; Q4_0, Q8_0 and IQ4_NL's fp16 d), two (Q4_1's d and m) or four (NVFP4's
+ * E4M3 bytes), each field of rows 0..7 together; then the qs (16 or 32 bytes) four bytes a row ---- */
 
 static void b32_fields(int type, int *head, int *field) {
-    *head = type == MOED_GGML_MXFP4 ? 1 : type == MOED_GGML_Q4_1 ? 4 : 2;
-    *field = type == MOED_GGML_MXFP4 ? 1 : 2;
+    *head = type == MOED_GGML_MXFP4 ? 1 : type == MOED_GGML_Q4_1 || type == MOED_GGML_NVFP4 ? 4 : 2;
+    *field = type == MOED_GGML_MXFP4 || type == MOED_GGML_NVFP4 ? 1 : 2;
 }
 
 static void b32_pack(int type, const uint8_t *const rows[8], uint8_t *o, int qs) {
@@ -246,6 +246,7 @@ DOT8_ROWS(dot8_rows_q5_k, MOED_GGML_Q5_K)
 DOT8_ROWS(dot8_rows_iq4_nl, MOED_GGML_IQ4_NL)
 DOT8_ROWS(dot8_rows_iq4_xs, MOED_GGML_IQ4_XS)
 DOT8_ROWS(dot8_rows_mxfp4, MOED_GGML_MXFP4)
+DOT8_ROWS(dot8_rows_nvfp4, MOED_GGML_NVFP4)
 
 moed_ggml_dot8_fn moed_ggml_dot8(int x8type, int isa) {
     if (isa >= MOED_ISA_AVX2) {
@@ -261,6 +262,7 @@ moed_ggml_dot8_fn moed_ggml_dot8(int x8type, int isa) {
     case MOED_GGML_IQ4_NL: return dot8_rows_iq4_nl;
     case MOED_GGML_IQ4_XS: return dot8_rows_iq4_xs;
     case MOED_GGML_MXFP4: return dot8_rows_mxfp4;
+    case MOED_GGML_NVFP4: return dot8_rows_nvfp4;
     default: return NULL;
     }
 }

@@ -24,6 +24,9 @@
  *   Q8_0 (272 bytes per 8 rows x 32 weights): Q4_0's with eight 4-byte chunks of int8 codes a row:
  *     [0, 16)    d of rows 0..7 (fp16)
  *     16 + 32 c + 4 r + j  (c < 8)      row r's qs[4 c + j]  (weight 4c+j)
+ *   NVFP4 (288 bytes per 8 rows x 64 weights): the E4M3 byte of (row r, 16-weight sub-block h) at 8 h + r, then
+ *     32 + 32 c + 4 r + j  (c < 8)      row r's qs[4 c + j] (sub-block c / 2: low nibble weight 16 (c / 2) +
+ *                                       4 (c % 2) + j, high the same + 8)
  *   IQ4_XS (1088 bytes per 8 rows x 256 weights): with q = r / 4, r_ = r % 4 and sub-block s = 4 h + s_, the
  *   6-bit ls of (r, s) (w = d (ls - 32) level):
  *     [0, 16)    d of rows 0..7 (fp16)
@@ -51,7 +54,7 @@
 
 enum { MOED_GGML_X8_BASE = 1100, MOED_GGML_Q4_0_X8 = 1102, MOED_GGML_Q4_1_X8 = 1103, MOED_GGML_Q8_0_X8 = 1108,
        MOED_GGML_Q4_K_X8 = 1112, MOED_GGML_Q5_K_X8 = 1113, MOED_GGML_IQ4_NL_X8 = 1120, MOED_GGML_IQ4_XS_X8 = 1123,
-       MOED_GGML_MXFP4_X8 = 1139 };
+       MOED_GGML_MXFP4_X8 = 1139, MOED_GGML_NVFP4_X8 = 1140 };
 
 /* the x8 type of a GGUF type (0: none), and the GGUF type of an x8 type (0: not one) */
 int moed_ggml_x8_of(int type);

@@ -245,6 +245,53 @@ static void dot8_iq4_xs(const uint8_t *g, int64_t K, const int8_t *xq, const flo
     }
 }
 
+/* NVFP4's unsigned E4M3 scale bytes of 8 rows times 1/2, as moed_ue4m3_half (ggml_rows.h) reads them */
+static inline __m256 ue4m3_half8(const uint8_t *p) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i v = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+    const __m256 normal = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(v, _mm256_set1_epi32(119 << 3)), 20));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(0.0009765625f));
+    const __m256 f = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), v)));
+    return _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(x, _mm256_set1_epi32(0x7F))), f);
+}
+
+/* NVFP4: per 16-weight sub-block of 8 rows, two 32-byte loads of doubled E2M1 codes (signed, |code| x the
+ * activation with its sign; sixteen products' pair sums fit int16), one widening, and its eight scales
+ * times the group's activation scale */
+static void dot8_nvfp4(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                       float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t nb = K / 64;
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i e2m1 = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                          0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = xq + (int64_t)t * K;
+        const float *s = xs + (int64_t)t * (K / 32);
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *o = g + b * 288;
+            if (t == 0) prefetch(o, 288);
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; h++) {
+                const int8_t *x = q + 64 * b + 16 * h;
+                __m256i p16 = _mm256_setzero_si256();
+                for (int c = 0; c < 2; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(o + 32 + 64 * h + 32 * c));
+                    const __m256i lo = _mm256_shuffle_epi8(e2m1, _mm256_and_si256(v, m4)),
+                                  hi = _mm256_shuffle_epi8(e2m1, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+                    p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(act4(x + 4 * c), lo)));
+                    p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(act4(x + 8 + 4 * c), hi)));
+                }
+                const __m256 f = _mm256_mul_ps(ue4m3_half8(o + 8 * h), _mm256_broadcast_ss(s + 2 * b + h / 2));
+                if (h & 1) acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), f, acc1);
+                else acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), f, acc0);
+            }
+        }
+        _mm256_storeu_ps(y + (int64_t)t * ldy, _mm256_add_ps(acc0, acc1));
+    }
+}
+
 /* Q5_K's fifth bit: bit `bit` of each qh byte as 16 */
 static inline __m256i fifth_bit(__m256i qh, int bit) {
     const __m256i m16 = _mm256_set1_epi8(16);
@@ -353,6 +400,7 @@ moed_ggml_dot8_fn moed_ggml_dot8_avx2(int x8type) {
     case MOED_GGML_IQ4_NL_X8: return dot8_iq4_nl;
     case MOED_GGML_IQ4_XS_X8: return dot8_iq4_xs;
     case MOED_GGML_MXFP4_X8: return dot8_mxfp4;
+    case MOED_GGML_NVFP4_X8: return dot8_nvfp4;
     default: return NULL;
     }
 }

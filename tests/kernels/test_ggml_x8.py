@@ -23,8 +23,15 @@ from moed.kernels.ggml_rows_format import act_span, dequantize_rows, row_bytes, 
 from moed.kernels.native_cpu import native
 from moed.kernels.native_cpu_reference import quantize_activations
 
-X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.Q4_K, T.Q5_K, T.IQ4_XS, T.MXFP4]
+X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.Q4_K, T.Q5_K, T.IQ4_XS, T.MXFP4, T.NVFP4]
 SUPER = (T.Q4_K, T.Q5_K, T.IQ4_XS)  # 256-weight super-blocks
+
+
+def _ks(qtype: T, ks: tuple[int, ...]) -> tuple[int, ...]:
+    """Odd K of 32-weight blocks -> the same for qtype's block size (256: super-blocks, 64: NVFP4)."""
+    if qtype in SUPER:
+        return (256, 1280)[:len(ks)] if len(ks) > 1 else (256,)
+    return tuple(2 * k for k in ks) if qtype == T.NVFP4 else ks
 
 
 def _lib():
@@ -40,13 +47,16 @@ def _rows(qtype: T, rows: int, k: int, seed: int = 0) -> torch.Tensor:
         data = data.reshape(-1, 17)
         data[:, 0] = np.random.default_rng(seed).integers(118, 130, size=data.shape[0])
         data[:2, 0] = (0, 1)
+    if qtype == T.NVFP4:  # subnormal scales, 0x7F (reads as 0) and 0xFF (240: bit 7 ignored) among them
+        data = data.reshape(-1, 36)
+        data[:3, :4] = [[0, 1, 7, 0x7F], [0xFF, 0x87, 8, 0x80], [5, 0x7E, 0xFE, 3]]
     return torch.from_numpy(np.ascontiguousarray(data).reshape(rows, -1))
 
 
 @pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
 def test_packing_is_a_lossless_permutation_and_native_matches_the_twin(qtype):
     lib = _lib()
-    for k in ((256, 768) if qtype in SUPER else (32, 96, 224)):
+    for k in _ks(qtype, (32, 96, 224)):
         valid = _rows(qtype, 24, k)
         noise = torch.randint(0, 256, valid.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(k))
         for raw in (valid, noise):  # any bytes: Q4_K's 6-bit scales re-packed bit for bit
@@ -79,7 +89,7 @@ def test_bad_packing_arguments_are_refused():
 @pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
 def test_in_place_conversion_equals_the_copy(qtype):
     lib = _lib()
-    k = 256 if qtype in SUPER else 96
+    k = _ks(qtype, (96,))[0]
     raw = _rows(qtype, 8 * 3000, k)  # more than one task (~1 MB each) of groups
     want = x8.pack(raw, int(qtype), k)
     t = raw.clone()
@@ -93,7 +103,7 @@ def test_in_place_conversion_equals_the_copy(qtype):
 def test_x8_kernels_match_the_torch_twin_at_every_isa(qtype):
     lib = _lib()
     x8_type = x8.X8_OF[int(qtype)]
-    for k in ((256, 1280) if qtype in SUPER else (32, 160, 2080)):
+    for k in _ks(qtype, (32, 160, 2080)):
         raw = _rows(qtype, 16, k, seed=k)
         x = torch.randn(3, k) * torch.linspace(0.1, 3.0, k)
         want, bound = rows_product_reference(raw, int(qtype), k, x)
@@ -138,13 +148,15 @@ def test_a_bank_laid_out_for_the_cpu_runs_as_stored(monkeypatch):
     if not lib.ggml_x8_preferred(int(T.Q4_K)):
         pytest.skip("the x8 kernels are not this CPU's faster ones")
     # layer 0: Q4_K gate/up with a Q6_K down (a Q4_K_M file's mix: the down stays rows); layer 1: Q4_0 / Q4_K;
-    # layer 2: MXFP4 (gpt-oss); layer 3: IQ4_XS / Q5_K (a UD mix); layer 4: Q4_1 / IQ4_NL
-    stored = _bank({"Q4_K": T.Q6_K, "Q4_0": T.Q4_K, "MXFP4": T.MXFP4, "IQ4_XS": T.Q5_K, "Q4_1": T.IQ4_NL})
+    # layer 2: MXFP4 (gpt-oss); layer 3: IQ4_XS / Q5_K (a UD mix); layer 4: Q4_1 / IQ4_NL; layer 5: NVFP4
+    stored = _bank({"Q4_K": T.Q6_K, "Q4_0": T.Q4_K, "MXFP4": T.MXFP4, "IQ4_XS": T.Q5_K, "Q4_1": T.IQ4_NL,
+                    "NVFP4": T.NVFP4})
     bank = _clone(stored)
     converted = interleave_for_cpu(bank)
     want = {"gate.0": T.Q4_K, "up.0": T.Q4_K, "gate.1": T.Q4_0, "up.1": T.Q4_0, "down.1": T.Q4_K,
             "gate.2": T.MXFP4, "up.2": T.MXFP4, "down.2": T.MXFP4, "gate.3": T.IQ4_XS, "up.3": T.IQ4_XS,
-            "down.3": T.Q5_K, "gate.4": T.Q4_1, "up.4": T.Q4_1, "down.4": T.IQ4_NL}
+            "down.3": T.Q5_K, "gate.4": T.Q4_1, "up.4": T.Q4_1, "down.4": T.IQ4_NL, "gate.5": T.NVFP4,
+            "up.5": T.NVFP4, "down.5": T.NVFP4}
     assert converted == {name: x8.X8_OF[int(t)] for name, t in want.items()}
     assert bank.row_types["down.0"] == int(T.Q6_K)
     assert interleave_for_cpu(bank) == {}  # already laid out
@@ -166,7 +178,8 @@ def test_a_bank_laid_out_for_the_cpu_runs_as_stored(monkeypatch):
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item()), (n, layer)
     # the bf16 prefill GEMMs (CPUs with native bf16: rows decoded once per expert): the same decoded rows
     x = torch.randn(20, bank.hidden_size, generator=gen)
-    for fid in (0, bank.num_experts + 1, 2 * bank.num_experts + 2, 3 * bank.num_experts + 3, 4 * bank.num_experts):
+    for fid in (0, bank.num_experts + 1, 2 * bank.num_experts + 2, 3 * bank.num_experts + 3, 4 * bank.num_experts,
+                5 * bank.num_experts + 5):
         assert torch.equal(ggml_expert_gemm(bank, fid, x), ggml_expert_gemm(stored, fid, x))
     # a device's slots read GGUF rows: an interleaved bank is refused with the way out
     with pytest.raises(ValueError, match="interleaved for the CPU kernels"):
