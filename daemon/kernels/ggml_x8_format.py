@@ -16,11 +16,12 @@ import torch
 from moed.kernels import gguf_quants as q
 
 X8_BASE = 1100
-X8_OF: dict[int, int] = {t: X8_BASE + t for t in (q.Q4_0, q.Q4_1, q.Q8_0, q.Q4_K, q.Q5_K, q.IQ4_NL, q.IQ4_XS,
+X8_OF: dict[int, int] = {t: X8_BASE + t for t in (q.Q4_0, q.Q4_1, q.Q5_0, q.Q5_1, q.Q8_0, q.Q4_K, q.Q5_K, q.IQ4_NL, q.IQ4_XS,
                                                    q.MXFP4, q.NVFP4)}
 # the 32-weight types and NVFP4 (64): bytes of scale fields before the codes, and the size of one field
 _B32_HEAD: dict[int, tuple[int, int]] = {q.Q4_0: (2, 2), q.Q8_0: (2, 2), q.IQ4_NL: (2, 2), q.Q4_1: (4, 2),
-                                         q.MXFP4: (1, 1), q.NVFP4: (4, 1)}
+                                         q.Q5_0: (2, 2), q.Q5_1: (4, 2), q.MXFP4: (1, 1), q.NVFP4: (4, 1)}
+_FIVE = (q.Q5_0, q.Q5_1)  # their 4 qh bytes re-packed into a plane after the head
 BASE_OF: dict[int, int] = {v: k for k, v in X8_OF.items()}
 
 
@@ -53,10 +54,12 @@ def pack(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     n, nb = g.shape[0], g.shape[2]
     if ggml_type in _B32_HEAD:
         head, field = _B32_HEAD[ggml_type]  # scale fields: an E8M0 byte, fp16 d, or Q4_1's d and m
-        codes = g.shape[3] - head  # 16 bytes of nibbles, or Q8_0's 32 int8 codes
+        five = 4 if ggml_type in _FIVE else 0
+        codes = g.shape[3] - head - five  # 16 bytes of nibbles, or Q8_0's 32 int8 codes
         d = g[..., 0:head].reshape(n, 8, nb, head // field, field).permute(0, 2, 3, 1, 4).reshape(n, nb, 8 * head)
-        qs = g[..., head:].reshape(n, 8, nb, codes // 4, 4).permute(0, 2, 3, 1, 4).reshape(n, nb, 8 * codes)
-        return torch.cat([d, qs], dim=-1).reshape(rows, -1)
+        qs = g[..., head + five:].reshape(n, 8, nb, codes // 4, 4).permute(0, 2, 3, 1, 4).reshape(n, nb, 8 * codes)
+        qh = [_qh_plane(g[..., head:head + 4])] if five else []
+        return torch.cat([d, *qh, qs], dim=-1).reshape(rows, -1)
     if ggml_type == q.IQ4_XS:
         return _iq4_xs_pack(g).reshape(rows, -1)
     if ggml_type not in (q.Q4_K, q.Q5_K):
@@ -86,10 +89,12 @@ def unpack(raw: torch.Tensor, x8_type: int, k: int) -> torch.Tensor:
     blocks = g.reshape(n, nb, -1)  # a group's bytes are its x8 blocks one after the other
     if ggml_type in _B32_HEAD:
         head, field = _B32_HEAD[ggml_type]
-        codes = g.shape[3] - head
+        five = 32 if ggml_type in _FIVE else 0
+        codes = g.shape[3] - head - five // 8
         d = blocks[..., 0:8 * head].reshape(n, nb, head // field, 8, field).permute(0, 1, 3, 2, 4).reshape(n, nb, 8, head)
-        qs = blocks[..., 8 * head:].reshape(n, nb, codes // 4, 8, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 8, codes)
-        out = torch.cat([d, qs], dim=-1)  # [n, nb, 8 rows, block bytes]
+        qs = blocks[..., 8 * head + five:].reshape(n, nb, codes // 4, 8, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 8, codes)
+        qh = [_qh_bytes(blocks[..., 8 * head:8 * head + 32])] if five else []
+        out = torch.cat([d, *qh, qs], dim=-1)  # [n, nb, 8 rows, block bytes]
     elif ggml_type == q.IQ4_XS:
         out = _iq4_xs_unpack(blocks)
     else:
@@ -151,3 +156,20 @@ def _iq4_xs_unpack(blocks: torch.Tensor) -> torch.Tensor:
     sl = (ls[..., 0::2] & 15) | (ls[..., 1::2] & 15) << 4
     qs = b[..., 64:1088].reshape(n, nb, 8, 4, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(n, nb, 8, 128)
     return torch.cat([d, (sh & 255)[..., None], (sh >> 8)[..., None], sl, qs], dim=-1).to(torch.uint8)
+
+
+def _qh_plane(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1 qh bytes ``[n, 8 rows, nb, 4]`` -> their x8 plane ``[n, nb, 32]``: byte 4 r + j, bit c the
+    fifth bit of weight 4 c + j, bit 4 + c that of weight 16 + 4 c + j."""
+    bits = ((qh.to(torch.int32)[..., :, None] >> torch.arange(8)) & 1).reshape(*qh.shape[:-1], 2, 4, 4)  # h, c, j
+    lane = (bits << (4 * torch.arange(2).view(2, 1, 1) + torch.arange(4).view(1, 4, 1))).sum(dim=(-3, -2))  # [.., j]
+    return lane.permute(0, 2, 1, 3).reshape(qh.shape[0], qh.shape[2], 32).to(torch.uint8)
+
+
+def _qh_bytes(plane: torch.Tensor) -> torch.Tensor:
+    """The x8 plane ``[n, nb, 32]`` -> qh bytes ``[n, nb, 8 rows, 4]``."""
+    lane = plane.to(torch.int32).reshape(*plane.shape[:2], 8, 4)  # [.., r, j]
+    bits = (lane[..., None] >> torch.arange(8)) & 1  # [.., j, bit = 4 h + c]
+    bits = bits.reshape(*lane.shape, 2, 4).permute(0, 1, 2, 4, 5, 3)  # [.., h, c, j]: weight 16 h + 4 c + j
+    qh = bits.reshape(*lane.shape[:3], 4, 8)  # byte b = weights 8 b .. 8 b + 7
+    return (qh << torch.arange(8)).sum(-1).to(torch.uint8)

@@ -12,7 +12,7 @@
 
 int moed_ggml_x8_of(int type) {
     switch (type) {
-    case MOED_GGML_Q4_0: case MOED_GGML_Q4_1: case MOED_GGML_Q8_0: case MOED_GGML_Q4_K: case MOED_GGML_Q5_K:
+    case MOED_GGML_Q4_0: case MOED_GGML_Q4_1: case MOED_GGML_Q5_0: case MOED_GGML_Q5_1: case MOED_GGML_Q8_0: case MOED_GGML_Q4_K: case MOED_GGML_Q5_K:
     case MOED_GGML_IQ4_NL: case MOED_GGML_IQ4_XS: case MOED_GGML_MXFP4: case MOED_GGML_NVFP4:
         return MOED_GGML_X8_BASE + type;
     default: return 0;
@@ -42,25 +42,53 @@ int moed_ggml_x8_preferred(int type, int isa) {
  * E4M3 bytes), each field of rows 0..7 together; then the qs (16 or 32 bytes) four bytes a row ---- */
 
 static void b32_fields(int type, int *head, int *field) {
-    *head = type == MOED_GGML_MXFP4 ? 1 : type == MOED_GGML_Q4_1 || type == MOED_GGML_NVFP4 ? 4 : 2;
+    *head = type == MOED_GGML_MXFP4 ? 1 : type == MOED_GGML_Q4_1 || type == MOED_GGML_Q5_1 || type == MOED_GGML_NVFP4 ? 4 : 2;
     *field = type == MOED_GGML_MXFP4 || type == MOED_GGML_NVFP4 ? 1 : 2;
 }
 
+/* Q5_0/Q5_1's qh (32 bits, bit i weight i's fifth) <-> the x8 byte of row lane j: bit c that of weight 4 c + j, bit
+ * 4 + c that of 16 + 4 c + j */
+static uint8_t qh_lane_byte(uint32_t qh, int j) {
+    uint8_t v = 0;
+    for (int c = 0; c < 4; c++) v |= (uint8_t)(((qh >> (4 * c + j)) & 1) << c | ((qh >> (16 + 4 * c + j)) & 1) << (4 + c));
+    return v;
+}
+
+static uint32_t qh_from_lane(const uint8_t *lane) {
+    uint32_t qh = 0;
+    for (int j = 0; j < 4; j++)
+        for (int c = 0; c < 4; c++)
+            qh |= (uint32_t)((lane[j] >> c) & 1) << (4 * c + j) | (uint32_t)((lane[j] >> (4 + c)) & 1) << (16 + 4 * c + j);
+    return qh;
+}
+
+/* qs: the code bytes after the head (Q5_0/Q5_1: after the head and qh, which go to their plane) */
 static void b32_pack(int type, const uint8_t *const rows[8], uint8_t *o, int qs) {
     int head, field;
     b32_fields(type, &head, &field);
+    const int five = type == MOED_GGML_Q5_0 || type == MOED_GGML_Q5_1, at = 8 * head + (five ? 32 : 0);
     for (int r = 0; r < 8; r++) {
         for (int f = 0; f < head / field; f++) memcpy(o + 8 * field * f + field * r, rows[r] + field * f, (size_t)field);
-        for (int c = 0; c < qs / 4; c++) memcpy(o + 8 * head + 32 * c + 4 * r, rows[r] + head + 4 * c, 4);
+        if (five) {
+            const uint8_t *h = rows[r] + head;
+            const uint32_t qh = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;
+            for (int j = 0; j < 4; j++) o[8 * head + 4 * r + j] = qh_lane_byte(qh, j);
+        }
+        for (int c = 0; c < qs / 4; c++) memcpy(o + at + 32 * c + 4 * r, rows[r] + head + (five ? 4 : 0) + 4 * c, 4);
     }
 }
 
 static void b32_unpack(int type, const uint8_t *o, uint8_t *const rows[8], int qs) {
     int head, field;
     b32_fields(type, &head, &field);
+    const int five = type == MOED_GGML_Q5_0 || type == MOED_GGML_Q5_1, at = 8 * head + (five ? 32 : 0);
     for (int r = 0; r < 8; r++) {
         for (int f = 0; f < head / field; f++) memcpy(rows[r] + field * f, o + 8 * field * f + field * r, (size_t)field);
-        for (int c = 0; c < qs / 4; c++) memcpy(rows[r] + head + 4 * c, o + 8 * head + 32 * c + 4 * r, 4);
+        if (five) {
+            const uint32_t qh = qh_from_lane(o + 8 * head + 4 * r);
+            for (int b = 0; b < 4; b++) rows[r][head + b] = (uint8_t)(qh >> (8 * b));
+        }
+        for (int c = 0; c < qs / 4; c++) memcpy(rows[r] + head + (five ? 4 : 0) + 4 * c, o + at + 32 * c + 4 * r, 4);
     }
 }
 
@@ -191,13 +219,13 @@ static void x8_convert(int type, const uint8_t *src, int64_t rows, int64_t K, ui
                 for (int r = 0; r < 8; r++) rp[r] = gs + r * rb + b * bb;
                 if (k_quant) q4_k_pack(rp, gd + 8 * b * bb, type == MOED_GGML_Q5_K);
                 else if (type == MOED_GGML_IQ4_XS) iq4_xs_pack(rp, gd + 8 * b * bb);
-                else b32_pack(type, rp, gd + 8 * b * bb, (int)bb - head);
+                else b32_pack(type, rp, gd + 8 * b * bb, type == MOED_GGML_Q5_0 || type == MOED_GGML_Q5_1 ? 16 : (int)bb - head);
             } else {
                 uint8_t *rp[8];
                 for (int r = 0; r < 8; r++) rp[r] = gd + r * rb + b * bb;
                 if (k_quant) q4_k_unpack(gs + 8 * b * bb, rp, type == MOED_GGML_Q5_K);
                 else if (type == MOED_GGML_IQ4_XS) iq4_xs_unpack(gs + 8 * b * bb, rp);
-                else b32_unpack(type, gs + 8 * b * bb, rp, (int)bb - head);
+                else b32_unpack(type, gs + 8 * b * bb, rp, type == MOED_GGML_Q5_0 || type == MOED_GGML_Q5_1 ? 16 : (int)bb - head);
             }
         }
     }
@@ -240,6 +268,8 @@ static void dot8_rows(int type, const uint8_t *group, int64_t K, const int8_t *x
     }
 DOT8_ROWS(dot8_rows_q4_0, MOED_GGML_Q4_0)
 DOT8_ROWS(dot8_rows_q4_1, MOED_GGML_Q4_1)
+DOT8_ROWS(dot8_rows_q5_0, MOED_GGML_Q5_0)
+DOT8_ROWS(dot8_rows_q5_1, MOED_GGML_Q5_1)
 DOT8_ROWS(dot8_rows_q8_0, MOED_GGML_Q8_0)
 DOT8_ROWS(dot8_rows_q4_k, MOED_GGML_Q4_K)
 DOT8_ROWS(dot8_rows_q5_k, MOED_GGML_Q5_K)
@@ -256,6 +286,8 @@ moed_ggml_dot8_fn moed_ggml_dot8(int x8type, int isa) {
     switch (x8type - MOED_GGML_X8_BASE) {
     case MOED_GGML_Q4_0: return dot8_rows_q4_0;
     case MOED_GGML_Q4_1: return dot8_rows_q4_1;
+    case MOED_GGML_Q5_0: return dot8_rows_q5_0;
+    case MOED_GGML_Q5_1: return dot8_rows_q5_1;
     case MOED_GGML_Q8_0: return dot8_rows_q8_0;
     case MOED_GGML_Q4_K: return dot8_rows_q4_k;
     case MOED_GGML_Q5_K: return dot8_rows_q5_k;

@@ -21,6 +21,11 @@
  *   IQ4_NL (144 bytes): Q4_0's (its codes are levels of a table)
  *   Q4_1 (160 bytes): Q4_0's with the m of rows 0..7 in [16, 32):
  *     32 + 32 c + 4 r + j               row r's qs[4 c + j]
+ *   Q5_0 (176 bytes) and Q5_1 (192): Q4_0's and Q4_1's head (16 or 32 bytes: at), then the fifth bits re-packed
+ *   bit for bit, then the codes:
+ *     at + 4 r + j                      bit c (c < 4): qh bit 4 c + j of row r (the low nibble's of qs[4 c + j]),
+ *                                       bit 4 + c: qh bit 16 + 4 c + j (the high nibble's)
+ *     at + 32 + 32 c + 4 r + j          row r's qs[4 c + j]
  *   Q8_0 (272 bytes per 8 rows x 32 weights): Q4_0's with eight 4-byte chunks of int8 codes a row:
  *     [0, 16)    d of rows 0..7 (fp16)
  *     16 + 32 c + 4 r + j  (c < 8)      row r's qs[4 c + j]  (weight 4c+j)
@@ -52,7 +57,8 @@
 
 #include <stdint.h>
 
-enum { MOED_GGML_X8_BASE = 1100, MOED_GGML_Q4_0_X8 = 1102, MOED_GGML_Q4_1_X8 = 1103, MOED_GGML_Q8_0_X8 = 1108,
+enum { MOED_GGML_X8_BASE = 1100, MOED_GGML_Q4_0_X8 = 1102, MOED_GGML_Q4_1_X8 = 1103, MOED_GGML_Q5_0_X8 = 1106,
+       MOED_GGML_Q5_1_X8 = 1107, MOED_GGML_Q8_0_X8 = 1108,
        MOED_GGML_Q4_K_X8 = 1112, MOED_GGML_Q5_K_X8 = 1113, MOED_GGML_IQ4_NL_X8 = 1120, MOED_GGML_IQ4_XS_X8 = 1123,
        MOED_GGML_MXFP4_X8 = 1139, MOED_GGML_NVFP4_X8 = 1140 };
 

@@ -55,15 +55,25 @@ static inline __m256 e8m0_half8(const uint8_t *e8) {
     return _mm256_castsi256_ps(_mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
 }
 
-/* the 32-weight types with unsigned codes, Q4_0 (kind 0), MXFP4 (1) and Q4_1 (2): per 8 rows x 32 weights,
- * d * (xs * sum(code * xq) + min * xsum) + m * xsum with w = d * (code + min) + m: min -8 (Q4_0), -12 (MXFP4's
- * offset codes) or 0, m Q4_1's */
+/* the fifth bits (Q5_0, Q5_1, Q5_K): bit `bit` of each qh byte as 16 */
+static inline __m256i fifth_bit(__m256i qh, int bit) {
+    const __m256i m16 = _mm256_set1_epi8(16);
+    if (bit < 4) return _mm256_and_si256(_mm256_slli_epi16(qh, 4 - bit), m16);
+    return _mm256_and_si256(_mm256_srli_epi16(qh, bit - 4), m16);
+}
+
+/* the 32-weight types with unsigned codes, Q4_0 (kind 0), MXFP4 (1), Q4_1 (2), Q5_0 (3) and Q5_1 (4): per 8 rows
+ * x 32 weights, d * (xs * sum(code * xq) + min * xsum) + m * xsum with w = d * (code + min) + m: min -8 (Q4_0),
+ * -12 (MXFP4's offset codes), -16 (Q5_0) or 0, m Q4_1's and Q5_1's. Q5_0/Q5_1's fifth bits: 32 bytes, byte
+ * 4 r + j bit c the low nibble's of chunk c, bit 4 + c the high one's */
 static inline void dot8_b32(int kind, const uint8_t *g, int64_t K, const int8_t *xq, const float *xs,
                             const float *xsum, int T, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
-    const int mx = kind == 1, q41 = kind == 2;
-    const int bytes = mx ? 136 : q41 ? 160 : 144, head = mx ? 8 : q41 ? 32 : 16;
-    const float min = mx ? -12.0f : q41 ? 0.0f : -8.0f;
+    const int mx = kind == 1, with_m = kind == 2 || kind == 4, five = kind >= 3;
+    static const int bytes_of[5] = {144, 136, 160, 176, 192}, head_of[5] = {16, 8, 32, 48, 64};
+    static const float min_of[5] = {-8.0f, -12.0f, 0.0f, -16.0f, 0.0f};
+    const int bytes = bytes_of[kind], head = head_of[kind];
+    const float min = min_of[kind];
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
     const __m256i e2m1u = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                            12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
@@ -76,7 +86,19 @@ static inline void dot8_b32(int kind, const uint8_t *g, int64_t K, const int8_t 
             const int8_t *x = q + 32 * b;
             if (t == 0) prefetch(o, bytes);
             __m256i lo = _mm256_setzero_si256(), hi = lo;
-            for (int c = 0; c < 4; c++) {
+            if (five) {  /* four products of 5-bit codes a sum (4 * 2 * 31 * 127 < 2^15) */
+                const __m256i H = _mm256_loadu_si256((const __m256i *)(o + head - 32));
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(o + head + 32 * c));
+                    lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_or_si256(_mm256_and_si256(v, m4), fifth_bit(H, c)),
+                                                                   act4(x + 4 * c)));
+                    hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(
+                                                  _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), fifth_bit(H, 4 + c)),
+                                                  act4(x + 16 + 4 * c)));
+                }
+            }
+            for (int c = 0; c < 4 && !five; c++) {
                 if (!mx) {
                     nibble_products(o + head + 32 * c, act4(x + 4 * c), act4(x + 16 + 4 * c), &lo, &hi);
                     continue;
@@ -89,14 +111,14 @@ static inline void dot8_b32(int kind, const uint8_t *g, int64_t K, const int8_t 
                                               act4(x + 16 + 4 * c)));
             }
             /* Q4_0's eight products fit int16 together (8 * 2 * 15 * 127), MXFP4's four per half */
-            const __m256i sum = mx ? _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
+            const __m256i sum = mx || five ? _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
                                    : _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones);
             const __m256 inner = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(s + b),
                                                  _mm256_set1_ps(min * su[b]));
             const __m256 d = mx ? e8m0_half8(o) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
             if (b & 1) acc1 = _mm256_fmadd_ps(d, inner, acc1);
             else acc0 = _mm256_fmadd_ps(d, inner, acc0);
-            if (q41) acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16))),
+            if (with_m) acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16))),
                                             _mm256_set1_ps(su[b]), acc1);
         }
         _mm256_storeu_ps(y + (int64_t)t * ldy, _mm256_add_ps(acc0, acc1));
@@ -106,6 +128,16 @@ static inline void dot8_b32(int kind, const uint8_t *g, int64_t K, const int8_t 
 static void dot8_q4_1(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
                       float *y, int64_t ldy) {
     dot8_b32(2, g, K, xq, xs, xsum, T, y, ldy);
+}
+
+static void dot8_q5_0(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    dot8_b32(3, g, K, xq, xs, xsum, T, y, ldy);
+}
+
+static void dot8_q5_1(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                      float *y, int64_t ldy) {
+    dot8_b32(4, g, K, xq, xs, xsum, T, y, ldy);
 }
 
 /* the signed products of 32 bytes of IQ4 nibbles through the level table, low nibbles times a4lo and high
@@ -292,13 +324,6 @@ static void dot8_nvfp4(const uint8_t *g, int64_t K, const int8_t *xq, const floa
     }
 }
 
-/* Q5_K's fifth bit: bit `bit` of each qh byte as 16 */
-static inline __m256i fifth_bit(__m256i qh, int bit) {
-    const __m256i m16 = _mm256_set1_epi8(16);
-    if (bit < 4) return _mm256_and_si256(_mm256_slli_epi16(qh, 4 - bit), m16);
-    return _mm256_and_si256(_mm256_srli_epi16(qh, bit - 4), m16);
-}
-
 /* Q4_K (five 0) and Q5_K (five 1): w = d sc code - dmin m per sub-block of 32, one activation scale per 256 */
 static inline void dot8_k(int five, const uint8_t *g, int64_t K, const int8_t *xq, const float *xs,
                           const float *xsum, int T, float *y, int64_t ldy) {
@@ -394,6 +419,8 @@ moed_ggml_dot8_fn moed_ggml_dot8_avx2(int x8type) {
     switch (x8type) {
     case MOED_GGML_Q4_0_X8: return dot8_q4_0;
     case MOED_GGML_Q4_1_X8: return dot8_q4_1;
+    case MOED_GGML_Q5_0_X8: return dot8_q5_0;
+    case MOED_GGML_Q5_1_X8: return dot8_q5_1;
     case MOED_GGML_Q8_0_X8: return dot8_q8_0;
     case MOED_GGML_Q4_K_X8: return dot8_q4_k;
     case MOED_GGML_Q5_K_X8: return dot8_q5_k;

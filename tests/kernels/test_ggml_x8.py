@@ -23,8 +23,9 @@ from moed.kernels.ggml_rows_format import act_span, dequantize_rows, row_bytes, 
 from moed.kernels.native_cpu import native
 from moed.kernels.native_cpu_reference import quantize_activations
 
-X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.Q4_K, T.Q5_K, T.IQ4_XS, T.MXFP4, T.NVFP4]
+X8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.Q4_K, T.Q5_K, T.IQ4_XS, T.MXFP4, T.NVFP4]
 SUPER = (T.Q4_K, T.Q5_K, T.IQ4_XS)  # 256-weight super-blocks
+BIT_PACKED = (T.Q4_K, T.Q5_K, T.IQ4_XS, T.Q5_0, T.Q5_1)  # scales or fifth bits re-packed bit for bit
 
 
 def _ks(qtype: T, ks: tuple[int, ...]) -> tuple[int, ...]:
@@ -62,7 +63,7 @@ def test_packing_is_a_lossless_permutation_and_native_matches_the_twin(qtype):
         for raw in (valid, noise):  # any bytes: Q4_K's 6-bit scales re-packed bit for bit
             packed = x8.pack(raw, int(qtype), k)
             assert packed.shape == raw.shape
-            assert torch.equal(torch.sort(packed.view(-1))[0], torch.sort(raw.view(-1))[0]) or qtype in (T.Q4_K, T.Q5_K, T.IQ4_XS)
+            assert torch.equal(torch.sort(packed.view(-1))[0], torch.sort(raw.view(-1))[0]) or qtype in BIT_PACKED
             assert torch.equal(x8.unpack(packed, x8.X8_OF[int(qtype)], k), raw)
             native_packed = lib.ggml_x8_convert(raw, int(qtype), k, pack=True)
             assert torch.equal(native_packed, packed)
@@ -148,15 +149,16 @@ def test_a_bank_laid_out_for_the_cpu_runs_as_stored(monkeypatch):
     if not lib.ggml_x8_preferred(int(T.Q4_K)):
         pytest.skip("the x8 kernels are not this CPU's faster ones")
     # layer 0: Q4_K gate/up with a Q6_K down (a Q4_K_M file's mix: the down stays rows); layer 1: Q4_0 / Q4_K;
-    # layer 2: MXFP4 (gpt-oss); layer 3: IQ4_XS / Q5_K (a UD mix); layer 4: Q4_1 / IQ4_NL; layer 5: NVFP4
+    # layer 2: MXFP4 (gpt-oss); layer 3: IQ4_XS / Q5_K (a UD mix); layer 4: Q4_1 / IQ4_NL; layer 5: NVFP4;
+    # layer 6: Q5_0 / Q5_1
     stored = _bank({"Q4_K": T.Q6_K, "Q4_0": T.Q4_K, "MXFP4": T.MXFP4, "IQ4_XS": T.Q5_K, "Q4_1": T.IQ4_NL,
-                    "NVFP4": T.NVFP4})
+                    "NVFP4": T.NVFP4, "Q5_0": T.Q5_1})
     bank = _clone(stored)
     converted = interleave_for_cpu(bank)
     want = {"gate.0": T.Q4_K, "up.0": T.Q4_K, "gate.1": T.Q4_0, "up.1": T.Q4_0, "down.1": T.Q4_K,
             "gate.2": T.MXFP4, "up.2": T.MXFP4, "down.2": T.MXFP4, "gate.3": T.IQ4_XS, "up.3": T.IQ4_XS,
             "down.3": T.Q5_K, "gate.4": T.Q4_1, "up.4": T.Q4_1, "down.4": T.IQ4_NL, "gate.5": T.NVFP4,
-            "up.5": T.NVFP4, "down.5": T.NVFP4}
+            "up.5": T.NVFP4, "down.5": T.NVFP4, "gate.6": T.Q5_0, "up.6": T.Q5_0, "down.6": T.Q5_1}
     assert converted == {name: x8.X8_OF[int(t)] for name, t in want.items()}
     assert bank.row_types["down.0"] == int(T.Q6_K)
     assert interleave_for_cpu(bank) == {}  # already laid out
@@ -179,7 +181,7 @@ def test_a_bank_laid_out_for_the_cpu_runs_as_stored(monkeypatch):
     # the bf16 prefill GEMMs (CPUs with native bf16: rows decoded once per expert): the same decoded rows
     x = torch.randn(20, bank.hidden_size, generator=gen)
     for fid in (0, bank.num_experts + 1, 2 * bank.num_experts + 2, 3 * bank.num_experts + 3, 4 * bank.num_experts,
-                5 * bank.num_experts + 5):
+                5 * bank.num_experts + 5, 6 * bank.num_experts + 1):
         assert torch.equal(ggml_expert_gemm(bank, fid, x), ggml_expert_gemm(stored, fid, x))
     # a device's slots read GGUF rows: an interleaved bank is refused with the way out
     with pytest.raises(ValueError, match="interleaved for the CPU kernels"):
