@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A full-depth GGUF from a shallow one: the same architecture, tokenizer and tensor shapes, N layers of
-random valid blocks in llama.cpp's Q4_K_M tensor-type layout (or every tensor in one type).
+random valid blocks in llama.cpp's Q4_K_M tensor-type layout (or every tensor in one type, or IQ4_XS experts).
 
-    .venv/bin/python benchmarks/build_real_size_gguf.py SRC.gguf OUT.gguf [--layers 48] [--layout q4_k_m|q4_0]
+    .venv/bin/python benchmarks/build_real_size_gguf.py SRC.gguf OUT.gguf [--layers 48] [--layout q4_k_m|q4_0|iq4_xs]
 
 SRC is a GGUF llama.cpp's converter wrote (bench_vs_llamacpp.py makes a 2-layer Qwen3-30B-A3B-shaped one);
 its metadata is copied (block_count set to --layers, context_length to at least Qwen3-30B-A3B's 40960), its token embedding, output and norms are copied,
@@ -10,7 +10,8 @@ and each layer i gets layer (i mod src layers)'s norms and router, and fresh ran
 attention and expert matrices: scales set to small finite float16 values, quants random. ``q4_k_m``
 follows llama.cpp's rule for that mix (llama-quant.cpp, use_more_bits: the first and last eighth of
 the layers and every third layer between get Q6_K for attn_v and ffn_down(_exps), the rest Q4_K);
-``q4_0`` makes every layer matrix Q4_0. Streams one tensor at a time (a 48-layer Qwen3-30B-A3B shape
+``q4_0`` makes every layer matrix Q4_0; ``iq4_xs`` makes the experts' gate and up IQ4_XS (the dynamic "UD"
+mixes' expert type) and keeps the Q4_K_M rule for the rest. Streams one tensor at a time (a 48-layer Qwen3-30B-A3B shape
 is ~17 GiB in Q4_K_M; the builder holds one expert tensor, ~0.2 GB). Not part of CI.
 """
 
@@ -37,6 +38,8 @@ def use_more_bits(layer: int, layers: int) -> bool:
 def layer_type(kind: str, layer: int, layers: int, layout: str) -> T:
     if layout == "q4_0":
         return T.Q4_0
+    if layout == "iq4_xs" and kind in ("ffn_gate_exps", "ffn_up_exps"):
+        return T.IQ4_XS
     if kind in ("attn_v", "ffn_down_exps", "ffn_down") and use_more_bits(layer, layers):
         return T.Q6_K
     return T.Q4_K
@@ -55,6 +58,8 @@ def random_blocks(qtype: T, values: int, rng: np.random.Generator) -> np.ndarray
         scales(2, 1e-3)
     elif qtype == T.Q6_K:  # ql[128], qh[64], scales[16] (int8), d
         scales(208, 4e-5)
+    elif qtype == T.IQ4_XS:  # d, scales_h, scales_l[4], qs[128]: |w| <= 127 * 32 * d
+        scales(0, 2e-5)
     elif qtype in (T.Q4_0, T.Q8_0):  # d, qs
         scales(0, 2e-3 if qtype == T.Q4_0 else 4e-4)
     else:
@@ -73,7 +78,7 @@ def copy_fields(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, layers: int, l
         elif key == f"{arch}.context_length":
             value = max(int(value), CONTEXT_LENGTH)  # the real model's, whatever the shallow source says
         elif key == "general.file_type":
-            value = 15 if layout == "q4_k_m" else 2  # LLAMA_FTYPE_MOSTLY_Q4_K_M / Q4_0
+            value = {"q4_k_m": 15, "q4_0": 2, "iq4_xs": 30}[layout]  # LLAMA_FTYPE_MOSTLY_Q4_K_M / Q4_0 / IQ4_XS
         vtype = field.types[0]
         sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
         writer.add_key_value(key, value, vtype, sub_type=sub)
@@ -84,7 +89,7 @@ def main() -> int:
     ap.add_argument("src", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--layout", default="q4_k_m", choices=("q4_k_m", "q4_0"))
+    ap.add_argument("--layout", default="q4_k_m", choices=("q4_k_m", "q4_0", "iq4_xs"))
     args = ap.parse_args()
     reader = gguf.GGUFReader(args.src)
     arch = reader.fields["general.architecture"].contents()

@@ -1,6 +1,7 @@
 /* The x8 layouts of GGUF block rows (ggml_x8.h): packing and unpacking (plain C), the fallback kernel
  * (a group unpacked and run row by row), and the choice of kernel. The SIMD kernels are in
  * ggml_x8_avx2.c. */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -46,20 +47,35 @@ static void b32_fields(int type, int *head, int *field) {
     *field = type == MOED_GGML_MXFP4 || type == MOED_GGML_NVFP4 ? 1 : 2;
 }
 
-/* Q5_0/Q5_1's qh (32 bits, bit i weight i's fifth) <-> the x8 byte of row lane j: bit c that of weight 4 c + j, bit
- * 4 + c that of 16 + 4 c + j */
-static uint8_t qh_lane_byte(uint32_t qh, int j) {
-    uint8_t v = 0;
-    for (int c = 0; c < 4; c++) v |= (uint8_t)(((qh >> (4 * c + j)) & 1) << c | ((qh >> (16 + 4 * c + j)) & 1) << (4 + c));
-    return v;
+/* Q5_0/Q5_1's qh (32 bits, bit i weight i's fifth) <-> the x8 bytes of a row's lane (byte j: bit c that of
+ * weight 4 c + j, bit 4 + c that of 16 + 4 c + j), through two 256-entry tables: qh byte b's bit t goes to lane
+ * byte t % 4, bit t / 4 + 2 (b % 2) + 4 (b / 2); lane byte j's bit k comes from qh bit 16 (k / 4) + 4 (k % 4) + j */
+static uint32_t qh_fwd[256], qh_inv[256];
+static pthread_once_t qh_once = PTHREAD_ONCE_INIT;
+
+static void qh_tables(void) {
+    for (int x = 0; x < 256; x++) {
+        uint32_t f = 0, v = 0;
+        for (int t = 0; t < 8; t++)
+            if (x >> t & 1) {
+                f |= 1u << (8 * (t % 4) + t / 4);
+                v |= 1u << (16 * (t / 4) + 4 * (t % 4));
+            }
+        qh_fwd[x] = f;
+        qh_inv[x] = v;
+    }
 }
 
-static uint32_t qh_from_lane(const uint8_t *lane) {
-    uint32_t qh = 0;
-    for (int j = 0; j < 4; j++)
-        for (int c = 0; c < 4; c++)
-            qh |= (uint32_t)((lane[j] >> c) & 1) << (4 * c + j) | (uint32_t)((lane[j] >> (4 + c)) & 1) << (16 + 4 * c + j);
-    return qh;
+static void qh_to_lane(const uint8_t *qh, uint8_t *lane) {
+    uint32_t out = 0;
+    for (int b = 0; b < 4; b++) out |= qh_fwd[qh[b]] << (2 * (b & 1) + 4 * (b >> 1));
+    for (int j = 0; j < 4; j++) lane[j] = (uint8_t)(out >> (8 * j));
+}
+
+static void qh_from_lane(const uint8_t *lane, uint8_t *qh) {
+    uint32_t v = 0;
+    for (int j = 0; j < 4; j++) v |= qh_inv[lane[j]] << j;
+    for (int b = 0; b < 4; b++) qh[b] = (uint8_t)(v >> (8 * b));
 }
 
 /* qs: the code bytes after the head (Q5_0/Q5_1: after the head and qh, which go to their plane) */
@@ -69,11 +85,7 @@ static void b32_pack(int type, const uint8_t *const rows[8], uint8_t *o, int qs)
     const int five = type == MOED_GGML_Q5_0 || type == MOED_GGML_Q5_1, at = 8 * head + (five ? 32 : 0);
     for (int r = 0; r < 8; r++) {
         for (int f = 0; f < head / field; f++) memcpy(o + 8 * field * f + field * r, rows[r] + field * f, (size_t)field);
-        if (five) {
-            const uint8_t *h = rows[r] + head;
-            const uint32_t qh = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;
-            for (int j = 0; j < 4; j++) o[8 * head + 4 * r + j] = qh_lane_byte(qh, j);
-        }
+        if (five) qh_to_lane(rows[r] + head, o + 8 * head + 4 * r);
         for (int c = 0; c < qs / 4; c++) memcpy(o + at + 32 * c + 4 * r, rows[r] + head + (five ? 4 : 0) + 4 * c, 4);
     }
 }
@@ -84,10 +96,7 @@ static void b32_unpack(int type, const uint8_t *o, uint8_t *const rows[8], int q
     const int five = type == MOED_GGML_Q5_0 || type == MOED_GGML_Q5_1, at = 8 * head + (five ? 32 : 0);
     for (int r = 0; r < 8; r++) {
         for (int f = 0; f < head / field; f++) memcpy(rows[r] + field * f, o + 8 * field * f + field * r, (size_t)field);
-        if (five) {
-            const uint32_t qh = qh_from_lane(o + 8 * head + 4 * r);
-            for (int b = 0; b < 4; b++) rows[r][head + b] = (uint8_t)(qh >> (8 * b));
-        }
+        if (five) qh_from_lane(o + 8 * head + 4 * r, rows[r] + head);
         for (int c = 0; c < qs / 4; c++) memcpy(rows[r] + head + (five ? 4 : 0) + 4 * c, o + at + 32 * c + 4 * r, 4);
     }
 }
@@ -206,6 +215,7 @@ static int x8_args(int type, const uint8_t *src, int64_t rows, int64_t K, const 
 }
 
 static void x8_convert(int type, const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst, int pack) {
+    pthread_once(&qh_once, qh_tables);
     const int64_t bb = moed_ggml_block_bytes(type), nb = K / moed_ggml_block_weights(type), rb = nb * bb;
     for (int64_t g = 0; g < rows / 8; g++) {
         const uint8_t *gs = src + g * 8 * rb;
