@@ -6,8 +6,9 @@
  *   /tmp/ggml_rows_isolated TYPE_ID [ISA 0-5] [K 2048]      # e.g. 12 (Q4_K) 3 (AVX-512 VNNI)
  *   (ISA 4 / 5: the 256-bit / 512-bit VNNI kernels whatever moed_cpu_vector_bits() prefers)
  *
- * Where the type has an x8 layout (native/cpu/ggml_x8.h: Q4_0, Q4_K, MXFP4) and the ISA an x8 kernel, a second
- * line gives the same two rates for the rows interleaved in eights.
+ * Where the type has an x8 layout (native/cpu/ggml_x8.h: every 4- to 8-bit GGUF type but Q6_K) and the ISA an x8
+ * kernel, a second line gives the same two rates for the rows interleaved in eights. The FP8 block types (1001
+ * FP8_B128, 1002 MXFP8) run their float kernels (moed_ggml_fdot) on float activations.
  *
  * Random bytes (with denormals flushed) stand in for the blocks: only the time is read. */
 #include <immintrin.h>
@@ -45,6 +46,35 @@ static double rate8(moed_ggml_dot8_fn f, const uint8_t *w, int64_t rows, int64_t
     return (double)rows * (double)rb * reps / (now() - t0) / 1e9;
 }
 
+static double ratef(moed_ggml_fdot_fn f, const uint8_t *w, int64_t rows, int64_t rb, int64_t K, const float *x,
+                    float *y, int reps) {
+    for (int64_t r = 0; r < rows; r++) f(w + r * rb, K, x, 1, y + r, 1);
+    double t0 = now();
+    for (int k = 0; k < reps; k++)
+        for (int64_t r = 0; r < rows; r++) f(w + r * rb, K, x, 1, y + r, 1);
+    return (double)rows * (double)rb * reps / (now() - t0) / 1e9;
+}
+
+/* the FP8 block types: their float kernel over the same two sets of rows */
+static int fp8_main(int type, int isa, int64_t K) {
+    int bw, bb, head;
+    moed_ggml_fp8_block(type, &bw, &bb, &head);
+    moed_ggml_fdot_fn f = K % bw == 0 && isa <= moed_cpu_detected_isa() ? moed_ggml_fdot(type, isa) : NULL;
+    if (!f) {
+        fprintf(stderr, "no kernel for type %d, ISA %d, K %lld\n", type, isa, (long long)K);
+        return 1;
+    }
+    const int64_t rb = K / bw * bb, hot = 256, cold = (1LL << 30) / rb;
+    uint8_t *w = malloc((size_t)(rb * cold));
+    float *x = malloc(sizeof(float) * K), *y = malloc(sizeof(float) * cold);
+    if (!w || !x || !y) return 1;
+    for (int64_t i = 0; i < rb * cold; i++) w[i] = (uint8_t)rand();
+    for (int64_t i = 0; i < K; i++) x[i] = (float)(rand() % 2001 - 1000) / 100.0f;
+    printf("type %d, ISA %d, K %lld: in L2 %.1f GB/s, from DRAM %.1f GB/s (one thread)\n", type, isa, (long long)K,
+           ratef(f, w, hot, rb, K, x, y, 2000), ratef(f, w, cold, rb, K, x, y, 2));
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: %s TYPE_ID [ISA] [K]\n", argv[0]);
@@ -53,6 +83,8 @@ int main(int argc, char **argv) {
     _mm_setcsr(_mm_getcsr() | 0x8040);
     const int type = atoi(argv[1]), isa = argc > 2 ? atoi(argv[2]) : moed_cpu_detected_isa();
     const int64_t K = argc > 3 ? atoll(argv[3]) : 2048;
+    int fw, fb, fh;
+    if (moed_ggml_fp8_block(type, &fw, &fb, &fh)) return fp8_main(type, isa, K);
     const int bw = moed_ggml_block_weights(type);
     moed_ggml_dot_fn f = bw && K % bw == 0 && (isa <= moed_cpu_detected_isa() || (isa <= MOED_GGML_ISA_VNNI512 && moed_cpu_detected_isa() == MOED_ISA_AVX512VNNI))
                                   ? moed_ggml_dot(type, isa) : NULL;

@@ -100,10 +100,12 @@ int moed_ggml_fp8_row_to_f32(int type, const uint8_t *row, int64_t K, float *out
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-/* 8 codes -> 8 floats, each the e4m3 value / 256 */
-static inline __attribute__((always_inline)) __m256 fp8x8_avx2(const uint8_t *p) {
-    const __m128i t = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
-    return _mm256_cvtph_ps(_mm_add_epi16(t, _mm_and_si128(t, _mm_set1_epi16(0x4000))));
+/* 16 codes -> two vectors of 8 floats, each the e4m3 value / 256 (the integer moves once for sixteen) */
+static inline __attribute__((always_inline)) void fp8x16_avx2(const uint8_t *p, __m256 *lo, __m256 *hi) {
+    __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    t = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(t));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(t, 1));
 }
 
 static inline __attribute__((always_inline)) void fdot_avx2(int type, const uint8_t *row, int64_t K, const float *x,
@@ -119,7 +121,9 @@ static inline __attribute__((always_inline)) void fdot_avx2(int type, const uint
         if (bw == 128) _mm_prefetch((const char *)blk + FP8_PF + 64, _MM_HINT_T0);
         for (int g = 0; g < bw; g += 32) {
             const uint8_t *c = blk + head + g;
-            const __m256 w0 = fp8x8_avx2(c), w1 = fp8x8_avx2(c + 8), w2 = fp8x8_avx2(c + 16), w3 = fp8x8_avx2(c + 24);
+            __m256 w0, w1, w2, w3;
+            fp8x16_avx2(c, &w0, &w1);
+            fp8x16_avx2(c + 16, &w2, &w3);
             for (int t = 0; t < T; t++) {
                 const float *xt = x + (int64_t)t * K + b * bw + g;
                 __m256 p = _mm256_mul_ps(w0, _mm256_loadu_ps(xt));
@@ -144,10 +148,13 @@ static inline __attribute__((always_inline)) void fdot_avx2(int type, const uint
 
 /* 32 codes of one group times 32 activations, two chains */
 static inline __attribute__((always_inline)) __m256 group32_avx2(const uint8_t *c, const float *x) {
-    __m256 p0 = _mm256_mul_ps(fp8x8_avx2(c), _mm256_loadu_ps(x));
-    __m256 p1 = _mm256_mul_ps(fp8x8_avx2(c + 8), _mm256_loadu_ps(x + 8));
-    p0 = _mm256_fmadd_ps(fp8x8_avx2(c + 16), _mm256_loadu_ps(x + 16), p0);
-    p1 = _mm256_fmadd_ps(fp8x8_avx2(c + 24), _mm256_loadu_ps(x + 24), p1);
+    __m256 w0, w1, w2, w3;
+    fp8x16_avx2(c, &w0, &w1);
+    fp8x16_avx2(c + 16, &w2, &w3);
+    __m256 p0 = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
+    __m256 p1 = _mm256_mul_ps(w1, _mm256_loadu_ps(x + 8));
+    p0 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), p0);
+    p1 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), p1);
     return _mm256_add_ps(p0, p1);
 }
 
