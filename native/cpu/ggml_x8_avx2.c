@@ -125,21 +125,6 @@ static inline void dot8_b32(int kind, const uint8_t *g, int64_t K, const int8_t 
     }
 }
 
-static void dot8_q4_1(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                      float *y, int64_t ldy) {
-    dot8_b32(2, g, K, xq, xs, xsum, T, y, ldy);
-}
-
-static void dot8_q5_0(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                      float *y, int64_t ldy) {
-    dot8_b32(3, g, K, xq, xs, xsum, T, y, ldy);
-}
-
-static void dot8_q5_1(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                      float *y, int64_t ldy) {
-    dot8_b32(4, g, K, xq, xs, xsum, T, y, ldy);
-}
-
 /* the signed products of 32 bytes of IQ4 nibbles through the level table, low nibbles times a4lo and high
  * times a4hi, widened against w16 (ones, or IQ4_XS's sub-block scale) and added to sum: |level| times the
  * activation with the level's sign (a pair sum fits int16, two do not: each is widened) */
@@ -154,58 +139,24 @@ static inline __m256i iq4_products(const uint8_t *p, __m256i a4lo, __m256i a4hi,
     return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(a4hi, hi)), w16));
 }
 
-/* IQ4_NL: Q4_0's layout, w = d * level(code) */
-static void dot8_iq4_nl(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                        float *y, int64_t ldy) {
+/* the signed-code 32-weight types, IQ4_NL (q8 0: Q4_0's layout, w = d * level(code)) and Q8_0 (q8 1): per 8 rows
+ * x 32 weights, d * xs * sum(code * xq); Q8_0's codes through vpmaddubsw as |code| times the activation with the
+ * code's sign (|code| <= 128, |xq| <= 127: a pair sum fits int16), as the IQ4 levels are */
+static inline void dot8_signed(int q8, const uint8_t *g, int64_t K, const int8_t *xq, const float *xs,
+                               const float *xsum, int T, float *y, int64_t ldy) {
     (void)xsum;
-    const int64_t nb = K / 32;
+    const int64_t nb = K / 32, bytes = q8 ? 272 : 144;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
         const float *s = xs + (int64_t)t * nb;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *o = g + b * 144;
+            const uint8_t *o = g + b * bytes;
             const int8_t *x = q + 32 * b;
-            if (t == 0) prefetch(o, 144);
-            __m256i sum = _mm256_setzero_si256();
-            for (int c = 0; c < 4; c++) sum = iq4_products(o + 16 + 32 * c, act4(x + 4 * c), act4(x + 16 + 4 * c), ones, sum);
-            const __m256 inner = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(s + b));
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
-            if (b & 1) acc1 = _mm256_fmadd_ps(d, inner, acc1);
-            else acc0 = _mm256_fmadd_ps(d, inner, acc0);
-        }
-        _mm256_storeu_ps(y + (int64_t)t * ldy, _mm256_add_ps(acc0, acc1));
-    }
-}
-
-static void dot8_q4_0(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                      float *y, int64_t ldy) {
-    dot8_b32(0, g, K, xq, xs, xsum, T, y, ldy);
-}
-
-static void dot8_mxfp4(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                       float *y, int64_t ldy) {
-    dot8_b32(1, g, K, xq, xs, xsum, T, y, ldy);
-}
-
-/* Q8_0: per 8 rows x 32 weights, d * xs * sum(code * xq); the signed codes through vpmaddubsw as |code| times
- * the activation with the code's sign (|code| <= 128, |xq| <= 127: a pair sum fits int16) */
-static void dot8_q8_0(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                      float *y, int64_t ldy) {
-    (void)xsum;
-    const int64_t nb = K / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int t = 0; t < T; t++) {
-        const int8_t *q = xq + (int64_t)t * K;
-        const float *s = xs + (int64_t)t * nb;
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *o = g + b * 272;
-            const int8_t *x = q + 32 * b;
-            if (t == 0) prefetch(o, 272);
+            if (t == 0) prefetch(o, (int)bytes);
             __m256i sum0 = _mm256_setzero_si256(), sum1 = sum0;
-            for (int c = 0; c < 8; c += 2) {
+            for (int c = 0; c < 8 && q8; c += 2) {
                 const __m256i w0 = _mm256_loadu_si256((const __m256i *)(o + 16 + 32 * c)),
                               w1 = _mm256_loadu_si256((const __m256i *)(o + 48 + 32 * c));
                 sum0 = _mm256_add_epi32(sum0, _mm256_madd_epi16(
@@ -213,6 +164,8 @@ static void dot8_q8_0(const uint8_t *g, int64_t K, const int8_t *xq, const float
                 sum1 = _mm256_add_epi32(sum1, _mm256_madd_epi16(
                                                   _mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(act4(x + 4 * c + 4), w1)), ones));
             }
+            for (int c = 0; c < 4 && !q8; c++)
+                sum0 = iq4_products(o + 16 + 32 * c, act4(x + 4 * c), act4(x + 16 + 4 * c), ones, sum0);
             const __m256 inner = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum0, sum1)), _mm256_broadcast_ss(s + b));
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
             if (b & 1) acc1 = _mm256_fmadd_ps(d, inner, acc1);
@@ -403,15 +356,21 @@ static inline void dot8_k(int five, const uint8_t *g, int64_t K, const int8_t *x
     }
 }
 
-static void dot8_q4_k(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                      float *y, int64_t ldy) {
-    dot8_k(0, g, K, xq, xs, xsum, T, y, ldy);
-}
-
-static void dot8_q5_k(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
-                      float *y, int64_t ldy) {
-    dot8_k(1, g, K, xq, xs, xsum, T, y, ldy);
-}
+/* the kernels of a kind (a kernel pointer carries no kind: one function each) */
+#define DOT8_KIND(name, fn, kind)                                                                                    \
+    static void name(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,     \
+                     float *y, int64_t ldy) {                                                                        \
+        fn(kind, g, K, xq, xs, xsum, T, y, ldy);                                                                     \
+    }
+DOT8_KIND(dot8_q4_0, dot8_b32, 0)
+DOT8_KIND(dot8_mxfp4, dot8_b32, 1)
+DOT8_KIND(dot8_q4_1, dot8_b32, 2)
+DOT8_KIND(dot8_q5_0, dot8_b32, 3)
+DOT8_KIND(dot8_q5_1, dot8_b32, 4)
+DOT8_KIND(dot8_iq4_nl, dot8_signed, 0)
+DOT8_KIND(dot8_q8_0, dot8_signed, 1)
+DOT8_KIND(dot8_q4_k, dot8_k, 0)
+DOT8_KIND(dot8_q5_k, dot8_k, 1)
 
 #pragma GCC pop_options
 
