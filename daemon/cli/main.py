@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--context", type=int, help="context length in tokens (default: min(4096, model max))")
+    gen.add_argument("--context", type=int, help="context length in tokens (default: the prompt plus --max-tokens, at least 4096, at most the model's maximum)")
     gen.add_argument("--experts-dtype", choices=LOAD_DTYPES,
                      help="expert format when loading a Hugging Face directory or GGUF file (default: the "
                           "checkpoint's own precision: bf16 for bf16, mxfp4 for MXFP4, q8 for Q8_0, int4 for Q4_*; "

@@ -11,7 +11,7 @@ from typing import Callable
 
 from moed.engine.engine_loop import EngineLoop, step_sizes
 from moed.engine.request import GenerationRequest, StreamEvent, Usage
-from moed.engine.runtime import ModelRuntime
+from moed.engine.runtime import DEFAULT_CONTEXT, ModelRuntime
 from moed.engine.sampling import SamplingParams
 from moed.errors import InvalidRequestError
 
@@ -32,12 +32,18 @@ def run_offline(runtime: ModelRuntime, prompts: list[list[int]], params: list[Sa
                 on_event: EventCallback | None = None) -> list[Completion]:
     """Generate for every prompt; returns one Completion per prompt, in order.
 
+    ``context_length`` None: large enough for the longest prompt plus its ``max_tokens`` (at least
+    DEFAULT_CONTEXT, at most the model's max_position_embeddings), so a long prompt runs without a flag.
+
     Ctrl-C (KeyboardInterrupt) cancels every request; their done events ("cancelled") still arrive
     and the completions are returned.
     """
     if not prompts or len(prompts) != len(params):
         raise InvalidRequestError("give at least one prompt and one SamplingParams per prompt")
     batch = max_batch or len(prompts)
+    if context_length is None:
+        need = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
+        context_length = min(runtime.model.config.max_position_embeddings, max(DEFAULT_CONTEXT, need))
     loop = EngineLoop(runtime, name="offline", max_batch=batch, max_queue=len(prompts),
                       max_step_tokens=step_sizes(runtime, batch)[1], context_length=context_length)
     try:

@@ -39,7 +39,7 @@ from moed.kernels.ggml_rows_format import check_rows, row_bytes
 from moed.kernels.ggml_x8_format import base_type, is_x8
 from moed.kernels.rows_format import rows_shapes
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512vnni")
 # the GGUF block kernels at AVX-512 VNNI come in 256-bit and 512-bit forms (the CPU's vector width picks one:
 # moed_cpu_vector_bits); these two names take one of them whatever the CPU prefers (MOED_GGML_ISA_VNNI256/512)
@@ -285,16 +285,18 @@ class NativeCpu:
         lib.moed_sigmoid_scale.restype = c_int
         lib.moed_route_select.argtypes = [vp, c_i64, c_i64, c_int, c_int, c_int, vp, vp]
         lib.moed_route_select.restype = c_int
-        lib.moed_cpu_rows_to_bf16.argtypes = [vp, c_int, ctypes.POINTER(_Matrix), vp]
-        lib.moed_cpu_rows_to_bf16.restype = c_int
+        for fn in (lib.moed_cpu_rows_to_bf16, lib.moed_cpu_rows_to_f32):
+            fn.argtypes = [vp, c_int, ctypes.POINTER(_Matrix), vp]
+            fn.restype = c_int
         lib.moed_cpu_attn_decode.argtypes = [vp, ctypes.POINTER(_AttnDecode)]
         lib.moed_cpu_attn_decode.restype = c_int
         lib.moed_cpu_ggml_rows.argtypes = [vp, c_int, vp, vp, c_int, c_i64, vp]
         lib.moed_cpu_ggml_rows.restype = c_int
         lib.moed_cpu_ggml_moe.argtypes = [vp, ctypes.POINTER(_GgmlLayer), vp, c_int, c_int, vp, vp, vp, vp]
         lib.moed_cpu_ggml_moe.restype = c_int
-        lib.moed_cpu_ggml_to_bf16.argtypes = [vp, ctypes.POINTER(_GgmlMatrix), vp]
-        lib.moed_cpu_ggml_to_bf16.restype = c_int
+        for fn in (lib.moed_cpu_ggml_to_bf16, lib.moed_cpu_ggml_to_f32):
+            fn.argtypes = [vp, ctypes.POINTER(_GgmlMatrix), vp]
+            fn.restype = c_int
         lib.moed_cpu_ggml_x8_convert.argtypes = [vp, c_int, c_int, vp, c_i64, c_i64, vp]
         lib.moed_cpu_ggml_x8_convert.restype = c_int
         lib.moed_ggml_x8_preferred.argtypes = [c_int, c_int]
@@ -635,17 +637,27 @@ class NativeCpu:
         """Rows of GGUF blocks ``uint8 [rows, row_bytes]`` decoded to bf16 ``[rows, k]`` on the pool's
         threads: ``dequantize_rows(raw, ggml_type, k)`` rounded to bf16 (for prefill GEMMs); an x8 matrix
         is unpacked to its rows first."""
+        return self._ggml_decode(raw, ggml_type, k, torch.bfloat16)
+
+    def ggml_to_f32(self, raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+        """``ggml_to_bf16`` in float32: bit for bit ``dequantize_rows(raw, ggml_type, k)`` (the prefill GEMMs of
+        CPUs without native bf16 GEMMs)."""
+        return self._ggml_decode(raw, ggml_type, k, torch.float32)
+
+    def _ggml_decode(self, raw: torch.Tensor, ggml_type: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        what = "ggml_to_f32" if dtype == torch.float32 else "ggml_to_bf16"
         if is_x8(ggml_type):
             raw, ggml_type = self.ggml_x8_convert(raw.contiguous(), ggml_type, k, pack=False), base_type(ggml_type)
-        rows = check_rows(raw, ggml_type, k, "ggml_to_bf16")
+        rows = check_rows(raw, ggml_type, k, what)
         if not raw.is_contiguous() or raw.device.type != "cpu":
-            raise ValueError("ggml_to_bf16: the rows must be a contiguous host tensor")
+            raise ValueError(f"{what}: the rows must be a contiguous host tensor")
         m = _GgmlMatrix(raw.data_ptr(), ggml_type, rows, k, raw.shape[1])
-        out = torch.empty(rows, k, dtype=torch.bfloat16)
+        out = torch.empty(rows, k, dtype=dtype)
+        fn = self._lib.moed_cpu_ggml_to_f32 if dtype == torch.float32 else self._lib.moed_cpu_ggml_to_bf16
         with self._lock:
-            rc = self._lib.moed_cpu_ggml_to_bf16(self._pool, ctypes.byref(m), out.data_ptr())
+            rc = fn(self._pool, ctypes.byref(m), out.data_ptr())
         if rc != 0:
-            raise ValueError(f"moed_cpu_ggml_to_bf16 refused its arguments (rc {rc})")
+            raise ValueError(f"moed_cpu_{what} refused its arguments (rc {rc})")
         return out
 
     def read_pass(self, buf: torch.Tensor) -> tuple[float, int]:
@@ -760,19 +772,28 @@ class NativeCpu:
     def rows_to_bf16(self, dtype: str, arrays: tuple[torch.Tensor, ...], k: int) -> torch.Tensor:
         """One rows-layout matrix dequantised to bf16 ``[N, K]`` (for prefill GEMMs): bit for bit
         ``rows_format.dequantize_rows(dtype, arrays, torch.bfloat16)``, on the pool's threads."""
+        return self._rows_decode(dtype, arrays, k, torch.bfloat16)
+
+    def rows_to_f32(self, dtype: str, arrays: tuple[torch.Tensor, ...], k: int) -> torch.Tensor:
+        """``rows_to_bf16`` in float32: bit for bit ``rows_format.dequantize_rows(dtype, arrays, torch.float32)``."""
+        return self._rows_decode(dtype, arrays, k, torch.float32)
+
+    def _rows_decode(self, dtype: str, arrays: tuple[torch.Tensor, ...], k: int, out_dtype: torch.dtype) -> torch.Tensor:
+        what = "rows_to_f32" if out_dtype == torch.float32 else "rows_to_bf16"
         if dtype not in ROWS_CODES:
-            raise ValueError(f"rows_to_bf16: dtype must be q8, int4 or fp8, got {dtype!r}")
+            raise ValueError(f"{what}: dtype must be q8, int4 or fp8, got {dtype!r}")
         n = arrays[0].shape[0]
         shapes = rows_shapes(dtype, k, n)
         if len(arrays) != len(shapes) or any(tuple(t.shape) != shape or t.dtype != tdtype or not t.is_contiguous()
                                              or t.device.type != "cpu" for t, (shape, tdtype) in zip(arrays, shapes)):
-            raise ValueError(f"rows_to_bf16: a {dtype} [{n}, {k}] matrix must be contiguous host arrays")
+            raise ValueError(f"{what}: a {dtype} [{n}, {k}] matrix must be contiguous host arrays")
         m = _Matrix(arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr() if len(arrays) > 2 else None, k, n)
-        out = torch.empty(n, k, dtype=torch.bfloat16)
+        out = torch.empty(n, k, dtype=out_dtype)
+        fn = self._lib.moed_cpu_rows_to_f32 if out_dtype == torch.float32 else self._lib.moed_cpu_rows_to_bf16
         with self._lock:
-            rc = self._lib.moed_cpu_rows_to_bf16(self._pool, ROWS_CODES[dtype], ctypes.byref(m), out.data_ptr())
+            rc = fn(self._pool, ROWS_CODES[dtype], ctypes.byref(m), out.data_ptr())
         if rc != 0:
-            raise ValueError(f"moed_cpu_rows_to_bf16 refused its arguments (rc {rc})")
+            raise ValueError(f"moed_cpu_{what} refused its arguments (rc {rc})")
         return out
 
     # ------------------------------------------------------------------ MoE

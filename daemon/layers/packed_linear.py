@@ -168,6 +168,18 @@ class PackedLinear:
             return lib.rows_to_bf16(self.dtype, self.arrays, self.in_features)
         return self.dequantize(torch.bfloat16)
 
+    def dequantize_f32(self) -> torch.Tensor:
+        """``dequantize(torch.float32)``, by the native library when there is one (the same bits, on all cores
+        and about 20x faster than the torch decoders: CPUs without native bf16 GEMMs dequantise every
+        projection to float32 once per prefill chunk)."""
+        lib = native()
+        if lib is not None and self.device.type == "cpu":
+            if self.ggml_type is not None:
+                rows = lib.ggml_to_f32(self.arrays[0], self.ggml_type, self.in_features)
+                return rows if float(self.arrays[1]) == 1.0 else rows * self.arrays[1]
+            return lib.rows_to_f32(self.dtype, self.arrays, self.in_features)
+        return self.dequantize(torch.float32)
+
     @property
     def _kernel(self) -> str:
         """Which native kernel multiplies it: weights of one kernel share a call (and its quantised x)."""
@@ -202,4 +214,4 @@ class PackedLinear:
             # projection's (layers/linear.py)
             xb = x.to(torch.bfloat16)
             return [F.linear(xb, w.dequantize_bf16().to(x.device)).float() for w in weights]
-        return [F.linear(x, w.dequantize(torch.float32).to(x.device)) for w in weights]
+        return [F.linear(x, w.dequantize_f32().to(x.device)) for w in weights]

@@ -392,31 +392,35 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
     return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t *o);  /* ggml_rows_avx2.c */
+/* ggml_rows_avx2.c: one row of some types decoded, as bf16 (f32 = 0) or float32 (f32 = 1); 0 where it has no decoder */
+int moed_ggml_row_decode_avx2(int type, const uint8_t *row, int64_t K, void *o, int f32);
 
 typedef struct {
     const moed_ggml_matrix *m;
-    uint16_t *out;
+    void *out;
+    int f32;  /* 1: float32 out, 0: bf16 */
     int64_t chunk;
-} bf16_job;
+} decode_job;
 
-static void bf16_task(void *ctx, int64_t task, int thread) {
+static void decode_task(void *ctx, int64_t task, int thread) {
     (void)thread;
-    const bf16_job *j = (const bf16_job *)ctx;
+    const decode_job *j = (const decode_job *)ctx;
     const moed_ggml_matrix *m = j->m;
     const int bw = moed_ggml_block_weights(m->type), bb = moed_ggml_block_bytes(m->type), gpb = bw / 32;
     int64_t r0 = task * j->chunk, r1 = r0 + j->chunk < m->rows ? r0 + j->chunk : m->rows;
     const int simd = moed_cpu_isa() >= MOED_ISA_AVX2;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = m->w + r * m->row_bytes;
-        uint16_t *o = j->out + r * m->K;
-        if (simd && moed_ggml_row_to_bf16_avx2(m->type, row, m->K, o)) continue;
+        uint16_t *o = j->f32 ? NULL : (uint16_t *)j->out + r * m->K;
+        float *of = j->f32 ? (float *)j->out + r * m->K : NULL;
+        if (simd && moed_ggml_row_decode_avx2(m->type, row, m->K, j->f32 ? (void *)of : (void *)o, j->f32)) continue;
         if (m->type == MOED_GGML_FP8_B128 || m->type == MOED_GGML_MXFP8) {  /* float values, not integer codes */
             float f[256];
             for (int64_t k0 = 0; k0 < m->K; k0 += 256) {
                 const int64_t n = m->K - k0 < 256 ? m->K - k0 : 256;
-                moed_ggml_fp8_row_to_f32(m->type, row + k0 / bw * bb, n, f);
-                for (int64_t l = 0; l < n; l++) o[k0 + l] = to_bf16(f[l]);
+                moed_ggml_fp8_row_to_f32(m->type, row + k0 / bw * bb, n, j->f32 ? of + k0 : f);
+                if (!j->f32)
+                    for (int64_t l = 0; l < n; l++) o[k0 + l] = to_bf16(f[l]);
             }
             continue;
         }
@@ -424,18 +428,32 @@ static void bf16_task(void *ctx, int64_t task, int thread) {
             int8_t c[32];
             float sc[2], mn[2];
             decode_group(m->type, row + (g / gpb) * bb, (int)(g % gpb), c, sc, mn);
-            for (int l = 0; l < 32; l++) o[g * 32 + l] = to_bf16(sc[l >> 4] * (float)c[l] + mn[l >> 4]);
+            for (int l = 0; l < 32; l++) {
+                /* the torch decoders' order: scale x code (exact for every type but a rounding in Q6_K / IQ4_XS / Q3_K),
+                 * then + min where the type has one (one rounding); a zero min is not added (-0.0 stays) */
+                const float v = mn[l >> 4] != 0.0f ? sc[l >> 4] * (float)c[l] + mn[l >> 4] : sc[l >> 4] * (float)c[l];
+                if (j->f32)
+                    of[g * 32 + l] = v;
+                else
+                    o[g * 32 + l] = to_bf16(v);
+            }
         }
     }
 }
 
-/* one matrix of GGUF block rows decoded to bf16 [rows][K] (the weights as gguf.quants decodes them,
- * each rounded to bf16 once), on the pool: the prefill GEMMs multiply these */
-int moed_cpu_ggml_to_bf16(void *h, const moed_ggml_matrix *m, uint16_t *out) {
+static int decode_matrix(void *h, const moed_ggml_matrix *m, void *out, int f32) {
     if (!h || !m || !out || !check_matrix(m, m->K) || m->K % 32) return -1;
     moed_pool *pool = (moed_pool *)h;
     int64_t chunk = (m->rows + 4 * moed_pool_threads(pool) - 1) / (4 * moed_pool_threads(pool));
-    bf16_job j = {m, out, chunk < 1 ? 1 : chunk};
-    moed_pool_run(pool, bf16_task, &j, (m->rows + j.chunk - 1) / j.chunk);
+    decode_job j = {m, out, f32, chunk < 1 ? 1 : chunk};
+    moed_pool_run(pool, decode_task, &j, (m->rows + j.chunk - 1) / j.chunk);
     return 0;
 }
+
+/* one matrix of GGUF block rows decoded to bf16 [rows][K] (the weights as gguf.quants decodes them,
+ * each rounded to bf16 once), on the pool: the prefill GEMMs multiply these where the CPU has bf16 GEMMs */
+int moed_cpu_ggml_to_bf16(void *h, const moed_ggml_matrix *m, uint16_t *out) { return decode_matrix(h, m, out, 0); }
+
+/* the same values as float32 [rows][K], bit for bit the torch decoders' (kernels/gguf_quants.py): the prefill
+ * GEMMs of CPUs without bf16 GEMMs (AVX2-only) multiply these */
+int moed_cpu_ggml_to_f32(void *h, const moed_ggml_matrix *m, float *out) { return decode_matrix(h, m, out, 1); }

@@ -380,11 +380,54 @@ ONE_TYPE(dot_q4_k, dot_q45_k, 0)
 
 ONE_TYPE(dot_q5_k, dot_q45_k, 1)
 
-/* Q6_K: two halves of 128; w = d * sc16 * (q - 32), one activation scale per super-block. A group of 32
- * weights is two 16-weight sub-blocks: its pair sums (lanes 0-7 the first, 8-15 the second) are multiplied
- * by a vector holding the first sub-block's scale in the low 128 bits and the second's in the high ones
- * (the scales deinterleaved once: evens low, odds high), summed in integers, converted once per super-block. */
-static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+/* NT tokens (1-4, a constant after inlining) of one row: each group's codes decoded once, their |code| and scale
+ * pick shared, and per token only the activations' signs, the products and the sum (a prefill chunk multiplies one
+ * row with many tokens: decoding per token cost half the work). Token t's accumulators are its own, so each
+ * token's integer sums and float additions happen in the same order as with NT = 1. */
+static inline __attribute__((always_inline)) void q6_k_tokens(const uint8_t *row, int64_t K, const int8_t *xq,
+                                                              const float *xs, const int NT, float *y, int64_t ldy,
+                                                              int first) {
+    const int64_t nb = K / 256, groups = K / 32;
+    const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256 acc[4], acc1[4];
+    for (int t = 0; t < NT; t++) acc[t] = acc1[t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = row + i * 210;
+        if (first) prefetch_block(b, 210);
+        const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(b + 192)), evens_odds));
+        __m256i i0[4], i1[4];
+        for (int t = 0; t < NT; t++) i0[t] = i1[t] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            for (int gi = 0; gi < 4; gi++) {
+                const __m256i codes = q6k_codes(l0, l1, hb, gi);
+                const int g = 4 * h + gi;
+                const __m256i u = _mm256_sign_epi8(codes, codes), sg = _mm256_shuffle_epi8(sc, scale_pick(g));
+                for (int t = 0; t < NT; t++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)t * K + i * 256 + 32 * g));
+                    const __m256i sx = _mm256_sign_epi8(x, codes);
+                    if (gi & 1)
+                        i1[t] = udot_scaled(i1[t], u, sx, sg);
+                    else
+                        i0[t] = udot_scaled(i0[t], u, sx, sg);
+                }
+            }
+        }
+        const float d = _cvtsh_ss(ld16(b + 208));
+        for (int t = 0; t < NT; t++) {
+            const __m256 f = _mm256_set1_ps(d * xs[(int64_t)t * groups + 8 * i]);
+            if (i & 1)
+                acc1[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0[t], i1[t])), f, acc1[t]);
+            else
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0[t], i1[t])), f, acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc[t], acc1[t]));
+}
+
+static void dot_q6_k_one(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
                      float *y, int64_t ldy) {
     (void)xsum;
     const int64_t nb = K / 256, groups = K / 32;
@@ -422,6 +465,26 @@ static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const floa
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), f, acc);
         }
         y[(int64_t)t * ldy] = hsum8(_mm256_add_ps(acc, acc1));
+    }
+}
+
+/* Q6_K: two halves of 128; w = d * sc16 * (q - 32), one activation scale per super-block. A group of 32
+ * weights is two 16-weight sub-blocks: its pair sums (lanes 0-7 the first, 8-15 the second) are multiplied
+ * by a vector holding the first sub-block's scale in the low 128 bits and the second's in the high ones
+ * (the scales deinterleaved once: evens low, odds high), summed in integers, converted once per super-block.
+ * Tokens four at a time (q6_k_tokens). */
+static void dot_q6_k(const uint8_t *row, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
+                     float *y, int64_t ldy) {
+    (void)xsum;
+    const int64_t groups = K / 32;
+    int t = 0;
+    for (; t + 4 <= T; t += 4)
+        q6_k_tokens(row, K, xq + (int64_t)t * K, xs + (int64_t)t * groups, 4, y + (int64_t)t * ldy, ldy, t == 0);
+    switch (T - t) {
+    case 3: q6_k_tokens(row, K, xq + (int64_t)t * K, xs + (int64_t)t * groups, 3, y + (int64_t)t * ldy, ldy, t == 0); break;
+    case 2: q6_k_tokens(row, K, xq + (int64_t)t * K, xs + (int64_t)t * groups, 2, y + (int64_t)t * ldy, ldy, t == 0); break;
+    case 1: dot_q6_k_one(row, K, xq + (int64_t)t * K, xs + (int64_t)t * groups, xsum, 1, y + (int64_t)t * ldy, ldy); break;
+    default: break;
     }
 }
 
@@ -627,30 +690,39 @@ static inline __m256i bf16_bits(__m256 f) {
     return _mm256_srli_epi32(_mm256_add_epi32(b, r), 16);
 }
 
-/* 32 int8 codes -> scale_h * code + min_h as bf16 (h: first / second 16 weights) */
-static inline void store32(uint16_t *o, __m256i codes, float s0, float m0, float s1, float m1) {
+/* 32 int8 codes -> scale_h * code (+ min_h) (h: first / second 16 weights), in the torch decoders' order (a product,
+ * then a sum where the type has a min: no fused multiply-add, so the float32 values are theirs bit for bit), stored
+ * as float32 (f32) or rounded to bf16 */
+static inline void store32(void *o, int f32, __m256i codes, float s0, float m0, float s1, float m1, int has_min) {
     const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
     const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    __m256i bits[4];
+    __m256 f[4];
     for (int i = 0; i < 4; i++) {
         const float s = i < 2 ? s0 : s1, m = i < 2 ? m0 : m1;
-        const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[i])), _mm256_set1_ps(s),
-                                         _mm256_set1_ps(m));
-        bits[i] = bf16_bits(f);
+        f[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[i])), _mm256_set1_ps(s));
+        if (has_min) f[i] = _mm256_add_ps(f[i], _mm256_set1_ps(m));
     }
+    if (f32) {
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps((float *)o + 8 * i, f[i]);
+        return;
+    }
+    __m256i bits[4];
+    for (int i = 0; i < 4; i++) bits[i] = bf16_bits(f[i]);
     const __m256i a = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits[0], bits[1]), 0xD8);
     const __m256i b = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits[2], bits[3]), 0xD8);
     _mm256_storeu_si256((__m256i *)o, a);
-    _mm256_storeu_si256((__m256i *)(o + 16), b);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)o + 16), b);
 }
 
-/* one row of Q4_K / Q5_K / Q6_K / Q8_0 to bf16; 0 when the type has no AVX2 decoder here */
-int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t *o) {
+/* one row of Q4_K / Q5_K / Q6_K / Q8_0 to bf16 (f32 = 0) or float32 (f32 = 1), weight k at element k of o; 0 when the
+ * type has no AVX2 decoder here */
+int moed_ggml_row_decode_avx2(int type, const uint8_t *row, int64_t K, void *o, int f32) {
+    const size_t elem = f32 ? 4 : 2;
     if (type == MOED_GGML_Q8_0) {
         for (int64_t g = 0; g < K / 32; g++) {
             const uint8_t *b = row + g * 34;
             const float d = f16x(b);
-            store32(o + g * 32, _mm256_loadu_si256((const __m256i *)(b + 2)), d, 0.0f, d, 0.0f);
+            store32((char *)o + elem * (size_t)(g * 32), f32, _mm256_loadu_si256((const __m256i *)(b + 2)), d, 0.0f, d, 0.0f, 0);
         }
         return 1;
     }
@@ -668,7 +740,7 @@ int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t
                     int sc, m;
                     k_scale_min_1(b + 4, 2 * c + half, &sc, &m);
                     const float s = d * (float)sc, mn = -(dmin * (float)m);
-                    store32(o + i * 256 + 64 * c + 32 * half, half ? hi : lo, s, mn, s, mn);
+                    store32((char *)o + elem * (size_t)(i * 256 + 64 * c + 32 * half), f32, half ? hi : lo, s, mn, s, mn, 1);
                 }
             }
         }
@@ -686,7 +758,8 @@ int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t
                 for (int gi = 0; gi < 4; gi++) {
                     const __m256i codes = q6k_codes(l0, l1, hb, gi);
                     const int g = 4 * h + gi;
-                    store32(o + i * 256 + 32 * g, codes, d * (float)sc[2 * g], 0.0f, d * (float)sc[2 * g + 1], 0.0f);
+                    store32((char *)o + elem * (size_t)(i * 256 + 32 * g), f32, codes, d * (float)sc[2 * g], 0.0f, d * (float)sc[2 * g + 1],
+                            0.0f, 0);
                 }
             }
         }
@@ -729,8 +802,8 @@ moed_ggml_dot_fn GGML_AVX2_DOT(int type) {
 }
 
 #if !GGML_VNNI256
-int moed_ggml_row_to_bf16_avx2(int type, const uint8_t *row, int64_t K, uint16_t *o) {
-    (void)type; (void)row; (void)K; (void)o;
+int moed_ggml_row_decode_avx2(int type, const uint8_t *row, int64_t K, void *o, int f32) {
+    (void)type; (void)row; (void)K; (void)o; (void)f32;
     return 0;
 }
 

@@ -277,9 +277,115 @@ static void dot8_nvfp4(const uint8_t *g, int64_t K, const int8_t *xq, const floa
     }
 }
 
+/* NT tokens (a constant after inlining) of Q4_K / Q5_K x8 at once (prefill: an expert's tokens of a chunk): the
+ * scales, mins and codes of each sub-block decoded once, and per token only its activation sums' min term, the
+ * products and the sums. Each token's integer sums and float additions are in dot8_k's order (the same floats). */
+#ifndef X8K_TILE
+#define X8K_TILE 4
+#endif
+static inline __attribute__((always_inline)) void dot8_k_tokens(int five, const uint8_t *g, int64_t K,
+                                                                const int8_t *xq, const float *xs, const float *xsum,
+                                                                const int NT, float *y, int64_t ldy, int first) {
+    const int64_t nsb = K / 256, groups = K / 32;
+    const int64_t bytes = five ? 1408 : 1152, at = five ? 384 : 128;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
+                  m48 = _mm256_set1_epi8(48);
+    const __m256i sm0 = scale_mask(0), sm1 = scale_mask(1), sm2 = scale_mask(2), sm3 = scale_mask(3);
+    const __m256i mp0 = min_pair_mask(0), mp2 = min_pair_mask(2);
+    __m256 acc[X8K_TILE];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *B = g + sb * bytes;
+        if (first) prefetch(B, (int)bytes);
+        const __m256i A0 = _mm256_loadu_si256((const __m256i *)(B + 32)),
+                      A1 = _mm256_loadu_si256((const __m256i *)(B + 64)),
+                      H = _mm256_loadu_si256((const __m256i *)(B + 96));
+        const __m256i sc_a = _mm256_or_si256(_mm256_and_si256(A0, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
+        const __m256i sc_b = _mm256_or_si256(_mm256_and_si256(A1, m4), _mm256_and_si256(H, m48));
+        const __m256i mn_a = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A0, 4), m4),
+                                             _mm256_slli_epi16(_mm256_and_si256(H, m12), 2));
+        const __m256i mn_b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A1, 4), m4),
+                                             _mm256_and_si256(_mm256_srli_epi16(H, 2), m48));
+        __m256i msum[X8K_TILE], isum[X8K_TILE];
+        for (int t = 0; t < NT; t++) {
+            const float xs0 = xs[(int64_t)t * groups + 8 * sb];
+            const __m256 inv = _mm256_set1_ps(xs0 > 0.0f ? 1.0f / xs0 : 0.0f);
+            const __m256i bs = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xsum + (int64_t)t * groups + 8 * sb), inv));
+            const __m256i bp = _mm256_packs_epi32(bs, bs);
+            msum[t] = _mm256_add_epi32(
+                _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_a, mp0), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(0))),
+                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_a, mp2), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(1)))),
+                _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_b, mp0), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(4))),
+                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_b, mp2), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(5)))));
+            isum[t] = _mm256_setzero_si256();
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            const uint8_t *Q = B + at + 256 * p;
+            const int64_t xo = 256 * sb + 64 * p;
+            const __m256i sc = p < 2 ? sc_a : sc_b;
+            const __m256i slo = _mm256_shuffle_epi8(sc, (p & 1) ? sm2 : sm0),
+                          shi = _mm256_shuffle_epi8(sc, (p & 1) ? sm3 : sm1);
+            for (int c0 = 0; c0 < 8; c0 += five ? 4 : 8) {  /* 4-bit codes: eight products an int16 sum, 5-bit four */
+                __m256i lo[X8K_TILE], hi[X8K_TILE];
+                for (int t = 0; t < NT; t++) lo[t] = hi[t] = _mm256_setzero_si256();
+                for (int c = c0; c < c0 + (five ? 4 : 8); c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(Q + 32 * c));
+                    __m256i l, h;
+                    if (five) {
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(B + 128 + 32 * c));
+                        l = _mm256_or_si256(_mm256_and_si256(v, m4), fifth_bit(qh, 2 * p));
+                        h = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), fifth_bit(qh, 2 * p + 1));
+                    } else {
+                        l = _mm256_and_si256(v, m4);
+                        h = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    }
+                    for (int t = 0; t < NT; t++) {
+                        const int8_t *x = xq + (int64_t)t * K + xo;
+                        lo[t] = _mm256_add_epi16(lo[t], _mm256_maddubs_epi16(l, act4(x + 4 * c)));
+                        hi[t] = _mm256_add_epi16(hi[t], _mm256_maddubs_epi16(h, act4(x + 32 + 4 * c)));
+                    }
+                }
+                for (int t = 0; t < NT; t++)
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(lo[t], slo),
+                                                                         _mm256_madd_epi16(hi[t], shi)));
+            }
+        }
+        const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)B)),
+                     dmh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(B + 16)));
+        for (int t = 0; t < NT; t++) {
+            const __m256 xv = _mm256_set1_ps(xs[(int64_t)t * groups + 8 * sb]);
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dh, xv), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+            acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmh, xv), _mm256_cvtepi32_ps(msum[t]), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) _mm256_storeu_ps(y + (int64_t)t * ldy, acc[t]);
+}
+
 /* Q4_K (five 0) and Q5_K (five 1): w = d sc code - dmin m per sub-block of 32, one activation scale per 256 */
 static inline void dot8_k(int five, const uint8_t *g, int64_t K, const int8_t *xq, const float *xs,
                           const float *xsum, int T, float *y, int64_t ldy) {
+    if (T > 1) {  /* tokens X8K_TILE at a time, the rest one call of their count */
+        const int64_t groups_ = K / 32;
+        int t = 0;
+        for (; t + X8K_TILE <= T; t += X8K_TILE)
+            dot8_k_tokens(five, g, K, xq + (int64_t)t * K, xs + (int64_t)t * groups_, xsum + (int64_t)t * groups_,
+                          X8K_TILE, y + (int64_t)t * ldy, ldy, t == 0);
+        const int64_t o = (int64_t)t;
+        switch (T - t) {
+#if X8K_TILE > 3
+        case 3: dot8_k_tokens(five, g, K, xq + o * K, xs + o * groups_, xsum + o * groups_, 3, y + o * ldy, ldy, t == 0); break;
+#endif
+#if X8K_TILE > 2
+        case 2: dot8_k_tokens(five, g, K, xq + o * K, xs + o * groups_, xsum + o * groups_, 2, y + o * ldy, ldy, t == 0); break;
+#endif
+        case 1: dot8_k_tokens(five, g, K, xq + o * K, xs + o * groups_, xsum + o * groups_, 1, y + o * ldy, ldy, t == 0); break;
+        default: break;
+        }
+        return;
+    }
     const int64_t nsb = K / 256, groups = K / 32;
     const int64_t bytes = five ? 1408 : 1152, at = five ? 384 : 128;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),

@@ -105,7 +105,7 @@ static int quantised(int dtype) { return dtype == MOED_INT4 || dtype == MOED_Q8 
 void *moed_cpu_create(int nthreads, int64_t spin_ns) { return moed_pool_create(nthreads, spin_ns); }
 void moed_cpu_destroy(void *h) { moed_pool_destroy((moed_pool *)h); }
 int moed_cpu_threads(void *h) { return moed_pool_threads((moed_pool *)h); }
-int moed_cpu_abi_version(void) { return 7; }
+int moed_cpu_abi_version(void) { return 8; }
 
 /* ------------------------------------------------------------------------------ one strip */
 /* for the tests: one strip of one matrix, with a chosen ISA; returns 0, or -1 on bad arguments */

@@ -381,7 +381,7 @@ int moed_cpu_rows_many(void *h, int dtype, int count, const moed_matrix *const *
 }
 
 /* ----------------------------------------------------------------------------- to bf16 (prefill) */
-/* out[n][k] = the weight rounded to bf16 (nearest even), computed in float32 exactly as the torch
+/* out[n][k] = the weight (float32, or rounded to bf16, nearest even), computed in float32 exactly as the torch
  * reference does (q8: qs * d, one product; int4: code * scale, then + min: two roundings). */
 static inline uint16_t rows_to_bf16(float f) {
     uint32_t u;
@@ -390,25 +390,25 @@ static inline uint16_t rows_to_bf16(float f) {
     return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);  /* branch-free: the loops vectorise */
 }
 
-typedef struct { int dtype; const moed_matrix *w; uint16_t *out; int64_t rows_per_task; } dequant_job;
+typedef struct { int dtype; const moed_matrix *w; void *out; int64_t rows_per_task; } dequant_job;
 
-static void dequant_task(void *ctx, int64_t task, int thread) {
-    (void)thread;
-    const dequant_job *j = (const dequant_job *)ctx;
+/* the value v of weight k of the row at o: float32 (F32) or bf16 */
+#define DQ_PUT(o, k, v) do { if (F32) ((float *)(o))[k] = (v); else ((uint16_t *)(o))[k] = rows_to_bf16(v); } while (0)
+
+static inline __attribute__((always_inline)) void dequant_rows(const dequant_job *j, int64_t r0, int64_t r1, const int F32) {
     const int64_t K = j->w->K, G = K / MOED_GROUP;
-    const int64_t r0 = task * j->rows_per_task, r1 = r0 + j->rows_per_task < j->w->N ? r0 + j->rows_per_task : j->w->N;
     for (int64_t r = r0; r < r1; r++) {
-        uint16_t *o = j->out + r * K;
-        if (j->dtype == MOED_ROWS_FP8) {  /* the float32 product code * scale, then bf16: the torch twin's */
+        void *o = F32 ? (void *)((float *)j->out + r * K) : (void *)((uint16_t *)j->out + r * K);
+        if (j->dtype == MOED_ROWS_FP8) {  /* the float32 product code * scale: the torch twin's */
             const uint8_t *q = (const uint8_t *)j->w->w + r * K;
             const float *s = (const float *)j->w->s + r * (K / MOED_FP8_BLOCK);
-            for (int64_t k = 0; k < K; k++) o[k] = rows_to_bf16(moed_fp8_e4m3_to_f32(q[k]) * s[k / MOED_FP8_BLOCK]);
+            for (int64_t k = 0; k < K; k++) DQ_PUT(o, k, moed_fp8_e4m3_to_f32(q[k]) * s[k / MOED_FP8_BLOCK]);
         } else if (j->dtype == MOED_Q8) {
             const int8_t *qs = (const int8_t *)j->w->w + r * K;
             const uint16_t *d = (const uint16_t *)j->w->s + r * G;
             for (int64_t g = 0; g < G; g++) {
                 const float s = moed_f16_to_f32(d[g]);
-                for (int i = 0; i < MOED_GROUP; i++) o[g * MOED_GROUP + i] = rows_to_bf16((float)qs[g * MOED_GROUP + i] * s);
+                for (int i = 0; i < MOED_GROUP; i++) DQ_PUT(o, g * MOED_GROUP + i, (float)qs[g * MOED_GROUP + i] * s);
             }
         } else {
             const uint8_t *q = (const uint8_t *)j->w->w + r * (K / 2);
@@ -418,15 +418,29 @@ static void dequant_task(void *ctx, int64_t task, int thread) {
                 for (int i = 0; i < 16; i++) {
                     const uint8_t b = q[g * 16 + i];
                     float lo = (float)(b & 15) * s, hi = (float)(b >> 4) * s;
-                    o[g * MOED_GROUP + i] = rows_to_bf16(lo + m);
-                    o[g * MOED_GROUP + 16 + i] = rows_to_bf16(hi + m);
+                    DQ_PUT(o, g * MOED_GROUP + i, lo + m);
+                    DQ_PUT(o, g * MOED_GROUP + 16 + i, hi + m);
                 }
             }
         }
     }
 }
 
-int moed_cpu_rows_to_bf16(void *h, int dtype, const moed_matrix *w, uint16_t *out) {
+static void dequant_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    const dequant_job *j = (const dequant_job *)ctx;
+    const int64_t r0 = task * j->rows_per_task, r1 = r0 + j->rows_per_task < j->w->N ? r0 + j->rows_per_task : j->w->N;
+    dequant_rows(j, r0, r1, 0);
+}
+
+static void dequant_task_f32(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    const dequant_job *j = (const dequant_job *)ctx;
+    const int64_t r0 = task * j->rows_per_task, r1 = r0 + j->rows_per_task < j->w->N ? r0 + j->rows_per_task : j->w->N;
+    dequant_rows(j, r0, r1, 1);
+}
+
+static int dequant_matrix(void *h, int dtype, const moed_matrix *w, void *out, int f32) {
     if (!h || !w || !out || (dtype != MOED_Q8 && dtype != MOED_INT4 && dtype != MOED_ROWS_FP8) || w->K < MOED_GROUP ||
         w->K % (dtype == MOED_ROWS_FP8 ? MOED_FP8_BLOCK : MOED_GROUP) ||
         w->N < 1 || !w->w || !w->s || (dtype == MOED_INT4 && !w->m))
@@ -435,6 +449,15 @@ int moed_cpu_rows_to_bf16(void *h, int dtype, const moed_matrix *w, uint16_t *ou
     dequant_job j = {dtype, w, out, 0};
     const int64_t tasks = 8 * (int64_t)moed_pool_threads(p);
     j.rows_per_task = (w->N + tasks - 1) / tasks;
-    moed_pool_run(p, dequant_task, &j, (w->N + j.rows_per_task - 1) / j.rows_per_task);
+    moed_pool_run(p, f32 ? dequant_task_f32 : dequant_task, &j, (w->N + j.rows_per_task - 1) / j.rows_per_task);
     return 0;
+}
+
+int moed_cpu_rows_to_bf16(void *h, int dtype, const moed_matrix *w, uint16_t *out) {
+    return dequant_matrix(h, dtype, w, out, 0);
+}
+
+/* the same weights as float32 (the torch twin's values bit for bit): the prefill GEMMs of CPUs without bf16 GEMMs */
+int moed_cpu_rows_to_f32(void *h, int dtype, const moed_matrix *w, float *out) {
+    return dequant_matrix(h, dtype, w, out, 1);
 }

@@ -7,6 +7,7 @@ produce (tokens, text, finish reason, usage) follows from the script and the req
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -179,3 +180,21 @@ def test_a_batch_of_requests_each_follow_their_own_script(seqs, tokenizer):
         assert c.token_ids == seq[P:P + k]
         assert c.text == tokenizer.decode(seq[P:P + k])
         assert c.finish_reason == "length"
+
+
+def test_offline_runs_size_the_context_to_a_long_prompt(seqs, tokenizer, monkeypatch):
+    """`moed generate` without --context: a prompt longer than the default context still runs (the
+    context grows to the prompt plus max_tokens, capped at the model's maximum) and is cut by its length."""
+    from moed.engine import engine_loop, offline_run
+
+    monkeypatch.setattr(offline_run, "DEFAULT_CONTEXT", 8)
+    monkeypatch.setattr(engine_loop, "DEFAULT_CONTEXT", 8)  # what the loop alone would serve
+    model = make_model(seqs)
+    prompt = seqs[0][:P + 6]  # longer than the default of 8
+    runtime = scripted_runtime(model, tokenizer)
+    (done,) = run_offline(runtime, [prompt], [SamplingParams(max_tokens=3)])
+    assert done.finish_reason == "length" and done.token_ids == seqs[0][P + 6:P + 9]
+    model.config = dataclasses.replace(model.config, max_position_embeddings=len(prompt) + 2)
+    (done,) = run_offline(runtime, [prompt], [SamplingParams(max_tokens=3)])
+    assert done.finish_reason == "context" and done.token_ids == seqs[0][P + 6:P + 8]
+

@@ -101,6 +101,7 @@ def test_bf16_decode_and_the_rows_call(name):
     k = 3 * 128
     rows, w = BUILD[name](33, k, seed=5)
     assert torch.equal(lib.ggml_to_bf16(rows, t, k), w.bfloat16())
+    assert torch.equal(lib.ggml_to_f32(rows, t, k), w)
     x = torch.randn(2, k)
     (got,) = lib.ggml_rows([(rows, t)], x)
     want, bound = rows_product_reference(rows, t, k, x)

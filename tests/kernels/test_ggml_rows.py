@@ -177,11 +177,37 @@ def test_bad_rows_are_refused():
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_rows_decode_to_bf16_as_gguf_decodes_them(qtype):
-    """The prefill GEMMs' weights: gguf's decoded values rounded to bf16 once, bit for bit (the AVX2
-    decoders of the common types and the scalar one of the rest)."""
+def test_rows_decode_to_bf16_and_f32_as_gguf_decodes_them(qtype):
+    """The prefill GEMMs' weights: gguf's decoded values in float32 (CPUs without bf16 GEMMs) and rounded to
+    bf16 once, bit for bit (the AVX2 decoders of the common types and the scalar one of the rest)."""
     lib = _lib()
     weights = GGML_QUANT_SIZES[qtype][0]
     k = 2 * weights if weights == 256 else 5 * weights
     raw = _rows(qtype, 7, k, seed=4)
-    assert torch.equal(lib.ggml_to_bf16(raw, int(qtype), k), dequantize_rows(raw, int(qtype), k).bfloat16())
+    want = dequantize_rows(raw, int(qtype), k)
+    assert torch.equal(lib.ggml_to_bf16(raw, int(qtype), k), want.bfloat16())
+    got = lib.ggml_to_f32(raw, int(qtype), k)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_many_tokens_in_one_call_are_each_the_one_token_result(qtype):
+    """A prefill call multiplies each row with many tokens, and the kernels take them several at a time (Q6_K: four,
+    sharing each group's decoded codes): every token's output is bit for bit its one-token call's, at every count
+    from 1 to 9 (whole tiles and every tail), on every ISA."""
+    lib = _lib()
+    weights = GGML_QUANT_SIZES[qtype][0]
+    k = 2 * weights if weights == 256 else 5 * weights
+    raw = _rows(qtype, 2, k, seed=9)
+    x = torch.randn(9, k) * torch.linspace(0.1, 3.0, k)
+    xq, xs, xsum = quantize_activations(x, act_span(qtype))
+    xsum = xsum.float()
+    want, bound = rows_product_reference(raw, int(qtype), k, x)
+    for isa in lib.available_ggml_isas():
+        for r in range(2):
+            one = torch.cat([lib.ggml_dot_one(int(qtype), isa, raw[r], xq[t:t + 1], xs[t:t + 1], xsum[t:t + 1])
+                             for t in range(9)])
+            assert bool(((one.double() - want[:, r]).abs() <= 1e-5 * bound[:, r] + 1e-30).all()), isa
+            for n in range(2, 10):
+                many = lib.ggml_dot_one(int(qtype), isa, raw[r], xq[:n], xs[:n], xsum[:n])
+                assert torch.equal(many, one[:n]), (isa, r, n)

@@ -230,3 +230,21 @@ def test_row_sizes_and_names_of_the_x8_types():
         assert row_bytes(x8_type, 256) == row_bytes(int(qtype), 256)
         assert act_span(x8_type) == act_span(int(qtype))
         assert x8.type_name(x8_type) == f"{qtype.name}_x8"
+
+
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
+def test_x8_many_tokens_in_one_call_are_each_the_one_token_result(qtype):
+    """Prefill calls an x8 group with many tokens (Q4_K / Q5_K take them four at a time, sharing the decoded codes
+    and scales): every token's eight outputs are bit for bit its one-token call's, at every count from 1 to 9."""
+    lib = _lib()
+    x8_type = x8.X8_OF[int(qtype)]
+    k = _ks(qtype, (160,))[0]
+    packed = lib.ggml_x8_convert(_rows(qtype, 8, k, seed=3), int(qtype), k, pack=True)
+    x = torch.randn(9, k) * torch.linspace(0.1, 3.0, k)
+    xq, xs, xsum = quantize_activations(x, act_span(qtype))
+    xsum = xsum.float()
+    for isa in lib.available_isas():
+        one = torch.cat([lib.ggml_dot8_one(x8_type, isa, packed, xq[t:t + 1], xs[t:t + 1], xsum[t:t + 1])
+                         for t in range(9)])
+        for n in range(2, 10):
+            assert torch.equal(lib.ggml_dot8_one(x8_type, isa, packed, xq[:n], xs[:n], xsum[:n]), one[:n]), (isa, n)

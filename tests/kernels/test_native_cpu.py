@@ -250,8 +250,11 @@ def test_rows_to_bf16_is_the_torch_dequantisation_bit_for_bit(dtype):
     got = LIB.rows_to_bf16(dtype, arrays, 96)
     assert got.dtype == torch.bfloat16 and tuple(got.shape) == (70, 96)
     assert torch.equal(got, dequantize_rows(dtype, arrays, torch.bfloat16))
+    assert torch.equal(LIB.rows_to_f32(dtype, arrays, 96), dequantize_rows(dtype, arrays, torch.float32))
     with pytest.raises(ValueError, match="contiguous host arrays"):
         LIB.rows_to_bf16(dtype, arrays, 64)
+    with pytest.raises(ValueError, match="rows_to_f32: .* contiguous host arrays"):
+        LIB.rows_to_f32(dtype, arrays, 64)
 
 
 def _fp8_rows(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,6 +290,7 @@ def test_fp8_rows_to_bf16_is_the_torch_dequantisation_bit_for_bit():
     arrays = _fp8_rows(70, 256, torch.Generator().manual_seed(4))
     got = LIB.rows_to_bf16("fp8", arrays, 256)
     assert torch.equal(got, dequantize_rows("fp8", arrays, torch.bfloat16))
+    assert torch.equal(LIB.rows_to_f32("fp8", arrays, 256), dequantize_rows("fp8", arrays, torch.float32))
     with pytest.raises(ValueError, match="contiguous host arrays"):
         LIB.rows_to_bf16("fp8", arrays, 128)
 

@@ -98,6 +98,9 @@ def test_shape_bytes_and_dequantize(dtype):
     bf = weight.dequantize()
     assert bf.dtype == torch.bfloat16 and tuple(bf.shape) == (N, K)
     assert torch.equal(bf, weight.dequantize(torch.float32).to(torch.bfloat16))
+    # the native decoders (prefill on CPUs without bf16 GEMMs) give the torch decoders' values
+    assert torch.equal(weight.dequantize_f32(), weight.dequantize(torch.float32))
+    assert torch.equal(weight.dequantize_bf16(), bf)
     with pytest.raises(ValueError, match="N even"):
         PackedLinear(dtype, weight.arrays, K, N + 1)
     with pytest.raises(ValueError, match="array should be"):  # k-major arrays are not the rows layout
@@ -251,6 +254,8 @@ def test_quantised_linears_keep_their_gguf_type_block_for_block(tmp_path, weight
     assert t.dtype == weight_type.name.lower() and t.ggml_type == int(weight_type)
     src = ref[gg.weight_keys[name]].reshape(t.shape)
     assert torch.equal(t.dequantize(torch.float32), src.float())
+    if native() is not None:  # the prefill GEMMs' float32 weights (CPUs without bf16 GEMMs), decoded natively
+        assert torch.equal(t.dequantize_f32(), src.float())
     changes = [line for line in gg.type_changes() if "token_embd" not in line]  # the embedding: bf16 rows
     assert not changes, changes  # no linear re-quantised: no warning
     runtime = open_runtime(path)
