@@ -37,6 +37,20 @@ static inline __m256i act4(const int8_t *x) {
     return _mm256_set1_epi32(v);
 }
 
+/* a prefill call's T > 1 tokens through a kernel's NT-token form: EXPR (using t_, the first token, and nt_, a
+ * constant count) for each four tokens, then once for the rest */
+#define X8_TOKEN_TILES(T, EXPR)                                                                 \
+    do {                                                                                        \
+        int t_ = 0;                                                                             \
+        for (; t_ + 4 <= (T); t_ += 4) { const int nt_ = 4; EXPR; }                             \
+        switch ((T) - t_) {                                                                     \
+        case 3: { const int nt_ = 3; EXPR; break; }                                             \
+        case 2: { const int nt_ = 2; EXPR; break; }                                             \
+        case 1: { const int nt_ = 1; EXPR; break; }                                             \
+        default: break;                                                                         \
+        }                                                                                       \
+    } while (0)
+
 /* the int16 pair sums of 32 bytes of nibbles: low nibbles times a4lo, high nibbles times a4hi, added to lo / hi */
 static inline void nibble_products(const uint8_t *p, __m256i a4lo, __m256i a4hi, __m256i *lo, __m256i *hi) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -62,6 +76,61 @@ static inline __m256i fifth_bit(__m256i qh, int bit) {
     return _mm256_and_si256(_mm256_srli_epi16(qh, bit - 4), m16);
 }
 
+/* dot8_b32 for NT tokens at once (prefill, NT a constant after inlining, at most 4): each block's codes and scale
+ * decoded once, per token only the products, sums and its float terms, in dot8_b32's order (the same floats) */
+static inline __attribute__((always_inline)) void dot8_b32_tokens(int kind, const uint8_t *g, int64_t K,
+                                                                  const int8_t *xq, const float *xs, const float *xsum,
+                                                                  const int NT, float *y, int64_t ldy, int first) {
+    const int64_t nb = K / 32;
+    const int mx = kind == 1, with_m = kind == 2 || kind == 4, five = kind >= 3;
+    static const int bytes_of[5] = {144, 136, 160, 176, 192}, head_of[5] = {16, 8, 32, 48, 64};
+    static const float min_of[5] = {-8.0f, -12.0f, 0.0f, -16.0f, 0.0f};
+    const int bytes = bytes_of[kind], head = head_of[kind];
+    const float min = min_of[kind];
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i e2m1u = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                           12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    __m256 acc0[4], acc1[4];
+    for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *o = g + b * bytes;
+        if (first) prefetch(o, bytes);
+        __m256i lo[4], hi[4];
+        for (int t = 0; t < NT; t++) lo[t] = hi[t] = _mm256_setzero_si256();
+        const __m256i H = five ? _mm256_loadu_si256((const __m256i *)(o + head - 32)) : _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(o + head + 32 * c));
+            __m256i l = _mm256_and_si256(v, m4), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (five) {
+                l = _mm256_or_si256(l, fifth_bit(H, c));
+                h = _mm256_or_si256(h, fifth_bit(H, 4 + c));
+            } else if (mx) {
+                l = _mm256_shuffle_epi8(e2m1u, l);
+                h = _mm256_shuffle_epi8(e2m1u, h);
+            }
+            for (int t = 0; t < NT; t++) {
+                const int8_t *x = xq + (int64_t)t * K + 32 * b;
+                lo[t] = _mm256_add_epi16(lo[t], _mm256_maddubs_epi16(l, act4(x + 4 * c)));
+                hi[t] = _mm256_add_epi16(hi[t], _mm256_maddubs_epi16(h, act4(x + 16 + 4 * c)));
+            }
+        }
+        const __m256 d = mx ? e8m0_half8(o) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+        const __m256 m = with_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16))) : _mm256_setzero_ps();
+        for (int t = 0; t < NT; t++) {
+            const float *s = xs + (int64_t)t * nb, *su = xsum + (int64_t)t * nb;
+            const __m256i sum = mx || five ? _mm256_add_epi32(_mm256_madd_epi16(lo[t], ones), _mm256_madd_epi16(hi[t], ones))
+                                           : _mm256_madd_epi16(_mm256_add_epi16(lo[t], hi[t]), ones);
+            const __m256 inner = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(s + b),
+                                                 _mm256_set1_ps(min * su[b]));
+            if (b & 1) acc1[t] = _mm256_fmadd_ps(d, inner, acc1[t]);
+            else acc0[t] = _mm256_fmadd_ps(d, inner, acc0[t]);
+            if (with_m) acc1[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(su[b]), acc1[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) _mm256_storeu_ps(y + (int64_t)t * ldy, _mm256_add_ps(acc0[t], acc1[t]));
+}
+
 /* the 32-weight types with unsigned codes, Q4_0 (kind 0), MXFP4 (1), Q4_1 (2), Q5_0 (3) and Q5_1 (4): per 8 rows
  * x 32 weights, d * (xs * sum(code * xq) + min * xsum) + m * xsum with w = d * (code + min) + m: min -8 (Q4_0),
  * -12 (MXFP4's offset codes), -16 (Q5_0) or 0, m Q4_1's and Q5_1's. Q5_0/Q5_1's fifth bits: 32 bytes, byte
@@ -69,6 +138,11 @@ static inline __m256i fifth_bit(__m256i qh, int bit) {
 static inline void dot8_b32(int kind, const uint8_t *g, int64_t K, const int8_t *xq, const float *xs,
                             const float *xsum, int T, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
+    if (T > 1) {
+        X8_TOKEN_TILES(T, dot8_b32_tokens(kind, g, K, xq + (int64_t)t_ * K, xs + (int64_t)t_ * nb, xsum + (int64_t)t_ * nb,
+                                          nt_, y + (int64_t)t_ * ldy, ldy, t_ == 0));
+        return;
+    }
     const int mx = kind == 1, with_m = kind == 2 || kind == 4, five = kind >= 3;
     static const int bytes_of[5] = {144, 136, 160, 176, 192}, head_of[5] = {16, 8, 32, 48, 64};
     static const float min_of[5] = {-8.0f, -12.0f, 0.0f, -16.0f, 0.0f};
@@ -139,6 +213,61 @@ static inline __m256i iq4_products(const uint8_t *p, __m256i a4lo, __m256i a4hi,
     return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(a4hi, hi)), w16));
 }
 
+/* dot8_signed for NT tokens at once (prefill): each chunk's |code| (Q8_0) or levels (IQ4_NL) decoded once, per token
+ * the activations' signs, products and sums, in dot8_signed's order (the same floats) */
+static inline __attribute__((always_inline)) void dot8_signed_tokens(int q8, const uint8_t *g, int64_t K,
+                                                                     const int8_t *xq, const float *xs, const int NT,
+                                                                     float *y, int64_t ldy, int first) {
+    const int64_t nb = K / 32, bytes = q8 ? 272 : 144;
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                            -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    __m256 acc0[4], acc1[4];
+    for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *o = g + b * bytes;
+        if (first) prefetch(o, (int)bytes);
+        __m256i sum0[4], sum1[4];
+        for (int t = 0; t < NT; t++) sum0[t] = sum1[t] = _mm256_setzero_si256();
+        for (int c = 0; c < (q8 ? 8 : 4); c += (q8 ? 2 : 1)) {
+            /* Q8_0: chunks c and c + 1 (activations 4c and 4c + 4); IQ4_NL: chunk c's low and high nibbles
+             * (activations 4c and 16 + 4c) */
+            __m256i w0, w1;
+            int a0, a1;
+            if (q8) {
+                w0 = _mm256_loadu_si256((const __m256i *)(o + 16 + 32 * c));
+                w1 = _mm256_loadu_si256((const __m256i *)(o + 48 + 32 * c));
+                a0 = 4 * c, a1 = 4 * c + 4;
+            } else {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(o + 16 + 32 * c));
+                w0 = _mm256_shuffle_epi8(levels, _mm256_and_si256(v, m4));
+                w1 = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+                a0 = 4 * c, a1 = 16 + 4 * c;
+            }
+            const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);
+            for (int t = 0; t < NT; t++) {
+                const int8_t *x = xq + (int64_t)t * K + 32 * b;
+                const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(act4(x + a0), w0)), ones),
+                              p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(act4(x + a1), w1)), ones);
+                if (q8) {
+                    sum0[t] = _mm256_add_epi32(sum0[t], p0);
+                    sum1[t] = _mm256_add_epi32(sum1[t], p1);
+                } else {  /* iq4_products' order: low then high into one sum */
+                    sum0[t] = _mm256_add_epi32(_mm256_add_epi32(sum0[t], p0), p1);
+                }
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+        for (int t = 0; t < NT; t++) {
+            const __m256 inner = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum0[t], sum1[t])),
+                                               _mm256_broadcast_ss(xs + (int64_t)t * nb + b));
+            if (b & 1) acc1[t] = _mm256_fmadd_ps(d, inner, acc1[t]);
+            else acc0[t] = _mm256_fmadd_ps(d, inner, acc0[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) _mm256_storeu_ps(y + (int64_t)t * ldy, _mm256_add_ps(acc0[t], acc1[t]));
+}
+
 /* the signed-code 32-weight types, IQ4_NL (q8 0: Q4_0's layout, w = d * level(code)) and Q8_0 (q8 1): per 8 rows
  * x 32 weights, d * xs * sum(code * xq); Q8_0's codes through vpmaddubsw as |code| times the activation with the
  * code's sign (|code| <= 128, |xq| <= 127: a pair sum fits int16), as the IQ4 levels are */
@@ -146,6 +275,11 @@ static inline void dot8_signed(int q8, const uint8_t *g, int64_t K, const int8_t
                                const float *xsum, int T, float *y, int64_t ldy) {
     (void)xsum;
     const int64_t nb = K / 32, bytes = q8 ? 272 : 144;
+    if (T > 1) {
+        X8_TOKEN_TILES(T, dot8_signed_tokens(q8, g, K, xq + (int64_t)t_ * K, xs + (int64_t)t_ * nb, nt_,
+                                             y + (int64_t)t_ * ldy, ldy, t_ == 0));
+        return;
+    }
     const __m256i ones = _mm256_set1_epi16(1);
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
@@ -280,9 +414,6 @@ static void dot8_nvfp4(const uint8_t *g, int64_t K, const int8_t *xq, const floa
 /* NT tokens (a constant after inlining) of Q4_K / Q5_K x8 at once (prefill: an expert's tokens of a chunk): the
  * scales, mins and codes of each sub-block decoded once, and per token only its activation sums' min term, the
  * products and the sums. Each token's integer sums and float additions are in dot8_k's order (the same floats). */
-#ifndef X8K_TILE
-#define X8K_TILE 4
-#endif
 static inline __attribute__((always_inline)) void dot8_k_tokens(int five, const uint8_t *g, int64_t K,
                                                                 const int8_t *xq, const float *xs, const float *xsum,
                                                                 const int NT, float *y, int64_t ldy, int first) {
@@ -292,7 +423,7 @@ static inline __attribute__((always_inline)) void dot8_k_tokens(int five, const 
                   m48 = _mm256_set1_epi8(48);
     const __m256i sm0 = scale_mask(0), sm1 = scale_mask(1), sm2 = scale_mask(2), sm3 = scale_mask(3);
     const __m256i mp0 = min_pair_mask(0), mp2 = min_pair_mask(2);
-    __m256 acc[X8K_TILE];
+    __m256 acc[4];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *B = g + sb * bytes;
@@ -306,7 +437,7 @@ static inline __attribute__((always_inline)) void dot8_k_tokens(int five, const 
                                              _mm256_slli_epi16(_mm256_and_si256(H, m12), 2));
         const __m256i mn_b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A1, 4), m4),
                                              _mm256_and_si256(_mm256_srli_epi16(H, 2), m48));
-        __m256i msum[X8K_TILE], isum[X8K_TILE];
+        __m256i msum[4], isum[4];
         for (int t = 0; t < NT; t++) {
             const float xs0 = xs[(int64_t)t * groups + 8 * sb];
             const __m256 inv = _mm256_set1_ps(xs0 > 0.0f ? 1.0f / xs0 : 0.0f);
@@ -329,7 +460,7 @@ static inline __attribute__((always_inline)) void dot8_k_tokens(int five, const 
             const __m256i slo = _mm256_shuffle_epi8(sc, (p & 1) ? sm2 : sm0),
                           shi = _mm256_shuffle_epi8(sc, (p & 1) ? sm3 : sm1);
             for (int c0 = 0; c0 < 8; c0 += five ? 4 : 8) {  /* 4-bit codes: eight products an int16 sum, 5-bit four */
-                __m256i lo[X8K_TILE], hi[X8K_TILE];
+                __m256i lo[4], hi[4];
                 for (int t = 0; t < NT; t++) lo[t] = hi[t] = _mm256_setzero_si256();
                 for (int c = c0; c < c0 + (five ? 4 : 8); c++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(Q + 32 * c));
@@ -367,23 +498,10 @@ static inline __attribute__((always_inline)) void dot8_k_tokens(int five, const 
 /* Q4_K (five 0) and Q5_K (five 1): w = d sc code - dmin m per sub-block of 32, one activation scale per 256 */
 static inline void dot8_k(int five, const uint8_t *g, int64_t K, const int8_t *xq, const float *xs,
                           const float *xsum, int T, float *y, int64_t ldy) {
-    if (T > 1) {  /* tokens X8K_TILE at a time, the rest one call of their count */
+    if (T > 1) {
         const int64_t groups_ = K / 32;
-        int t = 0;
-        for (; t + X8K_TILE <= T; t += X8K_TILE)
-            dot8_k_tokens(five, g, K, xq + (int64_t)t * K, xs + (int64_t)t * groups_, xsum + (int64_t)t * groups_,
-                          X8K_TILE, y + (int64_t)t * ldy, ldy, t == 0);
-        const int64_t o = (int64_t)t;
-        switch (T - t) {
-#if X8K_TILE > 3
-        case 3: dot8_k_tokens(five, g, K, xq + o * K, xs + o * groups_, xsum + o * groups_, 3, y + o * ldy, ldy, t == 0); break;
-#endif
-#if X8K_TILE > 2
-        case 2: dot8_k_tokens(five, g, K, xq + o * K, xs + o * groups_, xsum + o * groups_, 2, y + o * ldy, ldy, t == 0); break;
-#endif
-        case 1: dot8_k_tokens(five, g, K, xq + o * K, xs + o * groups_, xsum + o * groups_, 1, y + o * ldy, ldy, t == 0); break;
-        default: break;
-        }
+        X8_TOKEN_TILES(T, dot8_k_tokens(five, g, K, xq + (int64_t)t_ * K, xs + (int64_t)t_ * groups_,
+                                        xsum + (int64_t)t_ * groups_, nt_, y + (int64_t)t_ * ldy, ldy, t_ == 0));
         return;
     }
     const int64_t nsb = K / 256, groups = K / 32;
