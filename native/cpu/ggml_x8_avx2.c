@@ -324,12 +324,70 @@ static inline __m256i min_pair_mask(int s_) {
                             a, -1, b, -1, a + 1, -1, b + 1, -1, a + 2, -1, b + 2, -1, a + 3, -1, b + 3, -1);
 }
 
+/* dot8_iq4_xs for NT tokens at once (prefill): the scales and each chunk's levels decoded once, per token the
+ * activations' signs, products and sums, in dot8_iq4_xs's order (the same floats) */
+static inline __attribute__((always_inline)) void dot8_iq4_xs_tokens(const uint8_t *g, int64_t K, const int8_t *xq,
+                                                                     const float *xs, const int NT, float *y,
+                                                                     int64_t ldy, int first) {
+    const int64_t nsb = K / 256, groups = K / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
+                  k32 = _mm256_set1_epi16(32), half_shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                            -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    const __m256i sm[4] = {scale_mask(0), scale_mask(1), scale_mask(2), scale_mask(3)};
+    __m256 acc[4];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *B = g + sb * 1088;
+        if (first) prefetch(B, 1088);
+        const __m256i L = _mm256_loadu_si256((const __m256i *)(B + 16));
+        const __m256i H = _mm256_srlv_epi32(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(B + 48))),
+                                            half_shift);
+        const __m256i ls_lo = _mm256_or_si256(_mm256_and_si256(L, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
+        const __m256i ls_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), m4),
+                                              _mm256_slli_epi16(_mm256_and_si256(H, m12), 2));
+        __m256 part[4];
+        for (int t = 0; t < NT; t++) part[t] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+        for (int sub = 0; sub < 8; sub++) {
+            const __m256i sc = _mm256_sub_epi16(_mm256_shuffle_epi8(sub < 4 ? ls_lo : ls_hi, sm[sub & 3]), k32);
+            const uint8_t *Q = B + 64 + 128 * sub;
+            __m256i sum[4];
+            for (int t = 0; t < NT; t++) sum[t] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(Q + 32 * c));
+                const __m256i lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(v, m4)),
+                              hi = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+                const __m256i ulo = _mm256_abs_epi8(lo), uhi = _mm256_abs_epi8(hi);
+                for (int t = 0; t < NT; t++) {  /* iq4_products' order */
+                    const int8_t *xx = xq + (int64_t)t * K + 256 * sb + 32 * sub;
+                    sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(
+                                                          _mm256_maddubs_epi16(ulo, _mm256_sign_epi8(act4(xx + 4 * c), lo)), sc));
+                    sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(
+                                                          _mm256_maddubs_epi16(uhi, _mm256_sign_epi8(act4(xx + 16 + 4 * c), hi)), sc));
+                }
+            }
+            for (int t = 0; t < NT; t++)
+                part[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]),
+                                          _mm256_broadcast_ss(xs + (int64_t)t * groups + 8 * sb + sub), part[t]);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)B));
+        for (int t = 0; t < NT; t++) acc[t] = _mm256_fmadd_ps(d, part[t], acc[t]);
+    }
+    for (int t = 0; t < NT; t++) _mm256_storeu_ps(y + (int64_t)t * ldy, acc[t]);
+}
+
 /* IQ4_XS: per sub-block of 8 rows x 32 weights, its products widened against (ls - 32) of each row, converted
  * and times the sub-block's activation scale; d once per super-block */
 static void dot8_iq4_xs(const uint8_t *g, int64_t K, const int8_t *xq, const float *xs, const float *xsum, int T,
                         float *y, int64_t ldy) {
     (void)xsum;
     const int64_t nsb = K / 256, groups = K / 32;
+    if (T > 1) {
+        X8_TOKEN_TILES(T, dot8_iq4_xs_tokens(g, K, xq + (int64_t)t_ * K, xs + (int64_t)t_ * groups, nt_,
+                                             y + (int64_t)t_ * ldy, ldy, t_ == 0));
+        return;
+    }
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
                   k32 = _mm256_set1_epi16(32), half_shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
     const __m256i sm[4] = {scale_mask(0), scale_mask(1), scale_mask(2), scale_mask(3)};
