@@ -76,6 +76,16 @@ static inline __m256i fifth_bit(__m256i qh, int bit) {
     return _mm256_and_si256(_mm256_srli_epi16(qh, bit - 4), m16);
 }
 
+/* per kind of dot8_b32 (Q4_0, MXFP4, Q4_1, Q5_0, Q5_1): x8 block bytes, head bytes before the codes, code offset */
+static const int b32_bytes[5] = {144, 136, 160, 176, 192}, b32_head[5] = {16, 8, 32, 48, 64};
+static const float b32_min[5] = {-8.0f, -12.0f, 0.0f, -16.0f, 0.0f};
+
+/* MXFP4's E2M1 codes as doubled values plus 12 (unsigned 0..24), by nibble */
+static inline __m256i e2m1_offset_codes(void) {
+    return _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                            12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+}
+
 /* dot8_b32 for NT tokens at once (prefill, NT a constant after inlining, at most 4): each block's codes and scale
  * decoded once, per token only the products, sums and its float terms, in dot8_b32's order (the same floats) */
 static inline __attribute__((always_inline)) void dot8_b32_tokens(int kind, const uint8_t *g, int64_t K,
@@ -83,13 +93,9 @@ static inline __attribute__((always_inline)) void dot8_b32_tokens(int kind, cons
                                                                   const int NT, float *y, int64_t ldy, int first) {
     const int64_t nb = K / 32;
     const int mx = kind == 1, with_m = kind == 2 || kind == 4, five = kind >= 3;
-    static const int bytes_of[5] = {144, 136, 160, 176, 192}, head_of[5] = {16, 8, 32, 48, 64};
-    static const float min_of[5] = {-8.0f, -12.0f, 0.0f, -16.0f, 0.0f};
-    const int bytes = bytes_of[kind], head = head_of[kind];
-    const float min = min_of[kind];
-    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
-    const __m256i e2m1u = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
-                                           12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    const int bytes = b32_bytes[kind], head = b32_head[kind];
+    const float min = b32_min[kind];
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F), e2m1u = e2m1_offset_codes();
     __m256 acc0[4], acc1[4];
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -144,13 +150,9 @@ static inline void dot8_b32(int kind, const uint8_t *g, int64_t K, const int8_t 
         return;
     }
     const int mx = kind == 1, with_m = kind == 2 || kind == 4, five = kind >= 3;
-    static const int bytes_of[5] = {144, 136, 160, 176, 192}, head_of[5] = {16, 8, 32, 48, 64};
-    static const float min_of[5] = {-8.0f, -12.0f, 0.0f, -16.0f, 0.0f};
-    const int bytes = bytes_of[kind], head = head_of[kind];
-    const float min = min_of[kind];
-    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
-    const __m256i e2m1u = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
-                                           12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    const int bytes = b32_bytes[kind], head = b32_head[kind];
+    const float min = b32_min[kind];
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F), e2m1u = e2m1_offset_codes();
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
         const float *s = xs + (int64_t)t * nb, *su = xsum + (int64_t)t * nb;
@@ -324,14 +326,24 @@ static inline __m256i min_pair_mask(int s_) {
                             a, -1, b, -1, a + 1, -1, b + 1, -1, a + 2, -1, b + 2, -1, a + 3, -1, b + 3, -1);
 }
 
+/* IQ4_XS x8: the 6-bit ls of 8 rows x 8 sub-blocks, a byte each: sub-blocks 0-3 in lo, 4-7 in hi */
+static inline void iq4_xs8_scales(const uint8_t *B, __m256i *ls_lo, __m256i *ls_hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
+                  half_shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m256i L = _mm256_loadu_si256((const __m256i *)(B + 16));
+    const __m256i H = _mm256_srlv_epi32(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(B + 48))),
+                                        half_shift);
+    *ls_lo = _mm256_or_si256(_mm256_and_si256(L, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
+    *ls_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), m4), _mm256_slli_epi16(_mm256_and_si256(H, m12), 2));
+}
+
 /* dot8_iq4_xs for NT tokens at once (prefill): the scales and each chunk's levels decoded once, per token the
  * activations' signs, products and sums, in dot8_iq4_xs's order (the same floats) */
 static inline __attribute__((always_inline)) void dot8_iq4_xs_tokens(const uint8_t *g, int64_t K, const int8_t *xq,
                                                                      const float *xs, const int NT, float *y,
                                                                      int64_t ldy, int first) {
     const int64_t nsb = K / 256, groups = K / 32;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
-                  k32 = _mm256_set1_epi16(32), half_shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), k32 = _mm256_set1_epi16(32);
     const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
                                             -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
     const __m256i sm[4] = {scale_mask(0), scale_mask(1), scale_mask(2), scale_mask(3)};
@@ -340,12 +352,8 @@ static inline __attribute__((always_inline)) void dot8_iq4_xs_tokens(const uint8
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *B = g + sb * 1088;
         if (first) prefetch(B, 1088);
-        const __m256i L = _mm256_loadu_si256((const __m256i *)(B + 16));
-        const __m256i H = _mm256_srlv_epi32(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(B + 48))),
-                                            half_shift);
-        const __m256i ls_lo = _mm256_or_si256(_mm256_and_si256(L, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
-        const __m256i ls_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), m4),
-                                              _mm256_slli_epi16(_mm256_and_si256(H, m12), 2));
+        __m256i ls_lo, ls_hi;
+        iq4_xs8_scales(B, &ls_lo, &ls_hi);
         __m256 part[4];
         for (int t = 0; t < NT; t++) part[t] = _mm256_setzero_ps();
 #pragma GCC unroll 8
@@ -388,8 +396,7 @@ static void dot8_iq4_xs(const uint8_t *g, int64_t K, const int8_t *xq, const flo
                                              y + (int64_t)t_ * ldy, ldy, t_ == 0));
         return;
     }
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
-                  k32 = _mm256_set1_epi16(32), half_shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m256i k32 = _mm256_set1_epi16(32);
     const __m256i sm[4] = {scale_mask(0), scale_mask(1), scale_mask(2), scale_mask(3)};
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
@@ -398,13 +405,8 @@ static void dot8_iq4_xs(const uint8_t *g, int64_t K, const int8_t *xq, const flo
         for (int64_t sb = 0; sb < nsb; sb++) {
             const uint8_t *B = g + sb * 1088;
             if (t == 0) prefetch(B, 1088);
-            /* the 6-bit ls of 8 rows x 8 sub-blocks, a byte each: sub-blocks 0-3 in lo, 4-7 in hi */
-            const __m256i L = _mm256_loadu_si256((const __m256i *)(B + 16));
-            const __m256i H = _mm256_srlv_epi32(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(B + 48))),
-                                                half_shift);
-            const __m256i ls_lo = _mm256_or_si256(_mm256_and_si256(L, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
-            const __m256i ls_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), m4),
-                                                  _mm256_slli_epi16(_mm256_and_si256(H, m12), 2));
+            __m256i ls_lo, ls_hi;
+            iq4_xs8_scales(B, &ls_lo, &ls_hi);
             const int8_t *x = q + 256 * sb;
             __m256 part = _mm256_setzero_ps();
 #pragma GCC unroll 8
@@ -469,6 +471,35 @@ static void dot8_nvfp4(const uint8_t *g, int64_t K, const int8_t *xq, const floa
     }
 }
 
+/* Q4_K / Q5_K x8: the 6-bit scales and mins of 8 rows x 8 sub-blocks, one byte each (sc_a / mn_a sub-blocks 0-3,
+ * sc_b / mn_b 4-7) */
+static inline void k8_scales_mins(const uint8_t *B, __m256i *sc_a, __m256i *sc_b, __m256i *mn_a, __m256i *mn_b) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
+                  m48 = _mm256_set1_epi8(48);
+    const __m256i A0 = _mm256_loadu_si256((const __m256i *)(B + 32)), A1 = _mm256_loadu_si256((const __m256i *)(B + 64)),
+                  H = _mm256_loadu_si256((const __m256i *)(B + 96));
+    *sc_a = _mm256_or_si256(_mm256_and_si256(A0, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
+    *sc_b = _mm256_or_si256(_mm256_and_si256(A1, m4), _mm256_and_si256(H, m48));
+    *mn_a = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(H, m12), 2));
+    *mn_b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(H, 2), m48));
+}
+
+/* the 8 rows' sum over sub-blocks of min x (the sub-block's integer activation sum: xsum / xs, one scale per 256
+ * values), the activation sums as int16 pairs (sub-blocks 2i, 2i + 1) */
+static inline __m256i k8_min_sums(__m256i mn_a, __m256i mn_b, float xs0, const float *su) {
+    const __m256i mp0 = min_pair_mask(0), mp2 = min_pair_mask(2);
+    const __m256 inv = _mm256_set1_ps(xs0 > 0.0f ? 1.0f / xs0 : 0.0f);
+    const __m256i bs = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(su), inv));
+    const __m256i bp = _mm256_packs_epi32(bs, bs); /* per half: b0 b1 b2 b3 b0 b1 b2 b3 | b4 .. b7 .. */
+    return _mm256_add_epi32(
+        _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_shuffle_epi8(mn_a, mp0), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(0))),
+            _mm256_madd_epi16(_mm256_shuffle_epi8(mn_a, mp2), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(1)))),
+        _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_shuffle_epi8(mn_b, mp0), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(4))),
+            _mm256_madd_epi16(_mm256_shuffle_epi8(mn_b, mp2), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(5)))));
+}
+
 /* NT tokens (a constant after inlining) of Q4_K / Q5_K x8 at once (prefill: an expert's tokens of a chunk): the
  * scales, mins and codes of each sub-block decoded once, and per token only its activation sums' min term, the
  * products and the sums. Each token's integer sums and float additions are in dot8_k's order (the same floats). */
@@ -477,37 +508,18 @@ static inline __attribute__((always_inline)) void dot8_k_tokens(int five, const 
                                                                 const int NT, float *y, int64_t ldy, int first) {
     const int64_t nsb = K / 256, groups = K / 32;
     const int64_t bytes = five ? 1408 : 1152, at = five ? 384 : 128;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
-                  m48 = _mm256_set1_epi8(48);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i sm0 = scale_mask(0), sm1 = scale_mask(1), sm2 = scale_mask(2), sm3 = scale_mask(3);
-    const __m256i mp0 = min_pair_mask(0), mp2 = min_pair_mask(2);
     __m256 acc[4];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *B = g + sb * bytes;
         if (first) prefetch(B, (int)bytes);
-        const __m256i A0 = _mm256_loadu_si256((const __m256i *)(B + 32)),
-                      A1 = _mm256_loadu_si256((const __m256i *)(B + 64)),
-                      H = _mm256_loadu_si256((const __m256i *)(B + 96));
-        const __m256i sc_a = _mm256_or_si256(_mm256_and_si256(A0, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
-        const __m256i sc_b = _mm256_or_si256(_mm256_and_si256(A1, m4), _mm256_and_si256(H, m48));
-        const __m256i mn_a = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A0, 4), m4),
-                                             _mm256_slli_epi16(_mm256_and_si256(H, m12), 2));
-        const __m256i mn_b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A1, 4), m4),
-                                             _mm256_and_si256(_mm256_srli_epi16(H, 2), m48));
+        __m256i sc_a, sc_b, mn_a, mn_b;
+        k8_scales_mins(B, &sc_a, &sc_b, &mn_a, &mn_b);
         __m256i msum[4], isum[4];
         for (int t = 0; t < NT; t++) {
-            const float xs0 = xs[(int64_t)t * groups + 8 * sb];
-            const __m256 inv = _mm256_set1_ps(xs0 > 0.0f ? 1.0f / xs0 : 0.0f);
-            const __m256i bs = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xsum + (int64_t)t * groups + 8 * sb), inv));
-            const __m256i bp = _mm256_packs_epi32(bs, bs);
-            msum[t] = _mm256_add_epi32(
-                _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_a, mp0), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(0))),
-                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_a, mp2), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(1)))),
-                _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_b, mp0), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(4))),
-                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_b, mp2), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(5)))));
+            msum[t] = k8_min_sums(mn_a, mn_b, xs[(int64_t)t * groups + 8 * sb], xsum + (int64_t)t * groups + 8 * sb);
             isum[t] = _mm256_setzero_si256();
         }
 #pragma GCC unroll 4
@@ -564,10 +576,8 @@ static inline void dot8_k(int five, const uint8_t *g, int64_t K, const int8_t *x
     }
     const int64_t nsb = K / 256, groups = K / 32;
     const int64_t bytes = five ? 1408 : 1152, at = five ? 384 : 128;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
-                  m48 = _mm256_set1_epi8(48);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i sm0 = scale_mask(0), sm1 = scale_mask(1), sm2 = scale_mask(2), sm3 = scale_mask(3);
-    const __m256i mp0 = min_pair_mask(0), mp2 = min_pair_mask(2);
     for (int t = 0; t < T; t++) {
         const int8_t *q = xq + (int64_t)t * K;
         const float *s = xs + (int64_t)t * groups, *su = xsum + (int64_t)t * groups;
@@ -575,29 +585,10 @@ static inline void dot8_k(int five, const uint8_t *g, int64_t K, const int8_t *x
         for (int64_t sb = 0; sb < nsb; sb++) {
             const uint8_t *B = g + sb * bytes;
             if (t == 0) prefetch(B, (int)bytes);
-            /* the 6-bit scales and mins of 8 rows x 8 sub-blocks, one byte each */
-            const __m256i A0 = _mm256_loadu_si256((const __m256i *)(B + 32)),
-                          A1 = _mm256_loadu_si256((const __m256i *)(B + 64)),
-                          H = _mm256_loadu_si256((const __m256i *)(B + 96));
-            const __m256i sc_a = _mm256_or_si256(_mm256_and_si256(A0, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
-            const __m256i sc_b = _mm256_or_si256(_mm256_and_si256(A1, m4), _mm256_and_si256(H, m48));
-            const __m256i mn_a = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A0, 4), m4),
-                                                 _mm256_slli_epi16(_mm256_and_si256(H, m12), 2));
-            const __m256i mn_b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A1, 4), m4),
-                                                 _mm256_and_si256(_mm256_srli_epi16(H, 2), m48));
-            /* the activations' integer sums per sub-block (xsum / xs: one scale per 256 values), as int16
-             * pairs (sub-blocks 2i, 2i + 1) */
+            __m256i sc_a, sc_b, mn_a, mn_b;
+            k8_scales_mins(B, &sc_a, &sc_b, &mn_a, &mn_b);
             const float xs0 = s[8 * sb];
-            const __m256 inv = _mm256_set1_ps(xs0 > 0.0f ? 1.0f / xs0 : 0.0f);
-            const __m256i bs = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(su + 8 * sb), inv));
-            const __m256i bp = _mm256_packs_epi32(bs, bs); /* per half: b0 b1 b2 b3 b0 b1 b2 b3 | b4 .. b7 .. */
-            const __m256i msum = _mm256_add_epi32(
-                _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_a, mp0), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(0))),
-                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_a, mp2), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(1)))),
-                _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_b, mp0), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(4))),
-                    _mm256_madd_epi16(_mm256_shuffle_epi8(mn_b, mp2), _mm256_permutevar8x32_epi32(bp, _mm256_set1_epi32(5)))));
+            const __m256i msum = k8_min_sums(mn_a, mn_b, xs0, su + 8 * sb);
             /* sum over sub-blocks of scale * sum(code * xq) */
             __m256i isum = _mm256_setzero_si256();
 #pragma GCC unroll 4
